@@ -1,0 +1,136 @@
+"""The measured verify-cost curve: time of one target forward over k new tokens.
+
+On CPUs the curve is not flat and not even monotone (measured for SmolLM2-135M fp32 on two
+threads: k=2-3 cost 1.7-1.85x a single token, k=5-9 only 1.2-1.4x: a GEMM cliff). The engine
+measures it once per model, device, dtype and thread count, caches it on disk, and exposes it
+so that the bench and cost-aware policies know what a block of k drafts really costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+from typing import Sequence
+
+import torch
+
+from .models import LoadedModel, cache_dir
+
+log = logging.getLogger(__name__)
+
+CLIFF_FACTOR = 1.15  # k is "in a cliff" if some larger k' is this much cheaper
+
+
+@dataclass
+class VerifyCostCurve:
+    """Median seconds of a target forward over k new tokens after ``context`` cached tokens."""
+
+    ks: list[int]
+    seconds: list[float]
+    context: int
+    key: str = ""
+
+    def cost(self, k: int) -> float:
+        """Seconds for a forward over k tokens (linear extrapolation past the last k)."""
+        if k <= 0:
+            return 0.0
+        if k in self.ks:
+            return self.seconds[self.ks.index(k)]
+        if k < self.ks[0]:
+            return self.seconds[0]
+        if k > self.ks[-1]:
+            k0, k1 = self.ks[-2], self.ks[-1]
+            slope = max(0.0, (self.seconds[-1] - self.seconds[-2]) / (k1 - k0))
+            return self.seconds[-1] + slope * (k - k1)
+        lo = max(x for x in self.ks if x < k)
+        hi = min(x for x in self.ks if x > k)
+        a, b = self.cost(lo), self.cost(hi)
+        return a + (b - a) * (k - lo) / (hi - lo)
+
+    def ratio(self, k: int) -> float:
+        """Cost of k tokens relative to one token."""
+        return self.cost(k) / self.cost(1)
+
+    def cliffs(self) -> list[int]:
+        """Widths k for which a wider forward (k' > k) is at least CLIFF_FACTOR x cheaper."""
+        out = []
+        for i, k in enumerate(self.ks):
+            later = self.seconds[i + 1:]
+            if later and self.seconds[i] > CLIFF_FACTOR * min(later):
+                out.append(k)
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"ratios": [round(self.ratio(k), 3) for k in self.ks],
+                               "cliffs": self.cliffs()}
+
+    def table(self) -> str:
+        rows = [f"k={k:>2}: {s * 1e3:7.1f} ms  {self.ratio(k):4.2f}x" + ("  <- cliff" if k in self.cliffs() else "")
+                for k, s in zip(self.ks, self.seconds)]
+        return "\n".join(rows)
+
+
+def _curve_key(loaded: LoadedModel, context: int, ks: Sequence[int]) -> str:
+    model = loaded.model
+    n_params = sum(p.numel() for p in model.parameters())
+    ident = (f"{loaded.name}|{type(model).__name__}|{n_params}|{loaded.device}|{loaded.dtype}|"
+             f"threads={torch.get_num_threads()}|ctx={context}|ks={list(ks)}|torch={torch.__version__}")
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = tuple(range(1, 13)) + (16,),
+                         context: int = 200, repeats: int = 5, warmup: int = 2) -> VerifyCostCurve:
+    """Time target forwards over k new tokens on a ``context``-token cache; medians of repeats.
+
+    The ks are interleaved within each repeat so machine noise hits them alike.
+    """
+    from transformers import DynamicCache
+
+    model = loaded.model
+    device = loaded.device
+    vocab = loaded.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(warmup + repeats):
+        for k in ks:
+            ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=k)
+            sync()
+            dt = time.perf_counter() - t0
+            cache.crop(-k)
+            if rep >= warmup:
+                times[k].append(dt)
+    return VerifyCostCurve(ks=list(ks), seconds=[median(times[k]) for k in ks], context=context)
+
+
+def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = tuple(range(1, 13)) + (16,),
+                    context: int = 200, repeats: int = 5, refresh: bool = False) -> VerifyCostCurve:
+    """Measured curve for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
+    key = _curve_key(loaded, context, ks)
+    path = Path(cache_dir()) / "costs" / f"{key}.json"
+    if path.is_file() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            return VerifyCostCurve(ks=data["ks"], seconds=data["seconds"], context=data["context"], key=key)
+        except (ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable cost cache %s: %s", path, exc)
+    curve = measure_verify_costs(loaded, ks=ks, context=context, repeats=repeats)
+    curve.key = key
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(curve)))
+    except OSError as exc:
+        log.warning("could not cache the verify-cost curve in %s: %s", path, exc)
+    return curve

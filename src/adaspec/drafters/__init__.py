@@ -1,0 +1,129 @@
+"""Drafters: one class each behind the ``Drafter`` interface, built from a spec string.
+
+Spec syntax: ``NAME[:key=value,key=value]``, and ``model:REF`` for a model drafter, where REF
+is anything ``load_model`` accepts (Hugging Face id, local directory, .gguf file).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import AdaspecError, UnknownNameError
+from ..models import LoadedModel, load_model
+from .base import Decision, Draft, Drafter, DraftStep, Proposals
+from .lookup import PromptLookupDrafter
+from .model import ModelDrafter, check_same_vocabulary
+from .none import NoDrafter
+from .suffix import SuffixDatastore, SuffixDrafter
+
+__all__ = [
+    "Decision", "Draft", "Drafter", "DraftStep", "Proposals", "ModelDrafter", "NoDrafter",
+    "PromptLookupDrafter", "SuffixDrafter", "SuffixDatastore", "build_drafter",
+    "DRAFTER_NAMES", "parse_params", "check_same_vocabulary",
+]
+
+
+def parse_params(text: str, what: str) -> dict[str, str]:
+    """Parse ``key=value,key=value`` (empty string -> {})."""
+    params: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part:
+            raise AdaspecError(f"bad parameter {part!r} in {what}: write key=value")
+        key, value = part.split("=", 1)
+        params[key.strip().replace("-", "_")] = value.strip()
+    return params
+
+
+def _take(params: dict[str, str], key: str, conv: Callable[[str], Any], default: Any) -> Any:
+    if key not in params:
+        return default
+    raw = params.pop(key)
+    try:
+        return conv(raw)
+    except ValueError:
+        raise AdaspecError(f"parameter {key}={raw!r} is not a valid {conv.__name__}") from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _no_leftovers(params: dict[str, str], name: str, allowed: str) -> None:
+    if params:
+        raise AdaspecError(f"unknown parameter(s) {sorted(params)} for drafter {name!r}: allowed: {allowed}")
+
+
+def _prompt_lookup(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+    d = PromptLookupDrafter(max_ngram=_take(params, "max_ngram", int, 3),
+                            min_ngram=_take(params, "min_ngram", int, 1))
+    _no_leftovers(params, "prompt-lookup", "max_ngram, min_ngram")
+    return d
+
+
+def _suffix(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+    min_match = _take(params, "min_match", int, 2)
+    max_tokens = _take(params, "max_tokens", int, 1_000_000)
+    store = None
+    if "datastore" in params and "corpus" in params:
+        raise AdaspecError("suffix drafter: give either datastore= or corpus=, not both")
+    if "datastore" in params:
+        store = SuffixDatastore.load(params.pop("datastore"), max_tokens=max_tokens, min_match=min_match)
+    elif "corpus" in params:
+        store = SuffixDatastore.from_text(params.pop("corpus"), target.tokenizer,
+                                          max_tokens=max_tokens, min_match=min_match)
+    learn = _take(params, "learn", _bool, False)
+    if learn and store is None:
+        store = SuffixDatastore(min_match=min_match, max_tokens=max_tokens)
+    d = SuffixDrafter(min_match=min_match, max_match=_take(params, "max_match", int, 24),
+                      max_candidates=_take(params, "max_candidates", int, 64),
+                      datastore=store, learn=learn)
+    _no_leftovers(params, "suffix", "min_match, max_match, max_candidates, datastore, corpus, "
+                  "max_tokens, learn")
+    return d
+
+
+def _self(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+    _no_leftovers(params, "self", "(none)")
+    return ModelDrafter(target, target.vocab_size, name="self")
+
+
+def _none(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+    _no_leftovers(params, "none", "(none)")
+    return NoDrafter()
+
+
+_FACTORIES: dict[str, Callable[..., Drafter]] = {
+    "none": _none,
+    "prompt-lookup": _prompt_lookup,
+    "pld": _prompt_lookup,
+    "suffix": _suffix,
+    "self": _self,
+}
+DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "model:REF")
+
+
+def build_drafter(spec: str | Drafter, target: LoadedModel, *, device: Any = None,
+                  dtype: Any = None) -> Drafter:
+    """Build a drafter from a spec string (or pass a Drafter instance through)."""
+    if isinstance(spec, Drafter):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise UnknownNameError(f"empty drafter spec: use one of {', '.join(DRAFTER_NAMES)}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.lower()
+    if name == "model":
+        if not rest:
+            raise AdaspecError("model drafter needs a model: write model:HF_ID, model:DIR or model:FILE.gguf")
+        loaded = load_model(rest, device=device or target.device, dtype=dtype or target.dtype)
+        check_same_vocabulary(target, loaded)
+        return ModelDrafter(loaded, target.vocab_size)
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise UnknownNameError(
+            f"unknown drafter {spec!r}: use one of {', '.join(DRAFTER_NAMES)} "
+            "(e.g. prompt-lookup:max_ngram=3, suffix:min_match=2, model:path/to/model)")
+    return factory(parse_params(rest, f"drafter {spec!r}"), target)

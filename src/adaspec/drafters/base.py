@@ -1,0 +1,119 @@
+"""The drafter interface shared by every drafter.
+
+A drafter proposes tokens one at a time; after each token the engine's length policy sees a
+``DraftStep`` (the token, the drafter's distribution when it has one) and decides whether to
+go on. Each drafter keeps its own state (KV cache, n-gram index) and catches up lazily on
+tokens produced while it was not used (MetaSD H.1 switching cost). ``score`` is the
+full-information hook (Not-a-Bandit 3.2): it prefills verified tokens and reports what the
+drafter would have proposed at each of them, with no target call.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..config import SamplingConfig
+
+
+class Decision(enum.Enum):
+    """What a length policy says after seeing one drafted token."""
+
+    CONTINUE = "continue"  # keep the token and draft another
+    STOP = "stop"  # keep the token and verify
+    DISCARD = "discard"  # drop this token and verify the ones before it
+
+
+@dataclass
+class DraftStep:
+    """One drafted token as a length policy sees it.
+
+    ``probs`` is the drafter's processed distribution q (None for model-free drafters, whose
+    proposals are deterministic); ``logits`` the raw logits and ``hidden`` the drafter's
+    final hidden state when the drafter is a model (``hidden`` only if requested).
+    """
+
+    index: int  # 0-based position in the block
+    token: int
+    probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Draft:
+    """A block of drafted tokens and the drafter's distributions at each of them.
+
+    ``probs``: processed q rows [len, V] when sampling with a model drafter (used by the
+    rejection sampler). ``logits``: raw logits rows under greedy decoding (for policies
+    that want q). Both None for model-free drafters (one-hot proposals).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Proposals:
+    """Teacher-forced proposals at each verified position (full-information feedback).
+
+    Exactly one of ``probs`` (dense q rows [m, V]; under greedy decoding, rows of raw logits
+    whose argmax is the proposal) or ``tokens`` (one token id per position, -1 = no
+    proposal) is set.
+    """
+
+    probs: torch.Tensor | None = None
+    tokens: list[int] | None = None
+
+
+StepDecider = Callable[[DraftStep], Decision]
+
+
+class Drafter(ABC):
+    """One source of draft tokens. Implementations: model, prompt lookup, suffix."""
+
+    name: str = "drafter"
+    #: True if the drafter runs a neural network (then it exposes q, logits and hidden states)
+    is_model: bool = False
+
+    @abstractmethod
+    def begin_request(self, prompt_ids: Sequence[int]) -> None:
+        """Forget per-request state; the drafter will catch up on ``prompt_ids`` lazily."""
+
+    @abstractmethod
+    def catch_up(self, context: Sequence[int]) -> None:
+        """Bring internal state (KV cache, index) up to date with ``context``.
+
+        Called right before drafting; everything but the last token may be ingested here so
+        its cost is measured separately from drafting.
+        """
+
+    @abstractmethod
+    def draft(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        decide: StepDecider,
+        want_hidden: bool = False,
+    ) -> Draft:
+        """Propose up to ``max_tokens`` tokens continuing ``context``, asking ``decide`` after each."""
+
+    @abstractmethod
+    def score(self, context: Sequence[int], verified: Sequence[int], sampling: SamplingConfig) -> Proposals:
+        """What the drafter would propose at each of ``verified`` (teacher forcing) after ``context``."""
+
+    def end_request(self, output_ids: Sequence[int]) -> None:
+        """Called once per request with the generated tokens (datastores may learn from them)."""
+
+    def describe(self) -> str:
+        return self.name

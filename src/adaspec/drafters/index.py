@@ -1,0 +1,73 @@
+"""An n-gram index over a token sequence that can be extended and rolled back.
+
+Maps each n-gram to the positions of the token that *follows* it, in increasing order, so
+the most recent occurrence is the last element. Only n-grams whose continuation is known
+are indexed; a proposal is therefore a pure function of the indexed prefix, which keeps
+live drafting and teacher-forced scoring (and trace replay) consistent.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+
+class NgramIndex:
+    def __init__(self, sizes: Iterable[int]):
+        self.sizes = tuple(sorted(set(int(n) for n in sizes), reverse=True))
+        if not self.sizes or self.sizes[-1] < 1:
+            raise ValueError(f"n-gram sizes must be >= 1, got {self.sizes}")
+        self.tokens: list[int] = []
+        self.maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def clear(self) -> None:
+        self.tokens = []
+        self.maps = {n: {} for n in self.sizes}
+
+    def append(self, token: int) -> None:
+        toks = self.tokens
+        i = len(toks)
+        for n in self.sizes:
+            if i >= n:
+                self.maps[n].setdefault(tuple(toks[i - n:i]), []).append(i)
+        toks.append(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first ``length`` tokens."""
+        toks = self.tokens
+        while len(toks) > length:
+            toks.pop()
+            i = len(toks)
+            for n in self.sizes:
+                if i >= n:
+                    key = tuple(toks[i - n:i])
+                    lst = self.maps[n][key]
+                    lst.pop()
+                    if not lst:
+                        del self.maps[n][key]
+
+    def sync(self, context: Sequence[int], trusted: int) -> int:
+        """Make the index hold exactly ``context``; ``tokens[:trusted]`` is known to match.
+
+        Returns the new trusted length (= len(context)).
+        """
+        toks = self.tokens
+        n = min(len(toks), len(context))
+        i = min(trusted, n)
+        while i < n and toks[i] == context[i]:
+            i += 1
+        if i < len(toks):
+            self.truncate(i)
+        if len(context) > i:
+            self.extend(context[i:])
+        return len(context)
+
+    def continuations(self, key: tuple[int, ...]) -> list[int]:
+        """Positions of the tokens that followed earlier occurrences of ``key`` (oldest first)."""
+        return self.maps[len(key)].get(key, [])

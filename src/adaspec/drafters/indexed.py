@@ -1,0 +1,60 @@
+"""Shared machinery of model-free drafters that read an n-gram index of the text."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Sequence
+
+from ..config import SamplingConfig
+from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
+from .index import NgramIndex
+
+
+class IndexedDrafter(Drafter):
+    """A deterministic drafter whose proposal is a pure function of the indexed prefix.
+
+    Drafted tokens are appended to the index (so a match continues) and rolled back at the
+    next ``catch_up`` if they were rejected. ``q`` is one-hot, so it is reported as None.
+    """
+
+    def __init__(self, sizes: Sequence[int]):
+        self._index = NgramIndex(sizes)
+        self._trusted = 0
+
+    @abstractmethod
+    def propose(self) -> int | None:
+        """Next-token proposal after the indexed tokens, or None if there is none."""
+
+    def begin_request(self, prompt_ids: Sequence[int]) -> None:
+        self._index.clear()
+        self._trusted = 0
+
+    def catch_up(self, context: Sequence[int]) -> None:
+        self._trusted = self._index.sync(context, self._trusted)
+
+    def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,
+              want_hidden: bool = False) -> Draft:
+        self.catch_up(context)
+        tokens: list[int] = []
+        for j in range(max_tokens):
+            tok = self.propose()
+            if tok is None:
+                break
+            verdict = decide(DraftStep(j, tok))
+            if verdict is Decision.DISCARD:
+                break
+            tokens.append(tok)
+            self._index.append(tok)
+            if verdict is Decision.STOP:
+                break
+        return Draft(tokens=tokens)
+
+    def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
+        self.catch_up(context)
+        out: list[int] = []
+        for tok in verified:
+            p = self.propose()
+            out.append(-1 if p is None else p)
+            self._index.append(tok)
+        self._trusted = len(self._index)
+        return Proposals(tokens=out)

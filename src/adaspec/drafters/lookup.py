@@ -1,0 +1,41 @@
+"""Prompt lookup decoding (PLD): copy the continuation of an earlier n-gram match.
+
+Saxena's prompt lookup / HF ``prompt_lookup_num_tokens``: match the last n tokens (n from
+``max_ngram`` down to ``min_ngram``) against the prompt and the generated text and propose
+the token that followed. We take the most recent match (locality helps in generation; HF
+takes the earliest). Each drafted token is appended to the index, so proposals continue the
+match and stay a pure function of the prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import ConfigError
+from .indexed import IndexedDrafter
+
+
+class PromptLookupDrafter(IndexedDrafter):
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str | None = None):
+        if not (1 <= min_ngram <= max_ngram):
+            raise ConfigError(
+                f"prompt-lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = name or self.name
+        super().__init__(range(min_ngram, max_ngram + 1))
+
+    def propose(self) -> int | None:
+        """Next-token proposal for the indexed prefix, or None without a match."""
+        toks = self._index.tokens
+        for n in self._index.sizes:
+            if len(toks) < n:
+                continue
+            hits = self._index.continuations(tuple(toks[-n:]))
+            if hits:
+                return toks[hits[-1]]
+        return None
+
+    def describe(self) -> str:
+        return f"{self.name}(ngram={self.min_ngram}..{self.max_ngram})"

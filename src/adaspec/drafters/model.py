@@ -1,0 +1,159 @@
+"""Model drafter: any causal LM that shares the target's vocabulary."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..config import SamplingConfig
+from ..errors import VocabularyMismatchError
+from ..models import LoadedModel
+from ..sampling import process_logits, sample
+from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
+
+
+def check_same_vocabulary(target: LoadedModel, drafter: LoadedModel) -> None:
+    """Raise a clear error unless both models map the same strings to the same ids."""
+    tt, dt = target.tokenizer, drafter.tokenizer
+    if tt is not None and dt is not None:
+        tv, dv = tt.get_vocab(), dt.get_vocab()
+        if tv != dv:
+            diff = sum(1 for tok, i in dv.items() if tv.get(tok) != i)
+            raise VocabularyMismatchError(
+                f"drafter {drafter.name!r} does not share the target's vocabulary "
+                f"({len(dv)} vs {len(tv)} tokens, {diff} differ): use a drafter from the same "
+                "model family/tokenizer as the target, or a model-free drafter (prompt-lookup, suffix)"
+            )
+        return
+    if drafter.vocab_size != target.vocab_size:
+        raise VocabularyMismatchError(
+            f"drafter {drafter.name!r} has {drafter.vocab_size} output tokens but the target has "
+            f"{target.vocab_size}: use a drafter with the target's tokenizer"
+        )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
+    n = min(len(a), len(b))
+    i = min(start, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a small causal LM, keeping its own KV cache in sync with the context.
+
+    Tokens in the cache beyond the verified context (its rejected drafts) are cropped at the
+    next use; tokens produced while it was not used are prefilled in ``catch_up``.
+    """
+
+    is_model = True
+
+    def __init__(self, drafter: LoadedModel, target_vocab_size: int, name: str | None = None):
+        self.model = drafter.model
+        self.name = name or f"model:{drafter.name}"
+        self._vocab = target_vocab_size
+        self._device = drafter.device
+        self._cache: Any = None
+        self._fed: list[int] = []  # tokens whose KV is in the cache
+        self._trusted = 0  # _fed[:_trusted] is known to equal the verified context
+        self._unfed: tuple[int, int] | None = None  # (position, token): own last draft, not fed
+
+    # -- state --------------------------------------------------------------------------
+    def begin_request(self, prompt_ids: Sequence[int]) -> None:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=self.model.config)
+        self._fed, self._trusted, self._unfed = [], 0, None
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Crop cached tokens that are not a prefix of ``context`` (rejected drafts)."""
+        c = _common_prefix(self._fed, context, self._trusted)
+        if c < len(self._fed):
+            self._cache.crop(c - len(self._fed))
+            del self._fed[c:]
+        self._trusted = c
+
+    def _align(self, logits: torch.Tensor) -> torch.Tensor:
+        """Make drafter logits as wide as the target's (extra ids dropped, missing ids -inf)."""
+        width = logits.shape[-1]
+        if width == self._vocab:
+            return logits
+        if width > self._vocab:
+            return logits[..., : self._vocab]
+        pad = logits.new_full((*logits.shape[:-1], self._vocab - width), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: Sequence[int], keep: int = 1, hidden: bool = False):
+        ids = torch.tensor([list(tokens)], device=self._device)
+        out = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True,
+                         logits_to_keep=keep, output_hidden_states=hidden)
+        self._fed.extend(tokens)
+        logits = self._align(out.logits[0].float())
+        h = out.hidden_states[-1][0, -keep:] if hidden else None
+        return logits, h
+
+    def catch_up(self, context: Sequence[int]) -> None:
+        self._sync(context)
+        start, end = len(self._fed), len(context) - 1
+        if end <= start:
+            return
+        # the drafter's own unfed last draft followed by one new token is ordinary drafting
+        if end == start + 1 and self._unfed == (start, context[start]):
+            return
+        self._forward(context[start:end])
+
+    # -- drafting -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,
+              want_hidden: bool = False) -> Draft:
+        self._sync(context)
+        if len(self._fed) == len(context):  # everything fed: re-feed the last token for its logits
+            self._cache.crop(-1)
+            self._fed.pop()
+        self._trusted = min(self._trusted, len(self._fed))
+        logits, hidden = self._forward(context[len(self._fed):], hidden=want_hidden)
+        self._unfed = None
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for j in range(max_tokens):
+            row = logits[-1]
+            if sampling.greedy:
+                probs = None
+                tok = int(row.argmax())
+            else:
+                probs = process_logits(row, sampling)
+                tok = sample(probs, generator)
+            verdict = decide(DraftStep(j, tok, probs=probs, logits=row,
+                                       hidden=hidden[-1] if hidden is not None else None))
+            if verdict is Decision.DISCARD:
+                break
+            tokens.append(tok)
+            rows.append(probs if probs is not None else row)
+            if verdict is Decision.STOP or j == max_tokens - 1:
+                self._unfed = (len(self._fed), tok)
+                break
+            logits, hidden = self._forward([tok], hidden=want_hidden)
+        stacked = torch.stack(rows) if rows else None
+        if sampling.greedy:
+            return Draft(tokens=tokens, probs=None, logits=stacked)
+        return Draft(tokens=tokens, probs=stacked, logits=None)
+
+    @torch.inference_mode()
+    def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
+        m = len(verified)
+        if m == 0:
+            return Proposals(probs=torch.empty(0, self._vocab))
+        self._sync(context)
+        if len(self._fed) == len(context):
+            self._cache.crop(-1)
+            self._fed.pop()
+        feed = list(context[len(self._fed):]) + list(verified[:-1])
+        logits, _ = self._forward(feed, keep=m)
+        self._trusted = len(self._fed)
+        self._unfed = None
+        if sampling.greedy:
+            return Proposals(probs=logits)
+        return Proposals(probs=process_logits(logits, sampling))

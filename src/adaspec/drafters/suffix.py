@@ -1,0 +1,174 @@
+"""Suffix drafter: longest-suffix match over the request and an optional datastore.
+
+In the spirit of SuffixDecoding and REST: find the earlier positions whose preceding tokens
+match the longest suffix of the current text (at least ``min_match`` tokens, at most
+``max_match``), in the request's own context and in a bounded datastore of earlier outputs
+or a corpus; propose the most frequent next token among the longest matches (ties: most
+recent, context before datastore). Deterministic, so q is one-hot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import AdaspecError
+from .index import NgramIndex
+from .indexed import IndexedDrafter
+
+log = logging.getLogger(__name__)
+
+_SEP = -1  # separates documents in the datastore; never matches a real token
+
+
+class SuffixDatastore:
+    """A bounded store of token sequences with an n-gram index, persisted as JSON lines.
+
+    When the total size exceeds ``max_tokens`` the oldest documents are evicted (FIFO) and the
+    eviction is counted in ``evicted_tokens`` and logged: nothing is dropped silently.
+    """
+
+    def __init__(self, min_match: int = 2, max_tokens: int = 1_000_000):
+        if max_tokens < 1:
+            raise AdaspecError(f"datastore max_tokens must be >= 1, got {max_tokens}")
+        self.min_match = min_match
+        self.max_tokens = max_tokens
+        self.docs: list[list[int]] = []
+        self.index = NgramIndex([min_match])
+        self.evicted_tokens = 0
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, tokens: Sequence[int]) -> None:
+        toks = [int(t) for t in tokens]
+        if len(toks) <= self.min_match:
+            return
+        if len(toks) > self.max_tokens:
+            raise AdaspecError(
+                f"a document of {len(toks)} tokens does not fit a datastore of max_tokens="
+                f"{self.max_tokens}: raise max_tokens or split the document")
+        self.docs.append(toks)
+        self._size += len(toks)
+        if self._size > self.max_tokens:
+            self._evict()
+        else:
+            self.index.extend(toks)
+            self.index.append(_SEP)
+
+    def _evict(self) -> None:
+        # evict down to 75% of the bound so that rebuilding the index is amortised
+        while self.docs and self._size > 0.75 * self.max_tokens:
+            doc = self.docs.pop(0)
+            self._size -= len(doc)
+            self.evicted_tokens += len(doc)
+        log.info("suffix datastore full: evicted oldest documents (%d tokens so far)",
+                 self.evicted_tokens)
+        self.index.clear()
+        for doc in self.docs:
+            self.index.extend(doc)
+            self.index.append(_SEP)
+
+    def save(self, path: str | Path) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps({"adaspec_datastore": 1, "min_match": self.min_match,
+                                 "max_tokens": self.max_tokens}) + "\n")
+            for doc in self.docs:
+                fh.write(json.dumps(doc) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, max_tokens: int | None = None, min_match: int = 2) -> "SuffixDatastore":
+        """Load a saved datastore (.jsonl of token-id lists)."""
+        path = Path(path)
+        if not path.is_file():
+            raise AdaspecError(f"datastore file not found: {path}")
+        with open(path, encoding="utf-8") as fh:
+            lines = [ln for ln in fh if ln.strip()]
+        header: dict[str, Any] = {}
+        if lines and lines[0].lstrip().startswith("{"):
+            header = json.loads(lines.pop(0))
+        store = cls(min_match=min_match, max_tokens=max_tokens or header.get("max_tokens", 1_000_000))
+        for i, ln in enumerate(lines, 2 if header else 1):
+            doc = json.loads(ln)
+            if not isinstance(doc, list) or not all(isinstance(t, int) for t in doc):
+                raise AdaspecError(f"{path}:{i}: expected a JSON list of token ids")
+            store.add(doc)
+        return store
+
+    @classmethod
+    def from_text(cls, path: str | Path, tokenizer: Any, max_tokens: int = 1_000_000,
+                  min_match: int = 2) -> "SuffixDatastore":
+        """Build from a plain-text corpus: one document per blank-line separated paragraph."""
+        if tokenizer is None:
+            raise AdaspecError("building a datastore from text needs the target's tokenizer")
+        text = Path(path).read_text(encoding="utf-8")
+        store = cls(min_match=min_match, max_tokens=max_tokens)
+        for para in text.split("\n\n"):
+            if para.strip():
+                store.add(tokenizer(para, add_special_tokens=False)["input_ids"])
+        return store
+
+
+class SuffixDrafter(IndexedDrafter):
+    name = "suffix"
+
+    def __init__(self, min_match: int = 2, max_match: int = 24, max_candidates: int = 64,
+                 datastore: SuffixDatastore | None = None, learn: bool = False,
+                 name: str | None = None):
+        if not (1 <= min_match <= max_match):
+            raise AdaspecError(f"suffix needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.min_match, self.max_match, self.max_candidates = min_match, max_match, max_candidates
+        self.datastore = datastore
+        if datastore is not None and datastore.min_match != min_match:
+            raise AdaspecError("datastore min_match differs from the drafter's: rebuild it")
+        self.learn = learn
+        self.name = name or self.name
+        super().__init__([min_match])
+
+    def _matches(self, source: list[int], hits: list[int], seq: list[int], best: int,
+                 out: list[int]) -> int:
+        """Extend candidate matches backwards; keep the continuation tokens of the longest."""
+        m0, mmax, ls = self.min_match, self.max_match, len(seq)
+        for c in reversed(hits[-self.max_candidates:]):
+            nxt = source[c]
+            if nxt == _SEP:
+                continue
+            ln = m0
+            while ln < mmax and ln < ls and c - ln - 1 >= 0 and source[c - ln - 1] == seq[ls - ln - 1]:
+                ln += 1
+            if ln > best:
+                best = ln
+                out.clear()
+            if ln == best:
+                out.append(nxt)
+        return best
+
+    def propose(self) -> int | None:
+        seq = self._index.tokens
+        if len(seq) < self.min_match:
+            return None
+        key = tuple(seq[-self.min_match:])
+        cands: list[int] = []
+        best = self._matches(seq, self._index.continuations(key), seq, 0, cands)
+        if self.datastore is not None:
+            best = self._matches(self.datastore.index.tokens,
+                                 self.datastore.index.continuations(key), seq, best, cands)
+        if not cands:
+            return None
+        counts = Counter(cands)
+        top = max(counts.values())
+        return next(t for t in cands if counts[t] == top)  # cands are most-recent first
+
+    def end_request(self, output_ids: Sequence[int]) -> None:
+        if self.learn and self.datastore is not None:
+            self.datastore.add(output_ids)
+
+    def describe(self) -> str:
+        ds = f", datastore={len(self.datastore)} tokens" if self.datastore is not None else ""
+        return f"{self.name}(match={self.min_match}..{self.max_match}{ds})"
+
+

@@ -1,0 +1,394 @@
+"""The speculative decoding engine: draft, verify, accept, roll back, repeat.
+
+Each round (gpt-fast style, split like vLLM's proposer / scorer / rejection sampler):
+1. the drafter policy picks a drafter, which catches up on tokens it has not seen;
+2. the drafter proposes tokens one at a time while the length policy says go on;
+3. one target forward verifies ``[last token] + drafts`` and returns k+1 distributions;
+4. exact speculative sampling (or greedy matching) accepts a prefix and adds one token;
+5. the target KV cache is cropped to the accepted prefix; policies get the feedback.
+The output is the target's (greedy: token for token; sampling: in distribution).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Generator, Iterator, Sequence
+
+import torch
+
+from .config import GenerationConfig, SamplingConfig
+from .costs import VerifyCostCurve, load_or_measure
+from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
+from .errors import ConfigError, PromptError
+from .feedback import RoundFeedback, gammas_from_proposals
+from .length import LengthPolicy, StaticLength, build_length
+from .metrics import RequestStats, RoundRecord
+from .models import DEFAULT_MODEL, LoadedModel, as_loaded, load_model
+from .sampling import process_logits, verify_greedy, verify_sampling
+from .selection import DrafterPolicy, build_selector
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclass
+class GenerationResult:
+    """Output of one request."""
+
+    text: str
+    token_ids: list[int]  # generated tokens only
+    prompt_ids: list[int]
+    stats: RequestStats
+
+    def to_dict(self, rounds: bool = False) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "stats": self.stats.to_dict(rounds=rounds)}
+
+
+class _Timer:
+    """perf_counter that synchronises CUDA first, so GPU work is attributed correctly."""
+
+    def __init__(self, device: torch.device):
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    def __call__(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding over a Hugging Face causal LM with pluggable drafters.
+
+    Args:
+        target: a ``LoadedModel`` or a ``PreTrainedModel`` (then pass ``tokenizer``).
+        drafters: drafter specs (``"prompt-lookup"``, ``"suffix"``, ``"model:REF"``, ``"none"``)
+            or ``Drafter`` instances. Empty means plain autoregressive decoding.
+        selector: drafter policy (name or instance); default: always the first drafter.
+        length: length policy (name, int K, or instance); default: static ``k``.
+        k: draft length for the default static length policy.
+    """
+
+    def __init__(self, target: Any, drafters: Sequence[str | Drafter] = ("prompt-lookup",), *,
+                 selector: str | DrafterPolicy | None = None,
+                 length: str | int | LengthPolicy | None = None, k: int = 5,
+                 tokenizer: Any = None):
+        self.target: LoadedModel = as_loaded(target, tokenizer)
+        self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
+        self.selector = build_selector(selector)
+        self.length = build_length(length, k)
+        self._timer = _Timer(self.target.device)
+        self._costs: VerifyCostCurve | None = None
+        self._eos = self._eos_ids()
+
+    @classmethod
+    def from_pretrained(cls, model: str = DEFAULT_MODEL,
+                        drafters: Sequence[str | Drafter] = ("prompt-lookup",), *,
+                        device: str = "cpu", dtype: str | torch.dtype | None = None,
+                        **kwargs: Any) -> "SpeculativeEngine":
+        """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the engine."""
+        return cls(load_model(model, device=device, dtype=dtype), drafters, **kwargs)
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    @property
+    def drafter_names(self) -> list[str]:
+        return [d.name for d in self.drafters]
+
+    def verify_costs(self, refresh: bool = False) -> VerifyCostCurve:
+        """The target's measured verify-cost curve (measured once, cached on disk)."""
+        if self._costs is None or refresh:
+            self._costs = load_or_measure(self.target, refresh=refresh)
+            if isinstance(self.length, StaticLength) and (self.length.k + 1) in self._costs.cliffs():
+                log.warning("static k=%d verifies %d tokens per forward, which is in a cost cliff "
+                            "of this machine (%s): a longer block costs less", self.length.k,
+                            self.length.k + 1, self._costs.cliffs())
+        return self._costs
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gc = getattr(self.target.model, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+        tok = self.target.tokenizer
+        if tok is not None and tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        return ids
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
+        """Token ids for a string (chat template applied if the tokenizer has one), a list of
+        chat messages, or a list of token ids (used as is)."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("the prompt is empty: pass some text (or token ids)")
+            tok = self._need_tokenizer()
+            if chat_template and getattr(tok, "chat_template", None):
+                prompt = [{"role": "user", "content": prompt}]
+            else:
+                return list(tok(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        prompt = list(prompt)
+        if not prompt:
+            raise PromptError("the prompt is empty: pass some text, messages or token ids")
+        if isinstance(prompt[0], dict):
+            tok = self._need_tokenizer()
+            if not getattr(tok, "chat_template", None):
+                raise PromptError("chat messages need a tokenizer with a chat template: pass a string")
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise PromptError("a token-id prompt must be a list of ints")
+        bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+        return prompt
+
+    def _need_tokenizer(self) -> Any:
+        if self.target.tokenizer is None:
+            raise PromptError("this model has no tokenizer: pass the prompt as a list of token ids")
+        return self.target.tokenizer
+
+    def decode(self, ids: Sequence[int]) -> str:
+        tok = self.target.tokenizer
+        return tok.decode(list(ids), skip_special_tokens=True) if tok is not None else ""
+
+    # -- public generation API ----------------------------------------------------------------
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, *,
+                 on_tokens: Callable[[list[int]], None] | None = None, **overrides: Any) -> GenerationResult:
+        """Generate a completion. ``overrides`` may set GenerationConfig or SamplingConfig fields
+        (``max_new_tokens=64, temperature=0.7, seed=1, stop=["\\n\\n"]``). ``on_tokens`` is called
+        with every chunk of accepted tokens as soon as it is verified."""
+        config = self._config(config, overrides)
+        prompt_ids = self.encode_prompt(prompt, config.chat_template)
+        run = self._run(prompt_ids, config)
+        out: list[int] = []
+        while True:
+            try:
+                chunk = next(run)
+            except StopIteration as stop:
+                stats = stop.value
+                break
+            out.extend(chunk)
+            if on_tokens is not None:
+                on_tokens(chunk)
+        return GenerationResult(self.decode(out), out, prompt_ids, stats)
+
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
+               **overrides: Any) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted (incomplete UTF-8 is held back)."""
+        config = self._config(config, overrides)
+        prompt_ids = self.encode_prompt(prompt, config.chat_template)
+        out: list[int] = []
+        shown = ""
+        run = self._run(prompt_ids, config)
+        self.last_stats: RequestStats | None = None
+        while True:
+            try:
+                out.extend(next(run))
+            except StopIteration as stop:
+                self.last_stats = stop.value
+                break
+            text = self.decode(out)
+            if text.endswith("\ufffd"):
+                continue
+            if text.startswith(shown):
+                delta, shown = text[len(shown):], text
+                if delta:
+                    yield delta
+        text = self.decode(out)
+        if text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown):]
+
+    @staticmethod
+    def _config(config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:
+        config = config or GenerationConfig()
+        sampling_keys = {"temperature", "top_k", "top_p", "seed"}
+        s_over = {k: overrides.pop(k) for k in list(overrides) if k in sampling_keys}
+        if s_over:
+            config = replace(config, sampling=replace(config.sampling, **s_over))
+        if overrides:
+            try:
+                config = replace(config, **overrides)
+            except TypeError:
+                raise ConfigError(f"unknown generation option(s) {sorted(overrides)}: allowed are "
+                                  "max_new_tokens, stop, chat_template, stop_on_eos, temperature, "
+                                  "top_k, top_p, seed") from None
+        return config
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _check_fits(self, n_prompt: int, max_new: int) -> None:
+        window = self.target.context_window
+        if window is None:
+            return
+        if n_prompt >= window:
+            raise PromptError(
+                f"the prompt has {n_prompt} tokens but the model's context window is {window}: "
+                "shorten the prompt")
+        if n_prompt + max_new > window:
+            raise PromptError(
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the context "
+                f"window ({window}): lower max_new_tokens to {window - n_prompt} or shorten the prompt")
+
+    @torch.inference_mode()
+    def _forward(self, cache: Any, ids: Sequence[int], keep: int) -> torch.Tensor:
+        x = torch.tensor([list(ids)], device=self.target.device)
+        out = self.target.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0]
+
+    def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generator[list[int], None, RequestStats]:
+        """Generator over accepted-token chunks; its return value is the request's statistics."""
+        from transformers import DynamicCache
+
+        self._check_fits(len(prompt_ids), cfg.max_new_tokens)
+        now = self._timer
+        sampling = cfg.sampling
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        stats = RequestStats(prompt_tokens=len(prompt_ids), seed=None if sampling.greedy else seed)
+        t_start = now()
+
+        tokens = list(prompt_ids)
+        cache = DynamicCache(config=self.target.model.config)
+        if len(tokens) > 1:  # the last prompt token is fed with the first round's drafts
+            self._forward(cache, tokens[:-1], keep=1)
+        stats.prefill_s = now() - t_start
+
+        drafters, selector, length = self.drafters, self.selector, self.length
+        for d in drafters:
+            d.begin_request(prompt_ids)
+        selector.begin_request(self.drafter_names)
+        length.begin_request()
+        seen = [0] * len(drafters)  # context length each drafter has been brought up to
+        n_prompt, remaining = len(prompt_ids), cfg.max_new_tokens
+        stop_max = max((len(s) for s in cfg.stop), default=0)
+        policy_in_draft = 0.0
+
+        def decide(step: DraftStep) -> Decision:
+            nonlocal policy_in_draft
+            t = time.perf_counter()
+            verdict = length.decide(step)
+            policy_in_draft += time.perf_counter() - t
+            return verdict
+
+        round_no = 0
+        while True:
+            t0 = now()
+            i = selector.select()
+            if not 0 <= i < len(drafters):
+                raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
+            cap = min(length.begin_round(i), remaining - 1)
+            t1 = now()
+            drafter = drafters[i]
+            catch_up_tokens = 0
+            if seen[i] == 0:  # first use in this request: ingest the prompt (drafter prefill)
+                drafter.catch_up(tokens[:n_prompt])
+                seen[i] = n_prompt
+                t_pre = now()
+                stats.drafter_prefill_s += t_pre - t1
+                t1 = t_pre
+            if seen[i] < len(tokens):
+                catch_up_tokens = len(tokens) - seen[i]  # produced while it was not used
+                drafter.catch_up(tokens)
+            t2 = now()
+            policy_in_draft = 0.0
+            if cap > 0:
+                draft = drafter.draft(tokens, cap, sampling, generator, decide,
+                                      want_hidden=length.needs_hidden and drafter.is_model)
+            else:
+                draft = Draft()
+            t3 = now()
+
+            k = len(draft.tokens)
+            logits = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1)
+            if sampling.greedy:
+                verdict = verify_greedy(logits, draft.tokens)
+            else:
+                verdict = verify_sampling(process_logits(logits, sampling), draft.tokens,
+                                          draft.probs, generator)
+            n = verdict.n_accepted
+            if k > n:
+                cache.crop(n - k)
+            t4 = now()
+
+            emitted, reason = self._apply_stops([*draft.tokens[:n], verdict.next_token],
+                                                tokens, n_prompt, remaining, cfg, stop_max)
+            context_len = len(tokens)
+            tokens.extend(emitted)
+            remaining -= len(emitted)
+            seen[i] = len(tokens)
+
+            feedback = RoundFeedback(
+                round=round_no, drafter=i, draft=draft, n_accepted=n, emitted=emitted, k_cap=cap,
+                target_logits=logits, sampling=sampling, draft_s=t3 - t2 - policy_in_draft,
+                verify_s=t4 - t3, catch_up_s=t2 - t1, catch_up_tokens=catch_up_tokens)
+            t5 = now()
+            if selector.full_information and len(drafters) > 1:
+                feedback.counterfactual = self._evaluate_others(
+                    i, tokens[:context_len], emitted, logits, feedback, sampling)
+                for j in range(len(drafters)):
+                    seen[j] = len(tokens)
+            t6 = now()
+            selector.update(feedback)
+            length.update(feedback)
+            t7 = now()
+            stats.rounds.append(RoundRecord(
+                drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
+                draft_s=t3 - t2 - policy_in_draft, verify_s=t4 - t3, catch_up_s=t2 - t1,
+                catch_up_tokens=catch_up_tokens, policy_s=(t1 - t0) + policy_in_draft + (t7 - t6),
+                eval_s=t6 - t5, total_s=t7 - t0))
+            round_no += 1
+            yield emitted
+            if reason:
+                stats.stop_reason = reason
+                break
+
+        stats.new_tokens = len(tokens) - n_prompt
+        stats.total_s = now() - t_start
+        for d in drafters:
+            d.end_request(tokens[n_prompt:])
+        return stats
+
+    def _apply_stops(self, emitted: list[int], tokens: list[int], n_prompt: int, remaining: int,
+                     cfg: GenerationConfig, stop_max: int) -> tuple[list[int], str]:
+        """Cut the round's tokens at EOS, a stop string or the token budget, exactly where
+        plain decoding would have stopped."""
+        for j, t in enumerate(emitted):
+            if cfg.stop_on_eos and t in self._eos:
+                return emitted[: j + 1], "eos"
+            if cfg.stop and self._hits_stop(tokens[n_prompt:] + emitted[: j + 1], cfg.stop, stop_max):
+                return emitted[: j + 1], "stop_string"
+            if j + 1 >= remaining:
+                return emitted[: j + 1], "max_new_tokens"
+        return emitted, ""
+
+    def _hits_stop(self, generated: list[int], stops: Sequence[str], stop_max: int) -> bool:
+        tail = self.decode(generated[-(stop_max + 8):])
+        return any(s in tail for s in stops)
+
+    def _evaluate_others(self, chosen: int, context: list[int], emitted: list[int],
+                         logits: torch.Tensor, feedback: RoundFeedback,
+                         sampling: SamplingConfig) -> dict[int, list[float]]:
+        """Full-information hook (Not-a-Bandit 3.2): prefill the verified tokens into every other
+        drafter and compute its acceptance probability at each of them, without target calls."""
+        m = len(emitted)
+        target_logits = logits[:m]
+        target_probs = feedback.target_probs[:m]
+        out: dict[int, list[float]] = {}
+        for j, d in enumerate(self.drafters):
+            if j == chosen:
+                continue
+            props = d.score(context, emitted, sampling)
+            out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
+        return out

