@@ -1,0 +1,165 @@
+"""Command line: ``adaspec generate`` and ``adaspec bench`` (and ``adaspec costs``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import AdaspecError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="adaspec: adaptive, lossless speculative decoding.")
+err = Console(stderr=True)
+
+MODEL_HELP = "target: 'smollm2' (embedded), a Hugging Face id, a local directory or a .gguf file"
+DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_ngram=1], "
+                "suffix[:min_match=2,datastore=FILE,corpus=FILE,learn=true], self, model:REF")
+
+
+def _fail(exc: Exception) -> None:
+    err.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="the prompt (the chat template is applied)"),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    drafter: List[str] = typer.Option(["prompt-lookup"], "--drafter", "-d", help=DRAFTER_HELP),
+    k: int = typer.Option(5, "--k", "-k", help="tokens drafted per round (static length policy)"),
+    selector: Optional[str] = typer.Option(None, help="drafter policy (default: static, first drafter)"),
+    length: Optional[str] = typer.Option(None, help="length policy (default: static K)"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling mass in (0, 1]"),
+    top_k: int = typer.Option(0, help="0 = off"),
+    seed: Optional[int] = typer.Option(None, help="RNG seed for sampling"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    stop: List[str] = typer.Option([], help="stop string, repeatable"),
+    no_chat_template: bool = typer.Option(False, help="feed the prompt as raw text"),
+    device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda"),
+    dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16 (faster, not batch-invariant)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, token_ids, stats"),
+    rounds: bool = typer.Option(False, help="with --json: include per-round records"),
+) -> None:
+    """Generate an answer, streaming it as tokens are accepted."""
+    from .config import GenerationConfig, SamplingConfig
+    from .engine import SpeculativeEngine
+
+    try:
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
+                               chat_template=not no_chat_template,
+                               sampling=SamplingConfig(temperature, top_k, top_p, seed))
+        engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
+                                                   selector=selector, length=length, k=k)
+        if as_json:
+            result = engine.generate(prompt, cfg)
+            print(json.dumps(result.to_dict(rounds=rounds), ensure_ascii=False))
+            return
+        for piece in engine.stream(prompt, cfg):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        err.print(f"[dim]{engine.last_stats.summary()}[/]")
+    except AdaspecError as exc:
+        _fail(exc)
+
+
+@app.command()
+def bench(
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    drafter: List[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d", help=DRAFTER_HELP),
+    k: List[int] = typer.Option([5], "--k", "-k", help="draft length(s) to compare, repeatable"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    prompts: int = typer.Option(0, help="use only the first N built-in prompts (0 = all)"),
+    repeats: int = typer.Option(1, help="timed repeats per prompt and configuration (median)"),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    costs: bool = typer.Option(True, help="measure and print the verify-cost curve"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="also write the report as JSON here"),
+) -> None:
+    """Plain decoding vs speculative configurations on built-in prompts, in one process."""
+    from rich.progress import Progress
+
+    from .bench import default_configs, run_bench, save_report
+    from .config import validate_k
+    from .models import load_model
+    from .prompts import BUILTIN_PROMPTS
+
+    try:
+        if repeats < 1:
+            raise AdaspecError("--repeats must be >= 1")
+        for kk in k:
+            validate_k(kk)
+        chosen = BUILTIN_PROMPTS[:prompts] if prompts > 0 else BUILTIN_PROMPTS
+        err.print(f"loading {model} ...")
+        target = load_model(model, device=device, dtype=dtype)
+        configs = default_configs(drafter, k)
+        total = len(chosen) * len(configs) * repeats
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("bench", total=total + (1 if costs else 0))
+
+            def step(msg: str) -> None:
+                bar.update(task, description=msg[:70], advance=1)
+
+            report = run_bench(target, configs, chosen, max_new_tokens, repeats,
+                               measure_costs=costs, progress=step)
+    except AdaspecError as exc:
+        _fail(exc)
+        return
+    out = Console() if sys.stdout.isatty() else Console(width=140)
+    table = Table(title=f"adaspec bench: {model}, greedy, {len(chosen)} prompts x "
+                        f"{max_new_tokens} new tokens, {repeats} repeat(s), median times")
+    for col in ("configuration", "tokens/s", "speed-up", "MAT", "acceptance", "identical to AR",
+                "overhead/round"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for r in report.results:
+        same = f"{r.identical}/{r.prompts}"
+        table.add_row(r.name, f"{r.tokens_per_s:.1f}", f"{report.speedup(r):.2f}x", f"{r.mat:.2f}",
+                      f"{r.acceptance_rate:.1%}", same if r.identical == r.prompts else f"[red]{same}[/]",
+                      f"{r.overhead_share:.2%}")
+    out.print(table)
+    for r in report.results:
+        for m in r.mismatches:
+            out.print(f"[red]MISMATCH[/] {r.name}: {m}")
+    if report.verify_costs:
+        c = report.verify_costs
+        out.print(f"verify-cost curve (target forward over k new tokens, {c['context']}-token cache, "
+                  "relative to k=1):")
+        out.print("  " + "  ".join(f"k={kk}:{ratio:.2f}x" for kk, ratio in zip(c["ks"], c["ratios"])))
+        if c["cliffs"]:
+            out.print(f"  cost cliffs at k={c['cliffs']}: a longer block is cheaper to verify there")
+    if json_out:
+        save_report(report, json_out)
+        out.print(f"report written to {json_out}")
+    if any(r.mismatches for r in report.results):
+        raise typer.Exit(1)
+
+
+@app.command()
+def costs(
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
+) -> None:
+    """Measure (or show the cached) verify-cost curve of a target."""
+    from .costs import load_or_measure
+    from .models import load_model
+
+    try:
+        curve = load_or_measure(load_model(model, device=device, dtype=dtype), refresh=refresh)
+    except AdaspecError as exc:
+        _fail(exc)
+        return
+    print(curve.table())
+
+
+def main() -> None:  # pragma: no cover
+    logging.basicConfig(level=logging.WARNING)
+    app()

@@ -1,0 +1,58 @@
+"""Checks that an output is what greedy decoding of the target would produce.
+
+``greedy_reference`` runs plain ``model.generate(do_sample=False)``. ``check_tie_aware`` is for
+settings where bit-exact equality cannot hold (bf16 is not batch-invariant: verifying k tokens
+at once can flip an argmax between near-tied tokens): each emitted token must be the target's
+argmax or within ``max_gap`` nats of it, teacher-forced on the output itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+
+@torch.inference_mode()
+def greedy_reference(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
+                     eos_token_id: Any = None) -> list[int]:
+    """Plain greedy continuation from Hugging Face ``generate`` (the ground truth)."""
+    device = next(model.parameters()).device
+    x = torch.tensor([list(prompt_ids)], device=device)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False,
+                              "attention_mask": torch.ones_like(x)}
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+    out = model.generate(x, **kwargs)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@dataclass
+class TieCheck:
+    """Result of a tie-aware greedy check."""
+
+    ok: bool
+    n_tokens: int
+    n_exact: int  # tokens equal to the target's argmax
+    n_ties: int  # tokens within max_gap of the argmax but not equal to it
+    violations: list[tuple[int, float]] = field(default_factory=list)  # (position, gap in nats)
+
+
+@torch.inference_mode()
+def check_tie_aware(model: Any, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                    max_gap: float = 0.05) -> TieCheck:
+    """Is every output token the target's argmax, or within ``max_gap`` nats of it?"""
+    if not output_ids:
+        return TieCheck(True, 0, 0, 0)
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=device)
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    out = torch.tensor(list(output_ids), device=device)
+    gaps = (logp.max(dim=-1).values - logp[torch.arange(len(output_ids), device=device), out]).tolist()
+    argmax_hit = (logp.argmax(dim=-1) == out).tolist()
+    n_exact = sum(argmax_hit)
+    viol = [(j, g) for j, g in enumerate(gaps) if not argmax_hit[j] and g > max_gap]
+    n_ties = len(output_ids) - n_exact - len(viol)
+    return TieCheck(not viol, len(output_ids), n_exact, n_ties, viol)

@@ -1,0 +1,140 @@
+"""Shared test fixtures and helpers for the adaspec test-suite.
+
+* ``make_tiny_model(...)`` (plain function, importable with ``from conftest import
+  make_tiny_model``) and the ``tiny_model_factory`` fixture build tiny randomly initialised
+  ``LlamaForCausalLM`` models that run in about a millisecond per forward on a CPU.
+* ``chisquare_gof(...)`` is a chi-square goodness-of-fit test that merges sparse cells.
+* ``--run-slow``: tests marked ``@pytest.mark.slow`` are skipped unless ``--run-slow`` is
+  given or a ``-m`` expression that mentions ``slow`` (e.g. ``-m slow``) selects them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import pytest
+import torch
+
+
+# -- tiny models ------------------------------------------------------------------------------
+def make_tiny_model(
+    seed: int = 0,
+    vocab: int = 32,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 64,
+    max_positions: int = 512,
+    lm_head_scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+):
+    """A tiny randomly initialised ``LlamaForCausalLM`` in eval mode.
+
+    The weights depend only on ``seed`` (the global torch RNG is left untouched).
+    ``lm_head_scale`` multiplies the output-projection weights: with the default
+    initialisation (std 0.02) the next-token distributions are close to uniform, and a
+    factor of about 10-20 makes them peaky. No EOS token is configured, so generation only
+    stops on the token budget; ``pad_token_id`` is 0.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    if lm_head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_head_scale)
+    model = model.to(dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture
+def tiny_model_factory():
+    """The ``make_tiny_model`` factory: ``tiny_model_factory(seed=1, vocab=12, lm_head_scale=10)``."""
+    return make_tiny_model
+
+
+@pytest.fixture
+def tiny_model():
+    """A default tiny model (seed 0, vocabulary 32)."""
+    return make_tiny_model()
+
+
+# -- statistics -----------------------------------------------------------------------------
+def chisquare_gof(observed: Sequence[float], expected_probs: Sequence[float],
+                  min_expected: float = 5.0) -> tuple[float, float, int]:
+    """Chi-square goodness of fit of counts ``observed`` against probabilities ``expected_probs``.
+
+    Cells whose expected count is below ``min_expected`` are pooled into one cell (and if
+    that pool is still too small, it is merged with the smallest remaining cell), so the
+    chi-square approximation is valid. Cells with probability 0 are pooled too: an
+    observation there shows up as a large statistic. Returns ``(statistic, p_value, n_cells)``.
+    """
+    import numpy as np
+    from scipy import stats
+
+    obs = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(expected_probs, dtype=np.float64).ravel()
+    if obs.shape != probs.shape:
+        raise ValueError(f"shape mismatch: {obs.shape} vs {probs.shape}")
+    n = obs.sum()
+    probs = probs / probs.sum()
+    exp = probs * n
+    small = exp < min_expected
+    big_obs, big_exp = list(obs[~small]), list(exp[~small])
+    pool_obs, pool_exp = float(obs[small].sum()), float(exp[small].sum())
+    if small.any():
+        if pool_exp < min_expected and big_exp:
+            j = int(np.argmin(big_exp))
+            pool_obs += big_obs.pop(j)
+            pool_exp += big_exp.pop(j)
+        if pool_exp <= 0.0:
+            if pool_obs > 0:  # observations where the distribution has no mass at all
+                return float("inf"), 0.0, len(big_exp) + 1
+        else:
+            big_obs.append(pool_obs)
+            big_exp.append(pool_exp)
+    if len(big_exp) < 2:
+        return 0.0, 1.0, len(big_exp)
+    f_obs, f_exp = np.asarray(big_obs), np.asarray(big_exp)
+    f_exp = f_exp * (f_obs.sum() / f_exp.sum())  # guard against rounding in the sums
+    res = stats.chisquare(f_obs, f_exp)
+    return float(res.statistic), float(res.pvalue), len(big_exp)
+
+
+# -- the slow marker ------------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="run tests marked @pytest.mark.slow (real models, minutes)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    markexpr = config.getoption("markexpr", default="") or ""
+    if re.search(r"\bslow\b", markexpr):
+        # ``-m slow`` selects them (``-m "not slow"`` deselects them): let -m decide
+        return
+    skip = pytest.mark.skip(reason="slow test: run with --run-slow or -m slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
