@@ -79,6 +79,21 @@ def tiny_model():
     return make_tiny_model()
 
 
+@pytest.fixture
+def torch_single_thread():
+    """Run the test with one intra-op torch thread (restored afterwards).
+
+    Tiny models are dominated by per-op overhead: one thread is faster, and on a loaded
+    machine multi-threaded OpenMP spinning can make them ~100x slower.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- statistics -----------------------------------------------------------------------------
 def chisquare_gof(observed: Sequence[float], expected_probs: Sequence[float],
                   min_expected: float = 5.0) -> tuple[float, float, int]:

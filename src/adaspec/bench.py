@@ -46,6 +46,8 @@ class ConfigResult:
     draft_s: float = 0.0
     target_s: float = 0.0
     per_prompt_tps: list[float] = field(default_factory=list)
+    verify_widths: dict[int, int] = field(default_factory=dict)
+    cliff_share: float | None = None  # share of rounds whose verify width is in a cost cliff
 
     @property
     def tokens_per_s(self) -> float:
@@ -149,6 +151,8 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             r.target_s += split["target_forward"]
             r.per_prompt_tps.append(st.new_tokens / med if med else 0.0)
             r.overhead_shares.append(st.overhead_share)
+            for w, c in st.verify_widths().items():
+                r.verify_widths[w] = r.verify_widths.get(w, 0) + c
             if outs[ci] == ref:
                 r.identical += 1
             else:
@@ -159,7 +163,12 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     if measure_costs:
         if progress:
             progress("measuring the verify-cost curve")
-        costs = engines[0].verify_costs().to_dict()
+        curve = engines[0].verify_costs()
+        costs = curve.to_dict()
+        cliffs = set(curve.cliffs())
+        for r in results:
+            n = sum(r.verify_widths.values())
+            r.cliff_share = sum(c for w, c in r.verify_widths.items() if w in cliffs) / n if n else 0.0
     return BenchReport(target.name, max_new_tokens, repeats, results, costs)
 
 

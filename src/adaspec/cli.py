@@ -115,14 +115,16 @@ def bench(
     out = Console() if sys.stdout.isatty() else Console(width=140)
     table = Table(title=f"adaspec bench: {model}, greedy, {len(chosen)} prompts x "
                         f"{max_new_tokens} new tokens, {repeats} repeat(s), median times")
-    for col in ("configuration", "tokens/s", "speed-up", "MAT", "acceptance", "identical to AR",
-                "overhead/round"):
+    cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "identical to AR",
+            "overhead/round"] + (["rounds in cost cliff"] if report.verify_costs else [])
+    for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in report.results:
         same = f"{r.identical}/{r.prompts}"
         table.add_row(r.name, f"{r.tokens_per_s:.1f}", f"{report.speedup(r):.2f}x", f"{r.mat:.2f}",
                       f"{r.acceptance_rate:.1%}", same if r.identical == r.prompts else f"[red]{same}[/]",
-                      f"{r.overhead_share:.2%}")
+                      f"{r.overhead_share:.2%}",
+                      *([f"{r.cliff_share:.0%}"] if report.verify_costs else []))
     out.print(table)
     for r in report.results:
         for m in r.mismatches:

@@ -24,6 +24,7 @@ from .models import LoadedModel, cache_dir
 log = logging.getLogger(__name__)
 
 CLIFF_FACTOR = 1.15  # k is "in a cliff" if some larger k' is this much cheaper
+DEFAULT_KS = tuple(range(1, 11)) + (12, 16)
 
 
 @dataclass
@@ -84,8 +85,8 @@ def _curve_key(loaded: LoadedModel, context: int, ks: Sequence[int]) -> str:
 
 
 @torch.inference_mode()
-def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = tuple(range(1, 13)) + (16,),
-                         context: int = 200, repeats: int = 5, warmup: int = 2) -> VerifyCostCurve:
+def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
+                         context: int = 200, repeats: int = 3, warmup: int = 1) -> VerifyCostCurve:
     """Time target forwards over k new tokens on a ``context``-token cache; medians of repeats.
 
     The ks are interleaved within each repeat so machine noise hits them alike.
@@ -115,8 +116,8 @@ def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = tuple(range(1,
     return VerifyCostCurve(ks=list(ks), seconds=[median(times[k]) for k in ks], context=context)
 
 
-def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = tuple(range(1, 13)) + (16,),
-                    context: int = 200, repeats: int = 5, refresh: bool = False) -> VerifyCostCurve:
+def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
+                    context: int = 200, repeats: int = 3, refresh: bool = False) -> VerifyCostCurve:
     """Measured curve for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
     key = _curve_key(loaded, context, ks)
     path = Path(cache_dir()) / "costs" / f"{key}.json"

@@ -83,7 +83,6 @@ class SpeculativeEngine:
         self.length = build_length(length, k)
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostCurve | None = None
-        self._eos = self._eos_ids()
 
     @classmethod
     def from_pretrained(cls, model: str = DEFAULT_MODEL,
@@ -112,7 +111,8 @@ class SpeculativeEngine:
                             self.length.k + 1, self._costs.cliffs())
         return self._costs
 
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
+        """End-of-sequence ids: the model's generation config and the tokenizer's EOS."""
         ids: set[int] = set()
         gc = getattr(self.target.model, "generation_config", None)
         eos = getattr(gc, "eos_token_id", None)
@@ -250,6 +250,7 @@ class SpeculativeEngine:
         from transformers import DynamicCache
 
         self._check_fits(len(prompt_ids), cfg.max_new_tokens)
+        eos = self.eos_ids()
         now = self._timer
         sampling = cfg.sampling
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
@@ -289,14 +290,15 @@ class SpeculativeEngine:
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
             cap = min(length.begin_round(i), remaining - 1)
-            t1 = now()
+            t1 = t_selected = now()
             drafter = drafters[i]
             catch_up_tokens = 0
+            drafter_prefill = 0.0
             if seen[i] == 0:  # first use in this request: ingest the prompt (drafter prefill)
                 drafter.catch_up(tokens[:n_prompt])
                 seen[i] = n_prompt
                 t_pre = now()
-                stats.drafter_prefill_s += t_pre - t1
+                drafter_prefill = t_pre - t1
                 t1 = t_pre
             if seen[i] < len(tokens):
                 catch_up_tokens = len(tokens) - seen[i]  # produced while it was not used
@@ -323,7 +325,7 @@ class SpeculativeEngine:
             t4 = now()
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], verdict.next_token],
-                                                tokens, n_prompt, remaining, cfg, stop_max)
+                                                tokens, n_prompt, remaining, cfg, stop_max, eos)
             context_len = len(tokens)
             tokens.extend(emitted)
             remaining -= len(emitted)
@@ -346,8 +348,8 @@ class SpeculativeEngine:
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=t3 - t2 - policy_in_draft, verify_s=t4 - t3, catch_up_s=t2 - t1,
-                catch_up_tokens=catch_up_tokens, policy_s=(t1 - t0) + policy_in_draft + (t7 - t6),
-                eval_s=t6 - t5, total_s=t7 - t0))
+                catch_up_tokens=catch_up_tokens, policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6),
+                eval_s=t6 - t5, total_s=t7 - t0, drafter_prefill_s=drafter_prefill))
             round_no += 1
             yield emitted
             if reason:
@@ -361,11 +363,11 @@ class SpeculativeEngine:
         return stats
 
     def _apply_stops(self, emitted: list[int], tokens: list[int], n_prompt: int, remaining: int,
-                     cfg: GenerationConfig, stop_max: int) -> tuple[list[int], str]:
+                     cfg: GenerationConfig, stop_max: int, eos: set[int]) -> tuple[list[int], str]:
         """Cut the round's tokens at EOS, a stop string or the token budget, exactly where
         plain decoding would have stopped."""
         for j, t in enumerate(emitted):
-            if cfg.stop_on_eos and t in self._eos:
+            if cfg.stop_on_eos and t in eos:
                 return emitted[: j + 1], "eos"
             if cfg.stop and self._hits_stop(tokens[n_prompt:] + emitted[: j + 1], cfg.stop, stop_max):
                 return emitted[: j + 1], "stop_string"

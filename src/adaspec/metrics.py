@@ -28,12 +28,13 @@ class RoundRecord:
     policy_s: float
     eval_s: float
     total_s: float
+    drafter_prefill_s: float = 0.0  # prompt ingestion at the drafter's first use in the request
 
     @property
     def overhead_s(self) -> float:
         """Engine bookkeeping: round time not spent in models or policies."""
         return max(0.0, self.total_s - self.draft_s - self.verify_s - self.catch_up_s
-                   - self.policy_s - self.eval_s)
+                   - self.policy_s - self.eval_s - self.drafter_prefill_s)
 
 
 @dataclass
@@ -43,7 +44,6 @@ class RequestStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     prefill_s: float = 0.0
-    drafter_prefill_s: float = 0.0
     total_s: float = 0.0
     stop_reason: str = ""
     seed: int | None = None
@@ -61,6 +61,10 @@ class RequestStats:
     @property
     def accepted(self) -> int:
         return sum(r.accepted for r in self.rounds)
+
+    @property
+    def drafter_prefill_s(self) -> float:
+        return self._sum("drafter_prefill_s")
 
     @property
     def mat(self) -> float:
@@ -92,7 +96,7 @@ class RequestStats:
         """Seconds spent per activity; they add up to ``total_s``."""
         split = {
             "prefill": self.prefill_s,
-            "drafter_prefill": self.drafter_prefill_s,
+            "drafter_prefill": self._sum("drafter_prefill_s"),
             "target_forward": self._sum("verify_s"),
             "drafting": self._sum("draft_s"),
             "catch_up": self._sum("catch_up_s"),
@@ -110,6 +114,10 @@ class RequestStats:
             return 0.0
         verify = median(r.verify_s for r in self.rounds)
         return median(r.overhead_s for r in self.rounds) / verify if verify > 0 else 0.0
+
+    def verify_widths(self) -> dict[int, int]:
+        """How many rounds verified k+1 tokens, per width (to compare with the cost curve)."""
+        return dict(Counter(r.drafted + 1 for r in self.rounds))
 
     def drafter_usage(self) -> dict[str, int]:
         return dict(Counter(r.drafter for r in self.rounds))
@@ -131,6 +139,7 @@ class RequestStats:
             "catch_up_tokens": sum(r.catch_up_tokens for r in self.rounds),
             "overhead_share": self.overhead_share,
             "drafter_usage": self.drafter_usage(),
+            "verify_widths": self.verify_widths(),
             "stop_reason": self.stop_reason,
             "seed": self.seed,
         }

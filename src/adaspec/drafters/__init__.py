@@ -65,20 +65,23 @@ def _prompt_lookup(params: dict[str, str], target: LoadedModel, **_: Any) -> Dra
 
 
 def _suffix(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
-    min_match = _take(params, "min_match", int, 2)
-    max_tokens = _take(params, "max_tokens", int, 1_000_000)
+    min_match = _take(params, "min_match", int, None)  # None: from the datastore file, else 2
+    max_tokens = _take(params, "max_tokens", int, None)
     store = None
     if "datastore" in params and "corpus" in params:
         raise AdaspecError("suffix drafter: give either datastore= or corpus=, not both")
     if "datastore" in params:
-        store = SuffixDatastore.load(params.pop("datastore"), max_tokens=max_tokens, min_match=min_match)
+        store = SuffixDatastore.load(params.pop("datastore"), max_tokens=max_tokens,
+                                     min_match=min_match)
     elif "corpus" in params:
         store = SuffixDatastore.from_text(params.pop("corpus"), target.tokenizer,
-                                          max_tokens=max_tokens, min_match=min_match)
+                                          max_tokens=max_tokens or 1_000_000,
+                                          min_match=min_match or 2)
     learn = _take(params, "learn", _bool, False)
     if learn and store is None:
-        store = SuffixDatastore(min_match=min_match, max_tokens=max_tokens)
-    d = SuffixDrafter(min_match=min_match, max_match=_take(params, "max_match", int, 24),
+        store = SuffixDatastore(min_match=min_match or 2, max_tokens=max_tokens or 1_000_000)
+    d = SuffixDrafter(min_match=store.min_match if store is not None else (min_match or 2),
+                      max_match=_take(params, "max_match", int, 24),
                       max_candidates=_take(params, "max_candidates", int, 64),
                       datastore=store, learn=learn)
     _no_leftovers(params, "suffix", "min_match, max_match, max_candidates, datastore, corpus, "
@@ -114,7 +117,7 @@ def build_drafter(spec: str | Drafter, target: LoadedModel, *, device: Any = Non
     if not isinstance(spec, str) or not spec.strip():
         raise UnknownNameError(f"empty drafter spec: use one of {', '.join(DRAFTER_NAMES)}")
     name, _, rest = spec.strip().partition(":")
-    name = name.lower()
+    name = name.strip().lower()
     if name == "model":
         if not rest:
             raise AdaspecError("model drafter needs a model: write model:HF_ID, model:DIR or model:FILE.gguf")

@@ -61,8 +61,9 @@ class SuffixDatastore:
             self.index.append(_SEP)
 
     def _evict(self) -> None:
-        # evict down to 75% of the bound so that rebuilding the index is amortised
-        while self.docs and self._size > 0.75 * self.max_tokens:
+        # evict oldest documents down to 75% of the bound (rebuilding the index is amortised),
+        # never the document just added
+        while len(self.docs) > 1 and self._size > 0.75 * self.max_tokens:
             doc = self.docs.pop(0)
             self._size -= len(doc)
             self.evicted_tokens += len(doc)
@@ -81,7 +82,8 @@ class SuffixDatastore:
                 fh.write(json.dumps(doc) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path, max_tokens: int | None = None, min_match: int = 2) -> "SuffixDatastore":
+    def load(cls, path: str | Path, max_tokens: int | None = None,
+             min_match: int | None = None) -> "SuffixDatastore":
         """Load a saved datastore (.jsonl of token-id lists)."""
         path = Path(path)
         if not path.is_file():
@@ -91,7 +93,8 @@ class SuffixDatastore:
         header: dict[str, Any] = {}
         if lines and lines[0].lstrip().startswith("{"):
             header = json.loads(lines.pop(0))
-        store = cls(min_match=min_match, max_tokens=max_tokens or header.get("max_tokens", 1_000_000))
+        store = cls(min_match=min_match or header.get("min_match", 2),
+                    max_tokens=max_tokens or header.get("max_tokens", 1_000_000))
         for i, ln in enumerate(lines, 2 if header else 1):
             doc = json.loads(ln)
             if not isinstance(doc, list) or not all(isinstance(t, int) for t in doc):

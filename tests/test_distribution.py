@@ -1,0 +1,230 @@
+"""End-to-end exactness of speculative sampling on tiny models.
+
+Speculative sampling must leave the output distribution equal to the target's processed
+distribution (temperature, top-k, top-p applied exactly as ``adaspec.sampling.process_logits``
+does), whatever the drafter. For a fixed prompt we compute the exact target distribution of the
+first n generated tokens by enumerating all V**n continuations with model forwards, run
+``SpeculativeEngine.generate`` with many seeds and compare the empirical distribution of the
+generated n-tuples with a chi-square goodness-of-fit test at significance level
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+ALPHA = 0.001 (cells with expected count < 5 merged). Every test also checks that the drafter
+was exercised (drafts proposed, some accepted and some rejected) so it cannot pass vacuously,
+and that no token outside the target's support is ever emitted.
+
+Seeds are fixed (``seed=s`` for s in a fixed range), so the tests are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from adaspec import SpeculativeEngine
+from adaspec.config import SamplingConfig
+from adaspec.drafters import ModelDrafter, PromptLookupDrafter
+from adaspec.models import as_loaded
+from adaspec.sampling import process_logits
+from conftest import chisquare_gof, make_tiny_model
+
+ALPHA = 0.001  # significance level of every chi-square test in this file
+N_RUNS = 3000  # generate() calls per configuration
+
+V = 12  # vocabulary of the 2-token tests
+TARGET_SCALE = 12.0  # lm_head scale of the target: max next-token probability ~0.3-0.5
+PROMPT = [3, 7, 1, 9, 4]
+# prompt-lookup: the 3-gram (0, 5, 2) recurs, so the drafter proposes 0 (target p(0) ~ 0.43)
+PLD_PROMPT = [5, 2, 0, 5, 2, 0, 5, 2]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model(seed=0, vocab=V, lm_head_scale=TARGET_SCALE)
+
+
+@pytest.fixture(scope="module")
+def bad_drafter_model():
+    # a different random model, made peaky so that it is confidently wrong: 1 - TV(p, q) at the
+    # first position is ~0.4, so both acceptance and the residual resampling are exercised a lot
+    return make_tiny_model(seed=123, vocab=V, lm_head_scale=16.0)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+@torch.inference_mode()
+def exact_distribution(model, prompt: Sequence[int], cfg: SamplingConfig, n_tokens: int) -> np.ndarray:
+    """P(first ``n_tokens`` generated tokens = t_1..t_n) under ``cfg``, as an array [V]*n.
+
+    Enumerates every prefix: step j runs one batched forward over the V**j prefixes of
+    length j and multiplies in the processed next-token distribution.
+    """
+    vocab = model.config.vocab_size
+    joint = np.ones(1, dtype=np.float64)
+    prefixes = torch.empty(1, 0, dtype=torch.long)
+    base = torch.tensor(list(prompt), dtype=torch.long)
+    for _ in range(n_tokens):
+        ids = torch.cat([base.expand(prefixes.shape[0], -1), prefixes], dim=1)
+        logits = model(input_ids=ids).logits[:, -1, :]
+        probs = process_logits(logits, cfg).double().numpy()  # [n_prefixes, V]
+        joint = (joint[:, None] * probs).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, dim=0),
+                              torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], dim=1)
+    return joint.reshape((vocab,) * n_tokens)
+
+
+@dataclass
+class Runs:
+    counts: np.ndarray  # [V]*n counts of generated n-tuples
+    drafted: int
+    accepted: int
+    rounds: int
+
+
+def run_engine(engine: SpeculativeEngine, prompt: Sequence[int], n_tokens: int, *,
+               n_runs: int = N_RUNS, seed0: int = 0, **sampling) -> Runs:
+    vocab = engine.target.vocab_size
+    counts = np.zeros((vocab,) * n_tokens, dtype=np.int64)
+    drafted = accepted = rounds = 0
+    for s in range(seed0, seed0 + n_runs):
+        res = engine.generate(list(prompt), max_new_tokens=n_tokens, seed=s, **sampling)
+        assert len(res.token_ids) == n_tokens, res.token_ids
+        assert res.stats.stop_reason == "max_new_tokens"
+        counts[tuple(res.token_ids)] += 1
+        drafted += res.stats.drafted
+        accepted += res.stats.accepted
+        rounds += res.stats.n_rounds
+    return Runs(counts, drafted, accepted, rounds)
+
+
+def check_exact(runs: Runs, exact: np.ndarray, what: str) -> None:
+    """Support check plus chi-square goodness of fit at level ALPHA."""
+    # the drafter was really used: drafts were proposed, and both branches of the rule ran
+    assert runs.drafted > 0, f"{what}: the drafter never proposed anything"
+    assert 0 < runs.accepted < runs.drafted, (
+        f"{what}: accepted {runs.accepted} of {runs.drafted} drafts; need both accept and reject")
+    outside = runs.counts[exact == 0].sum()
+    assert outside == 0, f"{what}: {outside} outputs outside the target's support"
+    stat, pvalue, cells = chisquare_gof(runs.counts, exact)
+    assert pvalue > ALPHA, (
+        f"{what}: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e} < alpha = {ALPHA} "
+        f"(acceptance {runs.accepted}/{runs.drafted})")
+
+
+# -- sanity of the reference computation -------------------------------------------------------
+def test_exact_distribution_is_a_distribution_and_uses_processing(target):
+    cfg = SamplingConfig(temperature=1.0, top_k=5)
+    exact = exact_distribution(target, PROMPT, cfg, 2)
+    assert exact.shape == (V, V)
+    assert exact.sum() == pytest.approx(1.0, abs=1e-9)
+    # top-k 5 on both positions: 5 first tokens, 5 second tokens after each
+    assert (exact.sum(1) > 0).sum() == 5
+    assert all((exact[a] > 0).sum() == 5 for a in range(V) if exact[a].sum() > 0)
+    # the target is far from uniform, and the bad drafter is far from the target
+    assert exact.max() > 4.0 / (V * V)
+
+
+def test_plain_sampling_matches_exact_distribution(target):
+    """Baseline (no drafter): the reference computation and the engine agree.
+    Chi-square test at alpha = 0.001."""
+    engine = SpeculativeEngine(target, ["none"], k=4)
+    cfg = SamplingConfig(temperature=1.0)
+    exact = exact_distribution(target, PROMPT, cfg, 2)
+    runs = run_engine(engine, PROMPT, 2, n_runs=1000, seed0=50_000, temperature=1.0)
+    assert runs.drafted == 0
+    stat, pvalue, cells = chisquare_gof(runs.counts, exact)
+    assert pvalue > ALPHA, f"plain sampling: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"
+
+
+# -- (a) a deliberately bad model drafter -------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 1.6])
+def test_bad_model_drafter_is_exact(target, bad_drafter_model, temperature):
+    """A different random model as drafter (dense q, acceptance ~0.4): the 2-token output
+    distribution equals the target's. Chi-square test at alpha = 0.001 over 3000 seeds."""
+    drafter = ModelDrafter(as_loaded(bad_drafter_model), V)
+    engine = SpeculativeEngine(target, [drafter], k=4)
+    cfg = SamplingConfig(temperature=temperature)
+    exact = exact_distribution(target, PROMPT, cfg, 2)
+    runs = run_engine(engine, PROMPT, 2, seed0=0, temperature=temperature)
+    # max_new_tokens=2 caps the first round at 1 draft (the bonus is the second token)
+    assert runs.drafted >= N_RUNS
+    check_exact(runs, exact, f"bad model drafter, T={temperature}")
+    # the drafter is really bad: many rejections
+    assert runs.accepted < 0.8 * runs.drafted
+
+
+# -- (b) prompt lookup: one-hot proposals --------------------------------------------------------
+def test_prompt_lookup_drafter_is_exact(target):
+    """Prompt lookup (deterministic, one-hot q) on a prompt with repeats: the 2-token output
+    distribution equals the target's. Chi-square test at alpha = 0.001 over 3000 seeds."""
+    drafter = PromptLookupDrafter()
+    engine = SpeculativeEngine(target, [drafter], k=4)
+    cfg = SamplingConfig(temperature=1.0)
+    exact = exact_distribution(target, PLD_PROMPT, cfg, 2)
+    runs = run_engine(engine, PLD_PROMPT, 2, seed0=10_000, temperature=1.0)
+    assert runs.drafted >= N_RUNS  # it proposes at every first round
+    check_exact(runs, exact, "prompt lookup")
+
+
+# -- (c) temperature / top-p / top-k processing --------------------------------------------------
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_k=5),
+], ids=["T0.7-top_p0.9", "T1.0-top_k5"])
+def test_processed_sampling_is_exact(target, bad_drafter_model, sampling):
+    """With temperature + top-p and temperature + top-k the output follows the *processed*
+    target distribution (p and q are processed identically). Model drafter (dense q); the
+    support is checked exactly and the distribution by a chi-square test at alpha = 0.001."""
+    drafter = ModelDrafter(as_loaded(bad_drafter_model), V)
+    engine = SpeculativeEngine(target, [drafter], k=3)
+    cfg = SamplingConfig(**sampling)
+    exact = exact_distribution(target, PROMPT, cfg, 2)
+    # the processing really removes tokens, otherwise this would not test it
+    assert (exact == 0).sum() > V
+    runs = run_engine(engine, PROMPT, 2, seed0=20_000, **sampling)
+    check_exact(runs, exact, f"processed sampling {sampling}")
+
+
+def test_prompt_lookup_with_top_k_is_exact(target):
+    """One-hot proposals with top-k: a proposal outside the top-k must always be rejected and
+    the output follows the processed target. Chi-square test at alpha = 0.001."""
+    engine = SpeculativeEngine(target, [PromptLookupDrafter()], k=2)
+    sampling = dict(temperature=0.8, top_k=4)
+    exact = exact_distribution(target, PLD_PROMPT, SamplingConfig(**sampling), 2)
+    runs = run_engine(engine, PLD_PROMPT, 2, n_runs=1500, seed0=30_000, **sampling)
+    assert runs.drafted > 0
+    stat, pvalue, cells = chisquare_gof(runs.counts, exact)
+    assert runs.counts[exact == 0].sum() == 0
+    assert pvalue > ALPHA, f"chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"
+
+
+# -- multi-token blocks: K >= 2 drafts per round, cache rollback across rounds -------------------
+V3 = 8
+PROMPT3 = [3, 7, 1, 1, 4]
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "prompt-lookup"])
+def test_three_tokens_with_multi_token_blocks(drafter_kind):
+    """max_new_tokens=3 lets the first round draft 2 tokens (k=3 capped by the budget), so the
+    block rule, the target KV-cache crop after a rejection and the drafter's catch-up in later
+    rounds all run. The exact distribution over all V**3 = 512 triples is compared by a
+    chi-square test at alpha = 0.001 (sparse cells merged) over 3000 seeds."""
+    target = make_tiny_model(seed=0, vocab=V3, lm_head_scale=12.0)
+    if drafter_kind == "model":
+        drafter = ModelDrafter(as_loaded(make_tiny_model(seed=123, vocab=V3, lm_head_scale=6.0)), V3)
+        prompt = PROMPT3
+    else:
+        drafter = PromptLookupDrafter()
+        prompt = [7, 3, 4, 7, 3, 4, 7, 3]  # proposes 4 (p ~0.32), then 7
+    engine = SpeculativeEngine(target, [drafter], k=3)
+    cfg = SamplingConfig(temperature=1.0)
+    exact = exact_distribution(target, prompt, cfg, 3)
+    runs = run_engine(engine, prompt, 3, seed0=40_000, temperature=1.0)
+    check_exact(runs, exact, f"3 tokens, {drafter_kind} drafter")
+    # blocks of 2 were drafted (more drafts than rounds that could draft at most 1)
+    assert runs.drafted > N_RUNS
+    # and marginals of the first two tokens agree too (a coarser, more powerful view)
+    stat, pvalue, cells = chisquare_gof(runs.counts.sum(-1), exact.sum(-1))
+    assert pvalue > ALPHA, f"first-two marginal: chi-square {stat:.1f}, p = {pvalue:.2e}"

@@ -1,0 +1,429 @@
+"""Engine behaviour: input validation, stopping, streaming, statistics and verify costs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import adaspec.costs
+from adaspec import GenerationConfig, SpeculativeEngine
+from adaspec.costs import VerifyCostCurve, load_or_measure, measure_verify_costs
+from adaspec.drafters import PromptLookupDrafter
+from adaspec.errors import ConfigError, PromptError, UnknownNameError
+from adaspec.models import as_loaded
+
+VOCAB = 32
+WORDS = [f"w{i:02d}" for i in range(VOCAB)]  # fixed width: a stop string cannot match mid-word
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+PROMPT2 = [7, 3, 9, 22, 14, 5, 30, 2, 11, 8]
+
+
+def _tiny_model(seed: int = 0, vocab: int = VOCAB, max_pos: int = 512) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_pos, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):  # leave the global RNG alone
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _word_tokenizer(**special) -> PreTrainedTokenizerFast:
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=WORDS[0]))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, **special)
+
+
+def _hf_greedy(model, prompt, n, **kw) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return _tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def small_window() -> LlamaForCausalLM:
+    return _tiny_model(seed=0, max_pos=64)
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return _word_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ar(model) -> list[int]:
+    """Plain greedy continuation of PROMPT (40 tokens)."""
+    return _hf_greedy(model, PROMPT, 40)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+def test_empty_prompts(model, tok):
+    engine = SpeculativeEngine(model, ["prompt-lookup"], tokenizer=tok)
+    for prompt in ("", "   \n"):
+        with pytest.raises(PromptError, match=r"empty: pass some text"):
+            engine.generate(prompt, max_new_tokens=4)
+    with pytest.raises(PromptError, match=r"empty: pass some text, messages or token ids"):
+        engine.generate([], max_new_tokens=4)
+    with pytest.raises(PromptError, match=r"empty"):
+        engine.generate(torch.tensor([], dtype=torch.long), max_new_tokens=4)
+
+
+def test_string_prompt_without_tokenizer(model):
+    engine = SpeculativeEngine(model, ["prompt-lookup"])
+    with pytest.raises(PromptError, match=r"no tokenizer: pass the prompt as a list of token ids"):
+        engine.generate("hello", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("prompt", [[3, 40], [-1, 2], [VOCAB]])
+def test_token_ids_outside_vocabulary(model, prompt):
+    engine = SpeculativeEngine(model, ["prompt-lookup"])
+    with pytest.raises(PromptError, match=r"outside the vocabulary \[0, 32\)"):
+        engine.generate(prompt, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("prompt", [[1, 2.0], [1, "2"], [True, 2]])
+def test_token_ids_must_be_ints(model, prompt):
+    engine = SpeculativeEngine(model, ["prompt-lookup"])
+    with pytest.raises(PromptError, match=r"list of ints"):
+        engine.generate(prompt, max_new_tokens=4)
+
+
+def test_prompt_longer_than_context_window(small_window):
+    engine = SpeculativeEngine(small_window, ["prompt-lookup"])
+    for n in (64, 80):
+        with pytest.raises(PromptError, match=rf"{n} tokens.*context window is 64: shorten the prompt"):
+            engine.generate([1] * n, max_new_tokens=1)
+
+
+def test_prompt_plus_max_new_tokens_over_context_window(small_window):
+    engine = SpeculativeEngine(small_window, ["self"], k=4)
+    with pytest.raises(PromptError, match=r"exceeds the context window \(64\): lower "
+                                          r"max_new_tokens to 34 or shorten the prompt"):
+        engine.generate([1] * 30, max_new_tokens=35)
+    # exactly filling the window is fine and exact
+    prompt = list(range(1, 31))
+    result = engine.generate(prompt, max_new_tokens=34)
+    assert result.token_ids == _hf_greedy(small_window, prompt, 34)
+
+
+@pytest.mark.parametrize("k", [0, -1, True, 2.5])
+def test_bad_k(model, k):
+    with pytest.raises(ConfigError, match=r"k must be an integer >= 1.*use k=1"):
+        SpeculativeEngine(model, ["prompt-lookup"], k=k)
+
+
+@pytest.mark.parametrize("option,match", [
+    ({"temperature": -0.5}, r"temperature must be >= 0.*use 0 for greedy"),
+    ({"temperature": float("nan")}, r"temperature must be a number"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\].*use 1.0 to disable"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\].*use 1.0 to disable"),
+    ({"top_k": -1}, r"top_k must be >= 0.*use 0 to disable"),
+    ({"max_new_tokens": 0}, r"max_new_tokens must be a positive integer"),
+    ({"max_new_tokens": -3}, r"max_new_tokens must be a positive integer"),
+    ({"max_new_tokens": 2.5}, r"max_new_tokens must be a positive integer"),
+    ({"stop": ["ok", ""]}, r"remove the empty string"),
+    ({"max_tokens": 10}, r"unknown generation option.*max_tokens.*allowed are.*max_new_tokens"),
+    ({"do_sample": True}, r"unknown generation option.*do_sample.*allowed are"),
+])
+def test_bad_generation_options(model, option, match):
+    engine = SpeculativeEngine(model, ["prompt-lookup"])
+    with pytest.raises(ConfigError, match=match):
+        engine.generate(PROMPT, **option)
+
+
+def test_bad_selector_and_length_names(model):
+    with pytest.raises(UnknownNameError, match=r"unknown selector 'bandit9'.*static"):
+        SpeculativeEngine(model, ["prompt-lookup"], selector="bandit9")
+    with pytest.raises(UnknownNameError, match=r"unknown length policy 'magic'.*static"):
+        SpeculativeEngine(model, ["prompt-lookup"], length="magic")
+    with pytest.raises(ConfigError, match=r"only 1 drafter"):
+        SpeculativeEngine(model, ["prompt-lookup"], selector="static:arm=1").generate(PROMPT)
+
+
+# -- stopping -----------------------------------------------------------------------------------
+def _pick_eos(ar: list[int]) -> tuple[int, int]:
+    """A token whose first occurrence in ``ar`` is as late as possible (but not the first 3)."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(ar):
+        first.setdefault(t, i)
+    cands = [(i, t) for t, i in first.items() if 3 <= i <= 30 and t != 0]
+    assert cands, ar
+    i, t = max(cands)
+    return t, i
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "self", "none"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_stops_at_eos_like_hf(ar, drafter, k):
+    eos, at = _pick_eos(ar)
+    model = _tiny_model(seed=0)  # own copy: its generation config is changed
+    model.generation_config.eos_token_id = eos
+    ref = _hf_greedy(model, PROMPT, 40)
+    assert ref == ar[: at + 1] and ref[-1] == eos
+    engine = SpeculativeEngine(model, [drafter], k=k)
+    result = engine.generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == ref
+    assert result.stats.stop_reason == "eos"
+    assert result.stats.new_tokens == len(ref)
+    # stop_on_eos=False runs to the token budget
+    result = engine.generate(PROMPT, max_new_tokens=40, config=GenerationConfig(stop_on_eos=False))
+    assert result.token_ids == ar
+    assert result.stats.stop_reason == "max_new_tokens"
+
+
+def test_stops_at_tokenizer_eos(model, ar):
+    eos, at = _pick_eos(ar)
+    tok = _word_tokenizer(eos_token=WORDS[eos])
+    assert tok.eos_token_id == eos
+    engine = SpeculativeEngine(model, ["self"], k=7, tokenizer=tok)
+    result = engine.generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == ar[: at + 1]
+    assert result.stats.stop_reason == "eos"
+    assert WORDS[eos] not in result.text  # special tokens are skipped in the text
+
+
+@pytest.mark.parametrize("drafter", ["self", "prompt-lookup", "suffix"])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_max_new_tokens_exactly_respected(model, ar, drafter, k):
+    engine = SpeculativeEngine(model, [drafter], k=k)
+    for n in (1, 2, 3, 5, 8, 13):
+        result = engine.generate(PROMPT, max_new_tokens=n)
+        assert result.token_ids == ar[:n]
+        assert result.stats.new_tokens == n
+        assert result.stats.stop_reason == "max_new_tokens"
+        assert all(r.k_cap <= min(k, n - 1) for r in result.stats.rounds)
+
+
+def _first_stop(ar: list[int], stops: list[str], tok) -> int:
+    """Number of tokens plain decoding emits before (and including) the first stop-string hit."""
+    for j in range(len(ar)):
+        text = tok.decode(ar[: j + 1])
+        if any(s in text for s in stops):
+            return j + 1
+    return len(ar)
+
+
+@pytest.mark.parametrize("drafter", ["self", "prompt-lookup", "suffix"])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_stop_strings(model, tok, ar, drafter, k):
+    engine = SpeculativeEngine(model, [drafter], k=k, tokenizer=tok)
+    text_prompt = tok.decode(PROMPT)
+    assert engine.encode_prompt(text_prompt) == PROMPT
+    checked = 0
+    for pos in (5, 11, 20):
+        stop = tok.decode(ar[pos: pos + 2])  # two tokens, occurring at pos (or earlier)
+        n = _first_stop(ar, [stop], tok)
+        assert 2 <= n <= pos + 2
+        result = engine.generate(text_prompt, max_new_tokens=40, stop=[stop])
+        assert result.token_ids == ar[:n]
+        assert result.stats.stop_reason == "stop_string"
+        assert stop in result.text and result.text.endswith(stop)
+        assert stop not in tok.decode(ar[: n - 1])
+        checked += 1
+    # several stop strings: the earliest wins; a stop string given as a plain str works too
+    stops = [tok.decode(ar[25:27]), tok.decode(ar[8:9])]
+    n = _first_stop(ar, stops, tok)
+    assert engine.generate(text_prompt, max_new_tokens=40, stop=stops).token_ids == ar[:n]
+    assert engine.generate(text_prompt, max_new_tokens=40, stop=stops[1]).token_ids == \
+        ar[: _first_stop(ar, [stops[1]], tok)]
+    # a stop string that never occurs
+    result = engine.generate(text_prompt, max_new_tokens=40, stop=["zzz"])
+    assert result.token_ids == ar and result.stats.stop_reason == "max_new_tokens"
+    assert checked == 3
+
+
+# -- streaming ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("drafter", ["self", "prompt-lookup", "none"])
+def test_on_tokens_chunks_concatenate(model, ar, drafter):
+    engine = SpeculativeEngine(model, [drafter], k=4)
+    chunks: list[list[int]] = []
+    result = engine.generate(PROMPT, max_new_tokens=40, on_tokens=lambda c: chunks.append(list(c)))
+    assert [t for c in chunks for t in c] == result.token_ids == ar
+    assert len(chunks) == result.stats.n_rounds
+    assert [len(c) for c in chunks] == [r.emitted for r in result.stats.rounds]
+    assert all(chunks)
+    if drafter == "self":
+        assert max(map(len, chunks)) == 5
+
+
+@pytest.mark.parametrize("drafter", ["self", "prompt-lookup"])
+def test_stream_text_pieces_concatenate(model, tok, drafter):
+    engine = SpeculativeEngine(model, [drafter], k=4, tokenizer=tok)
+    text_prompt = tok.decode(PROMPT2)
+    result = engine.generate(text_prompt, max_new_tokens=30)
+    pieces = list(engine.stream(text_prompt, max_new_tokens=30))
+    assert len(pieces) > 1
+    assert "".join(pieces) == result.text == tok.decode(result.token_ids)
+    assert engine.last_stats is not None
+    assert engine.last_stats.new_tokens == 30
+    # stream honours stop strings too
+    stop = tok.decode(result.token_ids[10:12])
+    stopped = engine.generate(text_prompt, max_new_tokens=30, stop=[stop])
+    assert "".join(engine.stream(text_prompt, max_new_tokens=30, stop=[stop])) == stopped.text
+    assert engine.last_stats.stop_reason == "stop_string"
+
+
+# -- statistics ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("drafter,prompt", [("prompt-lookup", PROMPT), ("suffix", PROMPT2),
+                                            ("self", PROMPT2)])
+def test_stats_formulas(model, drafter, prompt):
+    engine = SpeculativeEngine(model, [drafter], k=4)
+    result = engine.generate(prompt, max_new_tokens=40)
+    s = result.stats
+    assert s.prompt_tokens == len(prompt)
+    assert s.new_tokens == 40 == len(result.token_ids)
+    assert s.n_rounds == len(s.rounds) > 0
+    assert s.mat == pytest.approx(s.new_tokens / s.n_rounds)
+    assert s.verification_rate * s.new_tokens == pytest.approx(s.n_rounds)
+    assert s.drafted == sum(r.drafted for r in s.rounds)
+    assert s.accepted == sum(r.accepted for r in s.rounds) <= s.drafted
+    assert s.discard_rate == pytest.approx((s.drafted - s.accepted) / s.new_tokens)
+    assert s.acceptance_rate == pytest.approx(s.accepted / s.drafted if s.drafted else 0.0)
+    assert sum(r.emitted for r in s.rounds) == s.new_tokens
+    for r in s.rounds[:-1]:
+        assert r.emitted == r.accepted + 1
+        assert r.accepted <= r.drafted <= r.k_cap <= 4
+    assert s.seed is None  # greedy
+    assert s.tokens_per_s > 0
+    if drafter == "self":
+        assert s.acceptance_rate == 1.0 and s.discard_rate == 0.0
+
+    split = s.time_split
+    assert set(split) == {"prefill", "drafter_prefill", "target_forward", "drafting", "catch_up",
+                          "policy", "evaluation", "overhead", "other"}
+    assert all(v >= 0 for v in split.values())
+    assert split["target_forward"] > 0 and split["prefill"] > 0
+    assert sum(split.values()) == pytest.approx(s.total_s, rel=0.02, abs=1e-3)
+    for r in s.rounds:
+        parts = (r.draft_s + r.verify_s + r.catch_up_s + r.policy_s + r.eval_s + r.overhead_s
+                 + r.drafter_prefill_s)
+        assert parts == pytest.approx(r.total_s, rel=1e-6, abs=1e-9)
+
+    d = result.to_dict(rounds=True)
+    text = json.dumps(d)
+    back = json.loads(text)
+    assert back["token_ids"] == result.token_ids
+    st = back["stats"]
+    assert st["rounds"] == s.n_rounds and st["new_tokens"] == 40
+    assert st["mat"] == pytest.approx(s.mat)
+    assert len(st["per_round"]) == s.n_rounds
+    assert st["drafter_usage"] == {engine.drafter_names[0]: s.n_rounds}
+    json.dumps(s.to_dict())
+    assert isinstance(s.summary(), str) and "MAT" in s.summary()
+
+
+class _SlowPrefillLookup(PromptLookupDrafter):
+    """Prompt lookup whose first catch-up in a request (the drafter prefill) takes 50 ms."""
+
+    def begin_request(self, prompt_ids):
+        super().begin_request(prompt_ids)
+        self._first = True
+
+    def catch_up(self, context):
+        if self._first:
+            self._first = False
+            time.sleep(0.05)
+        super().catch_up(context)
+
+
+def test_drafter_prefill_is_not_counted_twice(model):
+    engine = SpeculativeEngine(model, [_SlowPrefillLookup()], k=4)
+    s = engine.generate(PROMPT, max_new_tokens=10).stats
+    assert s.drafter_prefill_s >= 0.05
+    assert s.rounds[0].policy_s < 0.025
+    assert sum(s.time_split.values()) <= s.total_s + 0.01
+
+
+# -- verify costs -------------------------------------------------------------------------------
+def test_measure_verify_costs(model):
+    curve = measure_verify_costs(as_loaded(model), ks=(1, 2, 4), context=16, repeats=2)
+    assert curve.ks == [1, 2, 4] and curve.context == 16
+    assert len(curve.seconds) == 3 and all(s > 0 for s in curve.seconds)
+    assert curve.ratio(1) == 1.0
+
+
+def test_cost_curve_interpolation_ratio_and_cliffs():
+    curve = VerifyCostCurve(ks=[1, 2, 3, 5], seconds=[1.0, 1.8, 1.85, 1.2], context=10)
+    assert curve.cliffs() == [2, 3]
+    assert curve.cost(0) == 0.0 and curve.cost(-2) == 0.0
+    assert curve.cost(2) == 1.8
+    assert curve.cost(4) == pytest.approx(1.525)  # halfway between 1.85 and 1.2
+    assert curve.cost(9) == pytest.approx(1.2)  # decreasing tail: extrapolated flat
+    assert curve.ratio(2) == pytest.approx(1.8)
+    assert curve.ratio(5) == pytest.approx(1.2)
+    d = curve.to_dict()
+    assert d["cliffs"] == [2, 3] and d["ratios"] == [1.0, 1.8, 1.85, 1.2]
+    assert "cliff" in curve.table()
+
+    rising = VerifyCostCurve(ks=[2, 4, 8], seconds=[2.0, 3.0, 5.0], context=10)
+    assert rising.cliffs() == []
+    assert rising.cost(1) == 2.0  # below the first k: the first measurement
+    assert rising.cost(6) == pytest.approx(4.0)
+    assert rising.cost(10) == pytest.approx(6.0)  # slope of the last segment (0.5 per token)
+    assert rising.ratio(8) == pytest.approx(5.0 / 2.0)
+
+
+def test_load_or_measure_caches_on_disk(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    loaded = as_loaded(model)
+    first = load_or_measure(loaded, ks=(1, 2, 3), context=8, repeats=2)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and files[0].stem == first.key
+    assert json.loads(files[0].read_text())["seconds"] == first.seconds
+
+    def boom(*args, **kwargs):
+        raise AssertionError("should have been read from the cache")
+
+    monkeypatch.setattr(adaspec.costs, "measure_verify_costs", boom)
+    again = load_or_measure(loaded, ks=(1, 2, 3), context=8, repeats=2)
+    assert (again.ks, again.seconds, again.context, again.key) == \
+        (first.ks, first.seconds, first.context, first.key)
+    with pytest.raises(AssertionError, match="cache"):  # other ks: another key, measured again
+        load_or_measure(loaded, ks=(1, 2), context=8, repeats=2)
+    with pytest.raises(AssertionError, match="cache"):  # refresh forces a measurement
+        load_or_measure(loaded, ks=(1, 2, 3), context=8, repeats=2, refresh=True)
+
+
+def test_load_or_measure_ignores_corrupt_cache(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    loaded = as_loaded(model)
+    first = load_or_measure(loaded, ks=(1, 2), context=8, repeats=1)
+    path = tmp_path / "costs" / f"{first.key}.json"
+    path.write_text("{not json")
+    fake = VerifyCostCurve(ks=[1, 2], seconds=[0.5, 0.75], context=8)
+    monkeypatch.setattr(adaspec.costs, "measure_verify_costs", lambda *a, **k: fake)
+    curve = load_or_measure(loaded, ks=(1, 2), context=8, repeats=1)
+    assert curve.seconds == [0.5, 0.75]
+    assert json.loads(path.read_text())["seconds"] == [0.5, 0.75]  # rewritten
+
+
+def test_engine_verify_costs_uses_cache(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    engine = SpeculativeEngine(model, ["prompt-lookup"], k=2)
+    fake = VerifyCostCurve(ks=[1, 2, 3, 4], seconds=[1.0, 1.0, 2.0, 1.0], context=200)
+    monkeypatch.setattr(adaspec.costs, "measure_verify_costs", lambda *a, **k: fake)
+    monkeypatch.setattr("adaspec.engine.load_or_measure", adaspec.costs.load_or_measure)
+    curve = engine.verify_costs()
+    assert curve.seconds == fake.seconds and curve.cliffs() == [3]
+    assert engine.verify_costs() is curve  # memoised on the engine
+    assert list((tmp_path / "costs").glob("*.json"))

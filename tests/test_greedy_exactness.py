@@ -1,0 +1,264 @@
+"""Greedy speculative decoding must reproduce plain greedy decoding token for token.
+
+Every drafter, several draft lengths and several prompts are compared with Hugging Face's
+own ``model.generate(do_sample=False)`` on a tiny randomly initialised Llama.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from adaspec import SpeculativeEngine
+from adaspec.drafters import ModelDrafter, PromptLookupDrafter
+from adaspec.models import as_loaded
+from adaspec.selection import DrafterPolicy
+
+VOCAB = 32
+MAX_NEW = 40
+
+
+def _tiny_model(seed: int = 0, vocab: int = VOCAB, max_pos: int = 512) -> LlamaForCausalLM:
+    """A tiny randomly initialised Llama (deterministic for a given seed)."""
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_pos, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):  # leave the global RNG alone
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _random_prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (n,), generator=g).tolist()
+
+
+PROMPTS = {
+    "repetitive": [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3],
+    "random": _random_prompt(12, seed=123),
+    "constant": [5] * 6,
+    "single": [7],
+}
+DRAFTERS = ["none", "prompt-lookup", "suffix", "self", "model-other"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run much faster (and steadier on a loaded machine) on one thread."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return _tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def other() -> LlamaForCausalLM:
+    """A different random model with the same vocabulary (a drafter that mostly disagrees)."""
+    return _tiny_model(seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """Plain greedy continuations from Hugging Face generate, per prompt name."""
+    cache: dict[str, list[int]] = {}
+
+    def get(name: str) -> list[int]:
+        if name not in cache:
+            prompt = PROMPTS[name]
+            with torch.no_grad():
+                out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW)
+            cache[name] = out[0, len(prompt):].tolist()
+            assert len(cache[name]) == MAX_NEW
+        return cache[name]
+
+    return get
+
+
+def _drafter(spec: str, other: LlamaForCausalLM):
+    if spec == "model-other":
+        return ModelDrafter(as_loaded(other), VOCAB)
+    return spec
+
+
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_matches_hf_generate(target, other, reference, drafter, k, prompt_name):
+    engine = SpeculativeEngine(target, [_drafter(drafter, other)], k=k)
+    result = engine.generate(PROMPTS[prompt_name], max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference(prompt_name)
+    assert result.prompt_ids == PROMPTS[prompt_name]
+    stats = result.stats
+    assert stats.new_tokens == MAX_NEW
+    assert stats.stop_reason == "max_new_tokens"
+    assert all(r.drafted <= k for r in stats.rounds)
+    assert sum(r.emitted for r in stats.rounds) == MAX_NEW
+
+
+def test_self_drafter_accepts_everything(target, reference):
+    """A drafter identical to the target is always right under greedy decoding."""
+    engine = SpeculativeEngine(target, ["self"], k=4)
+    result = engine.generate(PROMPTS["random"], max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference("random")
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.n_rounds == MAX_NEW // 5  # 4 drafts + 1 bonus per round
+
+
+def test_no_drafters_is_plain_decoding(target, reference):
+    engine = SpeculativeEngine(target, [], k=3)
+    assert engine.drafter_names == ["none"]
+    result = engine.generate(PROMPTS["repetitive"], max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference("repetitive")
+    assert result.stats.n_rounds == MAX_NEW
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_engine_reuse_across_requests_stays_exact(target, other, reference, drafter):
+    engine = SpeculativeEngine(target, [_drafter(drafter, other)], k=4)
+    order = ["repetitive", "random", "repetitive", "constant", "random", "single"]
+    for name in order:
+        result = engine.generate(PROMPTS[name], max_new_tokens=MAX_NEW)
+        assert result.token_ids == reference(name), f"request {name!r} diverged"
+
+
+def test_engine_reuse_with_varying_lengths(target, reference):
+    """Shorter and longer requests interleaved on one engine (stale drafter state must not leak)."""
+    engine = SpeculativeEngine(target, ["self", "prompt-lookup"], k=7)
+    for n in (3, MAX_NEW, 1, 17, MAX_NEW):
+        result = engine.generate(PROMPTS["random"], max_new_tokens=n)
+        assert result.token_ids == reference("random")[:n]
+
+
+class Alternate(DrafterPolicy):
+    """Switches drafter every round: 0, 1, 0, 1, ..."""
+
+    name = "alternate"
+
+    def begin_request(self, drafter_names):
+        super().begin_request(drafter_names)
+        self.t = 0
+
+    def select(self) -> int:
+        return self.t % self.n_arms
+
+    def update(self, feedback) -> None:
+        self.t += 1
+
+
+@pytest.mark.parametrize("pair", [("self", "prompt-lookup"), ("model-other", "suffix"),
+                                  ("prompt-lookup", "self"), ("self", "model-other")])
+@pytest.mark.parametrize("prompt_name", ["repetitive", "random"])
+def test_switching_drafters_stays_exact_and_records_catch_up(target, other, reference, pair,
+                                                             prompt_name):
+    drafters = [_drafter(s, other) for s in pair]
+    engine = SpeculativeEngine(target, drafters, selector=Alternate(), k=4)
+    names = engine.drafter_names
+    result = engine.generate(PROMPTS[prompt_name], max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference(prompt_name)
+
+    rounds = result.stats.rounds
+    assert len(rounds) >= 3
+    assert [r.drafter for r in rounds] == [names[i % 2] for i in range(len(rounds))]
+    assert rounds[0].catch_up_tokens == 0
+    for prev, cur in zip(rounds, rounds[1:]):
+        # the switched-to drafter missed exactly the tokens emitted in the previous round
+        assert cur.catch_up_tokens == prev.emitted > 0
+        assert cur.catch_up_s > 0
+    assert result.stats.to_dict()["catch_up_tokens"] == sum(r.emitted for r in rounds[:-1])
+    assert result.stats.time_split["catch_up"] > 0
+    assert result.stats.drafter_prefill_s > 0
+    assert result.stats.drafter_usage() == {names[0]: (len(rounds) + 1) // 2,
+                                            names[1]: len(rounds) // 2}
+
+
+class FullInfoRecorder(DrafterPolicy):
+    """Round-robin over all drafters, recording the counterfactual feedback."""
+
+    name = "full-info-recorder"
+    full_information = True
+
+    def begin_request(self, drafter_names):
+        super().begin_request(drafter_names)
+        self.t = 0
+        self.log: list[tuple[int, list[int], dict[int, list[float]] | None]] = []
+
+    def select(self) -> int:
+        return self.t % self.n_arms
+
+    def update(self, feedback) -> None:
+        cf = None if feedback.counterfactual is None else {
+            j: list(g) for j, g in feedback.counterfactual.items()}
+        self.log.append((feedback.drafter, list(feedback.emitted), cf))
+        self.t += 1
+
+
+@pytest.mark.parametrize("prompt_name", ["repetitive", "random"])
+def test_full_information_counterfactuals(target, other, reference, prompt_name):
+    specs = ["prompt-lookup", "self", "none", "suffix", "model-other"]
+    policy = FullInfoRecorder()
+    engine = SpeculativeEngine(target, [_drafter(s, other) for s in specs], selector=policy, k=4)
+    prompt = PROMPTS[prompt_name]
+    result = engine.generate(prompt, max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference(prompt_name)
+
+    i_lookup, i_self, i_none, i_other = 0, 1, 2, 4
+    assert len(policy.log) == result.stats.n_rounds
+    context = list(prompt)
+    self_checked = other_checked = 0
+    for chosen, emitted, cf in policy.log:
+        assert cf is not None
+        assert set(cf) == set(range(len(specs))) - {chosen}
+        for j, gammas in cf.items():
+            assert len(gammas) == len(emitted)
+            assert all(g in (0.0, 1.0) for g in gammas), (j, gammas)
+        if i_self in cf:
+            assert cf[i_self] == [1.0] * len(emitted)
+            self_checked += 1
+        if i_none in cf:
+            assert cf[i_none] == [0.0] * len(emitted)
+        if i_lookup in cf:
+            # teacher-forced prompt-lookup proposals on the same prefixes, from a fresh drafter
+            fresh = PromptLookupDrafter()
+            expect = []
+            for m in range(len(emitted)):
+                prefix = context + emitted[:m]
+                fresh.begin_request(prefix)
+                fresh.catch_up(prefix)
+                expect.append(1.0 if fresh.propose() == emitted[m] else 0.0)
+            assert cf[i_lookup] == expect
+        if i_other in cf:
+            # the other model's greedy choice at each verified position (full forward);
+            # only positions with a clear top-1 margin are compared (no float near-ties)
+            with torch.no_grad():
+                logits = other(torch.tensor([context + emitted[:-1]])).logits[0, len(context) - 1:]
+            top2 = logits.topk(2, dim=-1).values
+            for m in range(len(emitted)):
+                if top2[m, 0] - top2[m, 1] > 1e-4:
+                    assert cf[i_other][m] == float(int(logits[m].argmax()) == emitted[m])
+                    other_checked += 1
+        context += emitted
+    assert context == prompt + result.token_ids
+    assert self_checked > 0 and other_checked > 0
+
+    rounds = result.stats.rounds
+    # every drafter is brought up to date by the evaluation, so nothing is left to catch up
+    assert all(r.catch_up_tokens == 0 for r in rounds)
+    assert all(r.eval_s > 0 for r in rounds)
+    assert result.stats.time_split["evaluation"] > 0
+
+
+def test_full_information_single_drafter_gets_no_counterfactual(target, reference):
+    policy = FullInfoRecorder()
+    engine = SpeculativeEngine(target, ["prompt-lookup"], selector=policy, k=4)
+    result = engine.generate(PROMPTS["repetitive"], max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference("repetitive")
+    assert all(cf is None for _, _, cf in policy.log)

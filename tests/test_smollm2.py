@@ -1,0 +1,82 @@
+"""Slow real-model tests on the embedded SmolLM2-135M-Instruct (fp32 and bf16).
+
+Run with ``pytest --run-slow`` (the README's test command does).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from adaspec import SpeculativeEngine, load_model
+from adaspec.drafters import ModelDrafter
+from adaspec.exactness import check_tie_aware, greedy_reference
+from adaspec.models import LoadedModel
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Fix the spelling in this sentence and return it: 'The comittee will discus the budjet on "
+    "tuesday and every departement must send there report.'",
+    "Write a Python function that checks whether a number is prime, with a docstring.",
+    "Tell me a short story about a fox and a crow.",
+]
+N_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def smol() -> LoadedModel:
+    return load_model("smollm2")
+
+
+def early_exit(target: LoadedModel, layers: int) -> LoadedModel:
+    """A cheap (and poor) model drafter: the target's first ``layers`` layers + its LM head."""
+    m = copy.deepcopy(target.model)
+    m.model.layers = m.model.layers[:layers]
+    m.config.num_hidden_layers = layers
+    if getattr(m.config, "layer_types", None):
+        m.config.layer_types = m.config.layer_types[:layers]
+    return LoadedModel(m, target.tokenizer, f"{target.name}[:{layers} layers]")
+
+
+@pytest.fixture(scope="module")
+def references(smol):
+    eng = SpeculativeEngine(smol, [])
+    out = []
+    for p in PROMPTS:
+        ids = eng.encode_prompt(p)
+        out.append((ids, greedy_reference(smol.model, ids, N_NEW, eos_token_id=sorted(eng.eos_ids()))))
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "suffix", "self", "early-exit"])
+def test_greedy_equals_hf_generate(smol, references, drafter):
+    spec = ModelDrafter(early_exit(smol, 8), smol.vocab_size, name="early-exit") \
+        if drafter == "early-exit" else drafter
+    eng = SpeculativeEngine(smol, [spec], k=5)
+    drafted = 0
+    for ids, ref in references:
+        res = eng.generate(ids, max_new_tokens=N_NEW)
+        assert res.token_ids == ref, f"{drafter}: SD output differs from model.generate"
+        drafted += res.stats.drafted
+    if drafter != "none":
+        assert drafted > 0
+
+
+def test_sampling_runs_and_is_reproducible(smol):
+    eng = SpeculativeEngine(smol, ["prompt-lookup", "suffix"], k=4)
+    a = eng.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
+    b = eng.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_bf16_is_tie_aware_exact(smol):
+    """bf16 is not batch-invariant, so compare with the tie-aware checker instead of equality."""
+    bf = LoadedModel(copy.deepcopy(smol.model).to(torch.bfloat16), smol.tokenizer, "smollm2-bf16")
+    eng = SpeculativeEngine(bf, ["prompt-lookup"], k=5)
+    for p in PROMPTS[:2]:
+        res = eng.generate(p, max_new_tokens=N_NEW)
+        check = check_tie_aware(bf.model, res.prompt_ids, res.token_ids, max_gap=0.1)
+        assert check.ok, f"tokens far from the argmax: {check.violations}"
