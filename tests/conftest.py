@@ -29,6 +29,7 @@ def make_tiny_model(
     intermediate: int = 64,
     max_positions: int = 512,
     lm_head_scale: float = 1.0,
+    init_std: float = 0.02,
     dtype: torch.dtype = torch.float32,
 ):
     """A tiny randomly initialised ``LlamaForCausalLM`` in eval mode.
@@ -36,8 +37,12 @@ def make_tiny_model(
     The weights depend only on ``seed`` (the global torch RNG is left untouched).
     ``lm_head_scale`` multiplies the output-projection weights: with the default
     initialisation (std 0.02) the next-token distributions are close to uniform, and a
-    factor of about 10-20 makes them peaky. No EOS token is configured, so generation only
-    stops on the token budget; ``pad_token_id`` is 0.
+    factor of about 10-20 makes them peaky. ``init_std`` is the initialisation standard
+    deviation of all weights (HF default 0.02, with which attention is nearly uniform and the
+    next-token distribution depends only weakly on the context; 0.2-0.3 makes the model
+    context-sensitive, which tests of KV-cache handling need, and then an ``lm_head_scale``
+    of 1-3 is enough). No EOS token is configured, so generation only stops on the token
+    budget; ``pad_token_id`` is 0.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,6 +58,7 @@ def make_tiny_model(
         bos_token_id=None,
         eos_token_id=None,
         tie_word_embeddings=False,
+        initializer_range=init_std,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -6,8 +6,6 @@ does), whatever the drafter. For a fixed prompt we compute the exact target dist
 first n generated tokens by enumerating all V**n continuations with model forwards, run
 ``SpeculativeEngine.generate`` with many seeds and compare the empirical distribution of the
 generated n-tuples with a chi-square goodness-of-fit test at significance level
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 ALPHA = 0.001 (cells with expected count < 5 merged). Every test also checks that the drafter
 was exercised (drafts proposed, some accepted and some rejected) so it cannot pass vacuously,
 and that no token outside the target's support is ever emitted.
@@ -31,26 +29,32 @@ from adaspec.models import as_loaded
 from adaspec.sampling import process_logits
 from conftest import chisquare_gof, make_tiny_model
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 ALPHA = 0.001  # significance level of every chi-square test in this file
 N_RUNS = 3000  # generate() calls per configuration
 
 V = 12  # vocabulary of the 2-token tests
-TARGET_SCALE = 12.0  # lm_head scale of the target: max next-token probability ~0.3-0.5
+# Tiny models with init std 0.2 (instead of HF's 0.02) attend sharply, so the next-token
+# distribution depends strongly on the context (a stale or missing KV entry changes it a lot),
+# and lm_head scale 1.5 makes it peaky: max next-token probability ~0.37 after PROMPT.
+INIT_STD = 0.2
+TARGET_SCALE = 1.5
 PROMPT = [3, 7, 1, 9, 4]
-# prompt-lookup: the 3-gram (0, 5, 2) recurs, so the drafter proposes 0 (target p(0) ~ 0.43)
-PLD_PROMPT = [5, 2, 0, 5, 2, 0, 5, 2]
+# prompt-lookup: the 2-gram (10, 2) recurs, so the drafter proposes 11 (target p(11) ~ 0.37)
+PLD_PROMPT = [10, 2, 11, 10, 2, 11, 10, 2]
 
 
 @pytest.fixture(scope="module")
 def target():
-    return make_tiny_model(seed=0, vocab=V, lm_head_scale=TARGET_SCALE)
+    return make_tiny_model(seed=0, vocab=V, init_std=INIT_STD, lm_head_scale=TARGET_SCALE)
 
 
 @pytest.fixture(scope="module")
 def bad_drafter_model():
-    # a different random model, made peaky so that it is confidently wrong: 1 - TV(p, q) at the
-    # first position is ~0.4, so both acceptance and the residual resampling are exercised a lot
-    return make_tiny_model(seed=123, vocab=V, lm_head_scale=16.0)
+    # a different random model, made peakier so that it is confidently wrong: 1 - TV(p, q) at
+    # the first position is ~0.3-0.5, so acceptance and residual resampling both run a lot
+    return make_tiny_model(seed=123, vocab=V, init_std=INIT_STD, lm_head_scale=5.0)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -118,12 +122,17 @@ def test_exact_distribution_is_a_distribution_and_uses_processing(target):
     cfg = SamplingConfig(temperature=1.0, top_k=5)
     exact = exact_distribution(target, PROMPT, cfg, 2)
     assert exact.shape == (V, V)
-    assert exact.sum() == pytest.approx(1.0, abs=1e-9)
+    assert exact.sum() == pytest.approx(1.0, abs=1e-5)  # float32 probabilities
     # top-k 5 on both positions: 5 first tokens, 5 second tokens after each
     assert (exact.sum(1) > 0).sum() == 5
     assert all((exact[a] > 0).sum() == 5 for a in range(V) if exact[a].sum() > 0)
-    # the target is far from uniform, and the bad drafter is far from the target
+    # the target is far from uniform ...
     assert exact.max() > 4.0 / (V * V)
+    # ... and the second token depends strongly on the first (context-sensitive model), so a
+    # wrong KV cache would change the pair distribution
+    full = exact_distribution(target, PROMPT, SamplingConfig(temperature=1.0), 2)
+    independent = np.outer(full.sum(1), full.sum(0))
+    assert 0.5 * np.abs(full - independent).sum() > 0.1
 
 
 def test_plain_sampling_matches_exact_distribution(target):
@@ -139,10 +148,11 @@ def test_plain_sampling_matches_exact_distribution(target):
 
 
 # -- (a) a deliberately bad model drafter -------------------------------------------------------
-@pytest.mark.parametrize("temperature", [1.0, 1.6])
-def test_bad_model_drafter_is_exact(target, bad_drafter_model, temperature):
-    """A different random model as drafter (dense q, acceptance ~0.4): the 2-token output
-    distribution equals the target's. Chi-square test at alpha = 0.001 over 3000 seeds."""
+def test_bad_model_drafter_is_exact(target, bad_drafter_model):
+    """A different random model as drafter (dense q, acceptance ~0.5) at a high sampling
+    temperature (1.5): the 2-token output distribution equals the target's.
+    Chi-square test at alpha = 0.001 over 3000 seeds."""
+    temperature = 1.5
     drafter = ModelDrafter(as_loaded(bad_drafter_model), V)
     engine = SpeculativeEngine(target, [drafter], k=4)
     cfg = SamplingConfig(temperature=temperature)
@@ -211,13 +221,14 @@ def test_three_tokens_with_multi_token_blocks(drafter_kind):
     block rule, the target KV-cache crop after a rejection and the drafter's catch-up in later
     rounds all run. The exact distribution over all V**3 = 512 triples is compared by a
     chi-square test at alpha = 0.001 (sparse cells merged) over 3000 seeds."""
-    target = make_tiny_model(seed=0, vocab=V3, lm_head_scale=12.0)
+    target = make_tiny_model(seed=0, vocab=V3, init_std=INIT_STD)
     if drafter_kind == "model":
-        drafter = ModelDrafter(as_loaded(make_tiny_model(seed=123, vocab=V3, lm_head_scale=6.0)), V3)
+        bad = make_tiny_model(seed=123, vocab=V3, init_std=INIT_STD, lm_head_scale=2.0)
+        drafter = ModelDrafter(as_loaded(bad), V3)
         prompt = PROMPT3
     else:
         drafter = PromptLookupDrafter()
-        prompt = [7, 3, 4, 7, 3, 4, 7, 3]  # proposes 4 (p ~0.32), then 7
+        prompt = [7, 3, 4, 7, 3, 4, 7, 3]  # proposes 4 (p ~0.57), then 7 (p ~0.16)
     engine = SpeculativeEngine(target, [drafter], k=3)
     cfg = SamplingConfig(temperature=1.0)
     exact = exact_distribution(target, prompt, cfg, 3)

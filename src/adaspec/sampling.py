@@ -99,7 +99,7 @@ def verify_sampling(
         if q is not None:
             ratio = ratio / q.to(p.device)[rows, idx]
         u = torch.rand(k, generator=generator, device=p.device)
-        rejected = torch.nonzero(u >= ratio)
+        rejected = torch.nonzero(~(u < ratio))  # NaN ratio (q(y) = 0) rejects
         if rejected.numel():
             n = int(rejected[0, 0].item())
     if n == k:
