@@ -216,7 +216,10 @@ def test_full_information_counterfactuals(target, other, reference, prompt_name)
     self_checked = other_checked = 0
     for chosen, emitted, cf in policy.log:
         assert cf is not None
-        assert set(cf) == set(range(len(specs))) - {chosen}
+        assert set(cf) == set(range(len(specs)))
+        own = cf.pop(chosen)  # the chosen drafter: 1 per accepted draft, 0 for a rejected one
+        assert own in ([1.0] * (len(emitted) - 1), [1.0] * (len(emitted) - 1) + [0.0]) or (
+            own == [] and chosen == i_none), (chosen, own)
         for j, gammas in cf.items():
             assert len(gammas) == len(emitted)
             assert all(g in (0.0, 1.0) for g in gammas), (j, gammas)

@@ -135,3 +135,49 @@ def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
     except OSError as exc:
         log.warning("could not cache the verify-cost curve in %s: %s", path, exc)
     return curve
+
+
+class CostModel:
+    """What rounds cost on this machine, for cost-aware policies (model-free numbers only).
+
+    Combines the measured verify-cost curve (if available) with running means, updated by the
+    engine after every round, of each drafter's seconds per drafted token and per caught-up
+    token, and of observed verify times per width.
+    """
+
+    def __init__(self, curve: VerifyCostCurve | None = None, decay: float = 0.9):
+        self.curve = curve
+        self.decay = decay
+        self.draft_token_s: dict[int, float] = {}
+        self.catch_up_token_s: dict[int, float] = {}
+        self.verify_width_s: dict[int, float] = {}
+
+    def _ema(self, table: dict[int, float], key: int, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
+
+    def observe(self, drafter: int, drafted: int, draft_s: float, verify_s: float,
+                catch_up_tokens: int, catch_up_s: float) -> None:
+        if drafted:
+            self._ema(self.draft_token_s, drafter, draft_s / drafted)
+        if catch_up_tokens:
+            self._ema(self.catch_up_token_s, drafter, catch_up_s / catch_up_tokens)
+        self._ema(self.verify_width_s, drafted + 1, verify_s)
+
+    def verify_cost(self, width: int) -> float:
+        """Seconds of one target forward over ``width`` tokens (curve, else observed, else 0)."""
+        if self.curve is not None:
+            return self.curve.cost(width)
+        if width in self.verify_width_s:
+            return self.verify_width_s[width]
+        if self.verify_width_s:  # nearest observed width
+            nearest = min(self.verify_width_s, key=lambda w: abs(w - width))
+            return self.verify_width_s[nearest]
+        return 0.0
+
+    def draft_cost(self, drafter: int, n_tokens: int) -> float:
+        """Estimated seconds for ``drafter`` to draft ``n_tokens`` (0 if never observed)."""
+        return self.draft_token_s.get(drafter, 0.0) * n_tokens
+
+    def catch_up_cost(self, drafter: int, n_tokens: int) -> float:
+        return self.catch_up_token_s.get(drafter, 0.0) * n_tokens

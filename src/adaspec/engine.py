@@ -20,7 +20,7 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 import torch
 
 from .config import GenerationConfig, SamplingConfig
-from .costs import VerifyCostCurve, load_or_measure
+from .costs import CostModel, VerifyCostCurve, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, gammas_from_proposals
@@ -83,6 +83,12 @@ class SpeculativeEngine:
         self.length = build_length(length, k)
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostCurve | None = None
+        #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
+        self.cost_model = CostModel()
+        for policy in (self.selector, self.length):
+            if getattr(policy, "wants_costs", False):
+                self.cost_model.curve = self.verify_costs()
+                policy.costs = self.cost_model
 
     @classmethod
     def from_pretrained(cls, model: str = DEFAULT_MODEL,
@@ -342,6 +348,8 @@ class SpeculativeEngine:
                 for j in range(len(drafters)):
                     seen[j] = len(tokens)
             t6 = now()
+            self.cost_model.observe(i, k, feedback.draft_s, feedback.verify_s, catch_up_tokens,
+                                    feedback.catch_up_s)
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
@@ -387,7 +395,7 @@ class SpeculativeEngine:
         m = len(emitted)
         target_logits = logits[:m]
         target_probs = feedback.target_probs[:m]
-        out: dict[int, list[float]] = {}
+        out: dict[int, list[float]] = {chosen: feedback.chosen_gammas()}
         for j, d in enumerate(self.drafters):
             if j == chosen:
                 continue

@@ -52,14 +52,18 @@ class RoundFeedback:
     n_accepted: int  # drafted tokens accepted (bonus excluded)
     emitted: list[int]  # tokens appended to the output (accepted + correction/bonus, after stops)
     k_cap: int  # length cap the length policy set for the round
-    target_logits: torch.Tensor  # [len(draft)+1, V] raw target logits
+    target_logits: torch.Tensor | None  # [len(draft)+1, V] raw target logits (None: synthetic)
     sampling: SamplingConfig
     draft_s: float = 0.0
     verify_s: float = 0.0
     catch_up_s: float = 0.0
     catch_up_tokens: int = 0
-    #: full information: drafter index -> gamma at each emitted position (None if not asked)
+    #: full information: drafter index -> gamma at each emitted position (None if not asked).
+    #: The chosen drafter's list is one shorter when all drafts passed (no proposal at the
+    #: bonus position).
     counterfactual: dict[int, list[float]] | None = None
+    #: per-position acceptance probabilities given directly (synthetic environments, replay)
+    gammas: list[float] | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -70,6 +74,15 @@ class RoundFeedback:
     def accepted_length(self) -> int:
         """Accepted tokens including the bonus / correction token (BanditSpec reward, in [1, K+1])."""
         return self.n_accepted + 1
+
+    def chosen_gammas(self) -> list[float]:
+        """The chosen drafter's gamma on the emitted positions, on the same scale as the
+        counterfactual ones: greedy -> 1 for accepted drafts and 0 for the rejected one;
+        sampling -> acceptance probabilities. No entry at the bonus position."""
+        k, n = self.n_drafted, self.n_accepted
+        if self.sampling.greedy and self.gammas is None:
+            return [1.0] * n + ([0.0] if n < k else [])
+        return self.acceptance_probs[: min(n + 1, k)]
 
     @cached_property
     def target_probs(self) -> torch.Tensor:
@@ -89,9 +102,16 @@ class RoundFeedback:
             return torch.softmax(self.draft.logits.float(), dim=-1)
         return None
 
+    @property
+    def round_s(self) -> float:
+        """Model time of the round: drafting + verification + catch-up (cost-aware rewards)."""
+        return self.draft_s + self.verify_s + self.catch_up_s
+
     @cached_property
     def acceptance_probs(self) -> list[float]:
         """gamma_i = 1 - TV(p_i, q_i) at each drafted position (p_i(y_i) for one-hot drafts)."""
+        if self.gammas is not None:
+            return list(self.gammas)
         k = self.n_drafted
         if k == 0:
             return []

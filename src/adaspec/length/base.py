@@ -1,0 +1,65 @@
+"""The draft-length policy interface and the static-K baseline.
+
+``begin_round`` returns the round's cap (0 = no speculation this round); ``decide`` sees each
+drafted token with the drafter's distribution and says continue / stop / discard; ``update``
+learns from the round.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..config import validate_k
+from ..drafters.base import Decision, DraftStep
+from ..errors import ConfigError
+from ..feedback import RoundFeedback
+
+
+class LengthPolicy(ABC):
+    """Decides when a drafter stops drafting."""
+
+    name: str = "length"
+    #: ask model drafters for their final hidden state at each step (SpecDec++ head)
+    needs_hidden: bool = False
+
+    def __init__(self, seed: int | None = 0, scope: str = "request"):
+        if scope not in ("request", "global"):
+            raise ConfigError(f"scope must be 'request' or 'global', got {scope!r}")
+        self.seed, self.scope = seed, scope
+        self.rng = np.random.default_rng(seed)
+        self._started = False
+
+    def begin_request(self) -> None:
+        """Called at the start of every request; resets the learner unless scope is global."""
+        if self.scope == "request" or not self._started:
+            self._started = True
+            self.reset()
+
+    def reset(self) -> None:
+        """(Re)initialise learnt state."""
+
+    @abstractmethod
+    def begin_round(self, drafter: int) -> int:
+        """Maximum number of tokens to draft this round (0 = plain decoding step)."""
+
+    def decide(self, step: DraftStep) -> Decision:
+        """Called after each drafted token (default: keep drafting up to the cap)."""
+        return Decision.CONTINUE
+
+    def update(self, feedback: RoundFeedback) -> None:
+        """Learn from one round (default: nothing)."""
+
+
+class StaticLength(LengthPolicy):
+    """Draft exactly K tokens (or fewer if the drafter runs out of proposals)."""
+
+    name = "static"
+
+    def __init__(self, k: int = 5, **kwargs):
+        super().__init__(**kwargs)
+        self.k = validate_k(k)
+
+    def begin_round(self, drafter: int) -> int:
+        return self.k

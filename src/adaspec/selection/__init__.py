@@ -1,0 +1,46 @@
+"""Drafter-selection policies: which drafter drafts the next round.
+
+Every policy is one class with ``select()`` / ``update(feedback)`` and is registered in
+``SELECTORS`` under the name used by ``--selector NAME[:key=value,...]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import ConfigError, UnknownNameError
+from .base import DrafterPolicy, StaticPolicy
+
+SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {"static": StaticPolicy}
+
+
+def build_selector(spec: str | DrafterPolicy | None) -> DrafterPolicy:
+    """Build a drafter policy from ``NAME[:key=value,...]`` (None -> static)."""
+    if spec is None:
+        return StaticPolicy()
+    if isinstance(spec, DrafterPolicy):
+        return spec
+    from ..drafters import parse_params
+
+    name, _, rest = spec.partition(":")
+    cls = SELECTORS.get(name.strip().lower())
+    if cls is None:
+        raise UnknownNameError(f"unknown selector {name!r}: use one of {sorted(SELECTORS)}")
+    params = parse_params(rest, f"selector {spec!r}")
+    try:
+        return cls(**{k: parse_number(v) for k, v in params.items()})
+    except TypeError as exc:
+        raise ConfigError(f"bad parameters for selector {name!r}: {exc}") from None
+
+
+def parse_number(text: str) -> int | float | str:
+    """'3' -> 3, '0.5' -> 0.5, anything else stays a string."""
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+__all__ = ["DrafterPolicy", "StaticPolicy", "SELECTORS", "build_selector", "parse_number"]
