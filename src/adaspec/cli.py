@@ -162,6 +162,98 @@ def costs(
     print(curve.table())
 
 
+@app.command("train-head")
+def train_head_cmd(
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    drafter: str = typer.Option("self", "--drafter", "-d",
+                                help="drafter the head is for: model:REF (same tokenizer as the "
+                                     "target) or self (the target itself)"),
+    prompts: Optional[str] = typer.Option(None, help="text file, one prompt per line "
+                                                     "(default: the built-in bench prompts)"),
+    out: str = typer.Option("specdecpp-head.pt", "--out", "-o", help="where to write the head file"),
+    epochs: int = typer.Option(20, help="training epochs over the collected examples"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n",
+                                       help="length of each target response"),
+    w_rej: float = typer.Option(6.0, "--w-rej", help="BCE weight of rejections (paper: 6)"),
+    depth: int = typer.Option(3, "--depth", help="residual layers D of the head (paper: 3)"),
+    mix_ratio: float = typer.Option(0.15, "--mix-ratio", help="share r of target tokens mixed in"),
+    lr: float = typer.Option(1e-3, help="Adam learning rate (cosine schedule)"),
+    batch_size: int = typer.Option(32, "--batch-size"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t",
+                                      help="decoding mode to train for: 0 = greedy, else sampling"),
+    top_k: int = typer.Option(0, help="top-k of the sampling mode (0 = off)"),
+    top_p: float = typer.Option(1.0, help="top-p of the sampling mode"),
+    seed: int = typer.Option(0, help="seed for the split, sampling, mixing and initialisation"),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+) -> None:
+    """Train a SpecDec++ acceptance head for a drafter (use it with --length specdecpp:head=PATH)."""
+    import time as _time
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from .headtrain import HeadTrainConfig, train_head
+    from .models import load_model
+    from .prompts import BUILTIN_PROMPTS
+
+    try:
+        if prompts is not None:
+            path = Path(prompts).expanduser()
+            if not path.is_file():
+                raise AdaspecError(f"prompt file not found: {prompts}: pass a text file with one "
+                                   "prompt per line")
+            chosen: list = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        else:
+            chosen = [p.text for p in BUILTIN_PROMPTS]
+        cfg = HeadTrainConfig(prompts=chosen, max_new_tokens=max_new_tokens, epochs=epochs, lr=lr,
+                              batch_size=batch_size, w_rej=w_rej, depth=depth, mix_ratio=mix_ratio,
+                              seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
+        spec = drafter.strip()
+        if spec != "self" and not (spec.startswith("model:") and spec[6:].strip()):
+            raise AdaspecError(f"--drafter {drafter!r}: use model:REF (a model sharing the target's "
+                               "tokenizer) or self")
+        err.print(f"loading {model} ...")
+        target = load_model(model, device=device, dtype=dtype)
+        if spec == "self":
+            draft_model = target
+            err.print("[yellow]note:[/] drafter 'self' is the target itself, so every draft is "
+                      "accepted (P = 1): the head is only a smoke test of the pipeline")
+        else:
+            from .drafters import check_same_vocabulary
+
+            draft_model = load_model(spec[6:].strip(), device=device, dtype=dtype)
+            check_same_vocabulary(target, draft_model)
+        start = _time.perf_counter()
+        with Progress(console=err, transient=True) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done)
+
+            def on_epoch(s) -> None:
+                err.print(f"epoch {s.epoch:3d}: train loss {s.train_loss:.4f}  held-out loss "
+                          f"{s.eval_loss:.4f}  eval KL {s.eval_kl:.4f}  mean predicted "
+                          f"{s.eval_pred_mean:.3f}")
+
+            result = train_head(target, draft_model, cfg, out=out, progress=progress,
+                                on_epoch=on_epoch)
+        total = _time.perf_counter() - start
+    except AdaspecError as exc:
+        _fail(exc)
+        return
+    f = result.final
+    print(f"held-out ({result.n_eval} positions from {result.n_prompts} prompts' split; "
+          f"{result.n_train} training positions): weighted BCE {f.eval_loss:.4f}, BCE "
+          f"{f.eval_bce:.4f}, eval KL {f.eval_kl:.4f} (constant predictor: "
+          f"{result.eval_kl_constant:.4f}), mean acceptance {result.mean_acceptance:.3f}")
+    print(f"time: {total:.1f} s (responses {result.generate_s:.1f} s, examples "
+          f"{result.collect_s:.1f} s, training {result.train_s:.1f} s)")
+    print(f"head written to {result.path}: use it with --length specdecpp:head={result.path}")
+
+
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.WARNING)
     app()

@@ -1,0 +1,174 @@
+"""Ours, beyond the papers: stop drafting when one more token no longer pays for itself on
+this machine's measured costs (SpecDec++ Theorem 4.3 with a non-flat verify cost)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ..drafters.base import Decision, DraftStep
+from ..feedback import RoundFeedback
+from .base import LengthPolicy
+from .rules import TAPOUT_MAX_LEN, check_float, check_int, drafter_probs
+
+
+class CostModelRule(LengthPolicy):
+    """Draft while the expected accepted tokens per second of the round still rise.
+
+    SpecDec++ eq. (3.1)-(3.2) writes the total time as t_draft N_draft + t_target N_target,
+    and Theorem 4.3 says: stop once P(at least one drafted token is rejected) exceeds a
+    threshold set by the draft and target costs. Here the target cost is not one constant:
+    a forward over w tokens costs V(w), measured (``costs.verify_cost``; on this CPU V(2..3)
+    is 1.5-2x V(1) while V(5..9) is only 1.2-1.4x), and drafting costs d seconds per token
+    (``costs.draft_cost``). After the k-th drafted token, with a_i the estimated acceptance
+    probability of token i given that tokens < i were accepted and P_k = prod_{i<=k} a_i:
+
+        E_k = 1 + sum_{i<=k} P_i        expected emitted tokens if we verify now (bonus incl.)
+        T_k = k d + V(k+1)              seconds of the round (verify width k+1)
+        rate(k) = E_k / T_k             tokens per second: eq. (5.1) is its inverse, latency
+
+    Drafting m more tokens, each with acceptance a (the current token's, assuming
+    persistence) gives E_{k+m} = E_k + P_k (a + ... + a^m) and T_{k+m} = T_k + m d +
+    V(k+m+1) - V(k+1). We continue iff some m in 1..horizon has rate(k+m) > rate(k): with
+    m = 1 and flat V this is P_k a T_k > E_k d, i.e. stop when
+    P(at least one rejection) = 1 - P_k >= 1 - E_k d / (a T_k) -- Theorem 4.3's form, a
+    threshold that rises to 1 as drafting gets cheap. Looking up to ``horizon`` tokens ahead
+    (not just one) lets the rule draft through a cost cliff (V(3) > V(4)) instead of stopping
+    inside it. If stopping, the current token is dropped (``DISCARD``) when verifying
+    without it is faster per token: E_{k-1} / (k d + V(k)) > rate(k) (its draft time is
+    sunk either way).
+
+    Acceptance estimates: model drafters use the top probability of q (processed q when
+    sampling, softmax of the logits when greedy) times a per-drafter calibration factor
+    (discounted sum of observed gammas / sum of predicted ones, prior 1); model-free
+    drafters (no q) use a per-drafter discounted mean of the observed gammas
+    (``feedback.chosen_gammas()``: realised 0/1 under greedy, p(y) or 1 - TV under sampling),
+    starting from ``prior_acceptance``.
+
+    Costs: with a measured curve, V is the curve and d the engine's observed seconds per
+    drafted token (``draft_prior`` x V(1) until the drafter has been observed). Without a
+    curve V is a linear fit of the observed verify times per width (a cliff is then only seen
+    once measured), and without any cost model (no engine) V = 1 and d = ``draft_prior``.
+    Catch-up time is not counted (it is paid whatever the length).
+    """
+
+    name = "cost-model"
+    wants_costs = True
+
+    def __init__(self, max_len: int = TAPOUT_MAX_LEN, horizon: int = 16,
+                 prior_acceptance: float = 0.6, prior_weight: float = 4.0, decay: float = 0.95,
+                 draft_prior: float = 0.1, min_gain: float = 0.0, seed: int | None = 0,
+                 scope: str = "request"):
+        super().__init__(seed=seed, scope=scope)
+        self.max_len = check_int("max_len", max_len)
+        self.horizon = check_int("horizon", horizon)
+        self.prior_acceptance = check_float("prior_acceptance", prior_acceptance, 0.0, 1.0, 0.6)
+        self.prior_weight = check_float("prior_weight", prior_weight, 1e-6, math.inf, 4.0)
+        self.decay = check_float("decay", decay, 0.0, 1.0, 0.95)
+        self.draft_prior = check_float("draft_prior", draft_prior, 0.0, math.inf, 0.1)
+        self.min_gain = check_float("min_gain", min_gain, 0.0, math.inf, 0.0)
+        self.costs = None  # set by the engine (adaspec.costs.CostModel)
+        self.reset()
+        self._new_round(0)
+
+    # -- learnt state --------------------------------------------------------------------
+    def reset(self) -> None:
+        #: model drafters: drafter -> [discounted sum of gammas, of predicted confidences]
+        self.calibration_sums: dict[int, list[float]] = {}
+        #: model-free drafters: drafter -> [discounted sum of gammas, discounted count]
+        self.acceptance_sums: dict[int, list[float]] = {}
+
+    def calibration(self, drafter: int) -> float:
+        """Observed / predicted acceptance of a model drafter (1 before any feedback)."""
+        g, c = self.calibration_sums.get(drafter, (0.0, 0.0))
+        return (g + self.prior_weight) / (c + self.prior_weight)
+
+    def acceptance(self, drafter: int) -> float:
+        """Estimated per-token acceptance of a model-free drafter."""
+        g, n = self.acceptance_sums.get(drafter, (0.0, 0.0))
+        return (g + self.prior_acceptance * self.prior_weight) / (n + self.prior_weight)
+
+    # -- costs ---------------------------------------------------------------------------
+    def _cost_functions(self, drafter: int) -> tuple[float, Callable[[int], float]]:
+        """(seconds per drafted token, verify cost of a width) in consistent units."""
+        c = self.costs
+        if c is not None and c.curve is not None:
+            verify = c.verify_cost
+        elif c is not None and c.verify_width_s:
+            verify = _linear_fit(c.verify_width_s)
+        else:
+            return self.draft_prior, lambda w: 1.0
+        d = c.draft_token_s.get(drafter)
+        return (d if d is not None else self.draft_prior * verify(1)), verify
+
+    # -- the round -----------------------------------------------------------------------
+    def _new_round(self, drafter: int) -> None:
+        self._drafter = drafter
+        self._p_all = 1.0  # P_k: probability that every token drafted so far is accepted
+        self._expected = 1.0  # E_k
+        self._confs: list[float] = []
+        self._vcache: dict[int, float] = {}
+
+    def begin_round(self, drafter: int) -> int:
+        self._new_round(drafter)
+        self._draft_s, self._verify_fn = self._cost_functions(drafter)
+        return self.max_len
+
+    def _verify(self, width: int) -> float:
+        v = self._vcache.get(width)
+        if v is None:
+            v = self._vcache[width] = float(self._verify_fn(width))
+        return v
+
+    def decide(self, step: DraftStep) -> Decision:
+        q = drafter_probs(step)
+        if q is None:
+            a = self.acceptance(self._drafter)
+        else:
+            conf = float(q.max())
+            self._confs.append(conf)
+            a = min(1.0, conf * self.calibration(self._drafter))
+        self._p_all *= a
+        self._expected += self._p_all
+        return self._choose(step.index + 1, a)
+
+    def _choose(self, k: int, a_next: float) -> Decision:
+        d, e, p = self._draft_s, self._expected, self._p_all
+        v_now = self._verify(k + 1)
+        t_now = d * k + v_now
+        rate_stop = e / t_now
+        rate_drop = (e - p) / (d * k + self._verify(k))
+        best = max(rate_stop, rate_drop) * (1.0 + self.min_gain)
+        gain, pm = 0.0, p
+        for m in range(1, min(self.horizon, self.max_len - k) + 1):
+            pm *= a_next
+            gain += pm
+            if (e + gain) / (t_now + m * d + self._verify(k + m + 1) - v_now) > best:
+                return Decision.CONTINUE
+        return Decision.DISCARD if rate_drop > rate_stop else Decision.STOP
+
+    def update(self, feedback: RoundFeedback) -> None:
+        if feedback.n_drafted == 0:
+            return
+        gammas = feedback.chosen_gammas()
+        d, keep = feedback.drafter, self.decay
+        if self._confs:
+            n = min(len(gammas), len(self._confs))
+            g, c = self.calibration_sums.get(d, (0.0, 0.0))
+            self.calibration_sums[d] = [keep * g + sum(gammas[:n]), keep * c + sum(self._confs[:n])]
+        else:
+            g, n = self.acceptance_sums.get(d, (0.0, 0.0))
+            self.acceptance_sums[d] = [keep * g + sum(gammas), keep * n + len(gammas)]
+
+
+def _linear_fit(table: dict[int, float]) -> Callable[[int], float]:
+    """Least-squares V(w) = a + b w over observed (width, seconds), b >= 0, floored at the
+    cheapest observation (one width observed: flat)."""
+    ws, ts = list(table), list(table.values())
+    floor = min(ts)
+    n = len(ws)
+    mw, mt = sum(ws) / n, sum(ts) / n
+    var = sum((w - mw) ** 2 for w in ws)
+    b = max(0.0, sum((w - mw) * (t - mt) for w, t in zip(ws, ts)) / var) if var > 0 else 0.0
+    a = mt - b * mw
+    return lambda w: max(floor, a + b * w)
