@@ -405,7 +405,7 @@ def test_scope_request_resets_and_global_keeps(cls):
     for scope in ("request", "global"):
         p = cls(seed=0, scope=scope)
         env = SyntheticEnv(TV_ARMS, L=5, seed=0)
-        env.run(p, 300)
+        env.run(p, 300, names=names(3))
         learnt = p.t
         assert learnt > 0
         p.begin_request(names(3))

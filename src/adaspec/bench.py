@@ -13,7 +13,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from .drafters import Drafter
+from .drafters import Drafter, build_drafter
 from .engine import SpeculativeEngine
 from .models import LoadedModel
 from .prompts import BUILTIN_PROMPTS, BenchPrompt
@@ -102,12 +102,21 @@ class BenchReport:
         return "\n".join(lines)
 
 
-def default_configs(drafters: Sequence[str], ks: Sequence[int]) -> list[BenchConfig]:
-    """Plain AR first (the baseline), then every drafter at every K."""
+def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Sequence[str] = (),
+                    lengths: Sequence[str] = (), static: bool = True) -> list[BenchConfig]:
+    """Plain AR first (the baseline); then every drafter at every K (static); every selector
+    over the whole drafter pool (at the first K); every length policy with every drafter."""
     configs = [BenchConfig("AR (no drafter)", [])]
-    for d in drafters:
-        for k in ks:
-            configs.append(BenchConfig(f"{d} k={k}", [d], k=k))
+    if static:
+        for d in drafters:
+            for k in ks:
+                configs.append(BenchConfig(f"{d} k={k}", [d], k=k))
+    for sel in selectors:
+        configs.append(BenchConfig(f"{sel} over [{', '.join(drafters)}]", list(drafters), k=ks[0],
+                                   selector=sel))
+    for ln in lengths:
+        for d in drafters:
+            configs.append(BenchConfig(f"{d} + {ln}", [d], k=ks[0], length=ln))
     return configs
 
 
@@ -118,8 +127,17 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     """Run all configurations over all prompts (greedy) and aggregate."""
     if not configs or configs[0].drafters:
         configs = [BenchConfig("AR (no drafter)", []), *configs]
-    engines = [SpeculativeEngine(target, c.drafters, k=c.k, selector=c.selector, length=c.length)
-               for c in configs]
+    built: dict[str, Drafter] = {}  # one instance per spec: a model drafter is loaded once
+
+    def drafter(spec: str | Drafter) -> Drafter:
+        if isinstance(spec, Drafter):
+            return spec
+        if spec not in built:
+            built[spec] = build_drafter(spec, target)
+        return built[spec]
+
+    engines = [SpeculativeEngine(target, [drafter(d) for d in c.drafters], k=c.k,
+                                 selector=c.selector, length=c.length) for c in configs]
     results = [ConfigResult(c.name) for c in configs]
     encoded = [engines[0].encode_prompt(p.text) for p in prompts]
     for e in engines:  # warm-up: first calls allocate and pick kernels

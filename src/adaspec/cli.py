@@ -75,6 +75,11 @@ def bench(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
     drafter: List[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d", help=DRAFTER_HELP),
     k: List[int] = typer.Option([5], "--k", "-k", help="draft length(s) to compare, repeatable"),
+    selector: List[str] = typer.Option([], "--selector", "-s",
+                                       help="drafter policy over all drafters, repeatable"),
+    length: List[str] = typer.Option([], "--length", "-l",
+                                     help="length policy, run with each drafter, repeatable"),
+    no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     prompts: int = typer.Option(0, help="use only the first N built-in prompts (0 = all)"),
     repeats: int = typer.Option(1, help="timed repeats per prompt and configuration (median)"),
@@ -99,7 +104,7 @@ def bench(
         chosen = BUILTIN_PROMPTS[:prompts] if prompts > 0 else BUILTIN_PROMPTS
         err.print(f"loading {model} ...")
         target = load_model(model, device=device, dtype=dtype)
-        configs = default_configs(drafter, k)
+        configs = default_configs(drafter, k, selector, length, static=not no_static)
         total = len(chosen) * len(configs) * repeats
         with Progress(console=err, transient=True) as bar:
             task = bar.add_task("bench", total=total + (1 if costs else 0))

@@ -79,12 +79,13 @@ def counterfactual_accept_length(gammas: Sequence[float], K: int | None = None) 
     return total
 
 
-def _accept_length(column: Sequence[Sequence[float]], i: int) -> float:
-    """Theorem 3 in Horner form 1 + g1 (1 + g2 (1 + ... (1 + gK))) for arm ``i`` of a window
-    of position vectors (same value as ``counterfactual_accept_length``, fewer operations)."""
-    acc = 1.0
-    for row in reversed(column):
-        acc = 1.0 + row[i] * acc
+def _accept_lengths(window: Sequence[Sequence[float]]) -> list[float]:
+    """Theorem 3 for every arm at once, in Horner form 1 + g1 (1 + g2 (1 + ... (1 + gK))),
+    from a window of position vectors (rows = positions, columns = arms); same value as
+    ``counterfactual_accept_length`` with fewer operations."""
+    acc = [1.0] * len(window[0])
+    for row in reversed(window):
+        acc = [1.0 + g * a for g, a in zip(row, acc)]
     return acc
 
 
@@ -145,14 +146,16 @@ def normalhedge_scale(regrets: Sequence[float], guess: float | None = None,
     bisection whenever Newton would leave it): typically 3-5 iterations. ``guess`` warm-starts
     v (e.g. the previous solution)."""
     n = len(regrets)
-    m2 = max(r * r for r in regrets if r > 0.0)  # ValueError if no positive regret
-    x = [r * r / m2 for r in regrets if r > 0.0]
+    pos = [r * r for r in regrets if r > 0.0]
+    m2 = max(pos)  # ValueError if no positive regret
+    x = [r / m2 for r in pos]
     zeros = n - len(x)  # experts with R <= 0 contribute exp(0) = 1
     target = _E * n
     lo, hi = 1.0, 1.0 + math.log(n)
     v = hi if guess is None or not lo < guess < hi else guess
+    exp = math.exp
     for _ in range(100):
-        terms = [math.exp(xi * v) for xi in x]
+        terms = [exp(xi * v) for xi in x]
         f = sum(terms) + zeros - target
         if f > 0.0:
             hi = v
@@ -160,7 +163,7 @@ def normalhedge_scale(regrets: Sequence[float], guess: float | None = None,
             lo = v
         if abs(f) <= rtol * target or hi - lo <= rtol * hi:
             break
-        df = sum(xi * ti for xi, ti in zip(x, terms))
+        df = sum([xi * ti for xi, ti in zip(x, terms)])
         step = v - f / df if df > 0.0 else lo
         v = step if lo < step < hi else 0.5 * (lo + hi)
     return m2 / (2.0 * v)
@@ -178,20 +181,19 @@ class NormalHedge(BaseLearner):
         self._v: float | None = None
 
     def update(self, losses: Sequence[float]) -> None:
-        p, R, n = self._p, self.R, self.n
-        mix = sum(p[i] * losses[i] for i in range(n))
-        for i in range(n):
-            R[i] += mix - losses[i]
+        mix = sum([pi * li for pi, li in zip(self._p, losses)])
+        R = self.R = [r + mix - li for r, li in zip(self.R, losses)]
         self.t += 1
-        if max(R) <= 0.0:
-            self.c, self._v, self._p = math.inf, None, [1.0 / n] * n
+        pos = [r for r in R if r > 0.0]
+        if not pos:
+            self.c, self._v, self._p = math.inf, None, [1.0 / self.n] * self.n
             return
         c = normalhedge_scale(R, self._v)
         self.c = c
-        m2 = max(r * r for r in R if r > 0.0)
-        self._v = m2 / (2.0 * c)
+        self._v = max(pos) ** 2 / (2.0 * c)
         # the common factor 1/c cancels; exponents are <= 1 + ln N at the root
-        w = [r * math.exp(r * r / (2.0 * c)) if r > 0.0 else 0.0 for r in R]
+        k = 0.5 / c
+        w = [r * math.exp(r * r * k) if r > 0.0 else 0.0 for r in R]
         s = sum(w)
         self._p = [x / s for x in w]
 
@@ -405,22 +407,25 @@ class HedgeSpec(DrafterPolicy):
             cf = {fb.drafter: fb.chosen_gammas()}
         gsum, gcnt = self._gsum, self._gcnt
         cols: list[list[float]] = []
+        short = False
         for i in range(n):
-            g = [float(x) for x in cf.get(i, ())[:m]]
+            g = list(cf.get(i, ())[:m])
             gsum[i] += sum(g)
             gcnt[i] += len(g)
+            short = short or len(g) < m
             cols.append(g)
-        for i, g in enumerate(cols):
-            if len(g) < m:
-                if i == fb.drafter and fb.n_drafted == 0 and fb.k_cap > 0:
-                    fill = 0.0  # asked to draft, proposed nothing: no token can be accepted
-                elif gcnt[i]:
-                    fill = gsum[i] / gcnt[i]
-                else:
-                    tot = sum(gcnt)
-                    fill = sum(gsum) / tot if tot else 0.5
-                g.extend([fill] * (m - len(g)))
-        return [[cols[i][j] for i in range(n)] for j in range(m)]
+        if short:
+            for i, g in enumerate(cols):
+                if len(g) < m:
+                    if i == fb.drafter and fb.n_drafted == 0 and fb.k_cap > 0:
+                        fill = 0.0  # asked to draft, proposed nothing: nothing can be accepted
+                    elif gcnt[i]:
+                        fill = gsum[i] / gcnt[i]
+                    else:
+                        tot = sum(gcnt)
+                        fill = sum(gsum) / tot if tot else 0.5
+                    g.extend([fill] * (m - len(g)))
+        return [list(row) for row in zip(*cols)]
 
     def _uses_prob(self, t: int) -> bool:
         if self.loss == "prob":
@@ -458,12 +463,13 @@ class HedgeSpec(DrafterPolicy):
     def _losses(self, window: list[list[float]], kind: str) -> list[float]:
         """Loss vector in [0, 1] from a window of gamma vectors: ``length`` ->
         1 - AcceptLength/(len+1) (3.3, B.3); ``prob`` -> mean of 1 - gamma."""
-        n = self.n_arms
         if kind == "length":
             scale = 1.0 / (len(window) + 1)
-            return [1.0 - scale * _accept_length(window, i) for i in range(n)]
+            return [1.0 - scale * a for a in _accept_lengths(window)]
+        if len(window) == 1:
+            return [1.0 - g for g in window[0]]
         inv = 1.0 / len(window)
-        return [1.0 - inv * sum(row[i] for row in window) for i in range(n)]
+        return [1.0 - inv * sum(col) for col in zip(*window)]
 
     def _flush(self) -> None:
         base = self.base
