@@ -127,11 +127,13 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     """Run all configurations over all prompts (greedy) and aggregate."""
     if not configs or configs[0].drafters:
         configs = [BenchConfig("AR (no drafter)", []), *configs]
-    built: dict[str, Drafter] = {}  # one instance per spec: a model drafter is loaded once
+    built: dict[str, Drafter] = {}  # model drafters are loaded once and shared by configurations
 
     def drafter(spec: str | Drafter) -> Drafter:
         if isinstance(spec, Drafter):
             return spec
+        if not spec.startswith("model:"):  # model-free state (e.g. a learning datastore) is not shared
+            return build_drafter(spec, target)
         if spec not in built:
             built[spec] = build_drafter(spec, target)
         return built[spec]
