@@ -9,9 +9,20 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import ConfigError, UnknownNameError
+from .banditspec import EXP3Spec, UCBSpec
 from .base import DrafterPolicy, StaticPolicy
+from .baselines import RoundRobinPolicy, UniformRandomPolicy
+from .cost_aware import CostAwareEXP3, CostAwareUCB
 
-SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {"static": StaticPolicy}
+SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
+    "static": StaticPolicy,
+    "random": UniformRandomPolicy,
+    "round-robin": RoundRobinPolicy,
+    "ucbspec": UCBSpec,
+    "exp3spec": EXP3Spec,
+    "cost-ucb": CostAwareUCB,
+    "cost-exp3": CostAwareEXP3,
+}
 
 
 def build_selector(spec: str | DrafterPolicy | None) -> DrafterPolicy:
