@@ -12,7 +12,7 @@ from ..errors import AdaspecError, UnknownNameError
 from ..models import LoadedModel, load_model
 from .base import Decision, Draft, Drafter, DraftStep, Proposals
 from .lookup import PromptLookupDrafter
-from .model import ModelDrafter, check_same_vocabulary
+from .model import ModelDrafter, check_same_vocabulary, early_exit_model
 from .none import NoDrafter
 from .suffix import SuffixDatastore, SuffixDrafter
 
@@ -94,6 +94,15 @@ def _self(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     return ModelDrafter(target, target.vocab_size, name="self")
 
 
+def _early_exit(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+    layers = _take(params, "layers", int, None)
+    _no_leftovers(params, "early-exit", "layers")
+    if layers is None:
+        raise AdaspecError("early-exit needs the number of layers: early-exit:layers=8")
+    return ModelDrafter(early_exit_model(target, layers), target.vocab_size,
+                        name=f"early-exit:{layers}")
+
+
 def _none(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     _no_leftovers(params, "none", "(none)")
     return NoDrafter()
@@ -105,8 +114,9 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
     "pld": _prompt_lookup,
     "suffix": _suffix,
     "self": _self,
+    "early-exit": _early_exit,
 }
-DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "model:REF")
+DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "early-exit:layers=N", "model:REF")
 
 
 def build_drafter(spec: str | Drafter, target: LoadedModel, *, device: Any = None,

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..errors import VocabularyMismatchError
+from ..errors import AdaspecError, VocabularyMismatchError
 from ..models import LoadedModel
 from ..sampling import process_logits, sample
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
@@ -31,6 +31,39 @@ def check_same_vocabulary(target: LoadedModel, drafter: LoadedModel) -> None:
             f"drafter {drafter.name!r} has {drafter.vocab_size} output tokens but the target has "
             f"{target.vocab_size}: use a drafter with the target's tokenizer"
         )
+
+
+def early_exit_model(target: LoadedModel, layers: int) -> LoadedModel:
+    """The target's first ``layers`` decoder layers with its final norm and LM head, sharing
+    the target's weights (no copy): a cheap model drafter that needs no training (a weak one:
+    early layers rarely agree with the full model)."""
+    import copy
+
+    from torch import nn
+
+    outer = target.model
+    inner = getattr(outer, "model", None)
+    n_layers = len(getattr(inner, "layers", []))
+    if not n_layers:
+        raise AdaspecError(
+            f"early-exit needs a decoder with model.layers (Llama/Qwen/Mistral style); "
+            f"{type(outer).__name__} has none: use a model drafter instead")
+    if not 1 <= layers < n_layers:
+        raise AdaspecError(
+            f"early-exit:layers must be in 1..{n_layers - 1} for this {n_layers}-layer target")
+    config = copy.deepcopy(outer.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    new_inner = copy.copy(inner)
+    new_inner._modules = dict(inner._modules)
+    new_inner.layers = nn.ModuleList(list(inner.layers)[:layers])
+    new_inner.config = config
+    new_outer = copy.copy(outer)
+    new_outer._modules = dict(outer._modules)
+    new_outer.model = new_inner
+    new_outer.config = config
+    return LoadedModel(new_outer, target.tokenizer, f"{target.name}[:{layers} layers]")
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
