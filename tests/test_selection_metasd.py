@@ -439,3 +439,55 @@ def test_overhead_under_100us_for_8_arms(cls):
         p.update(f)
     per_round = (time.perf_counter() - t0) / len(fbs)
     assert per_round < 100e-6, per_round  # observed 0.4-11 us
+
+
+# -- in the engine (tiny random models, real RoundFeedback with target logits) ---------------------
+class _Recording:
+    """Wraps a policy to record the reward it computed each round."""
+
+    def __init__(self, policy):
+        self.policy, self.rewards = policy, []
+        orig = policy.update
+
+        def update(feedback):
+            self.rewards.append((feedback.drafter, feedback.k_cap, feedback.n_drafted,
+                                 policy.reward_of(feedback)))
+            orig(feedback)
+
+        policy.update = update
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_policies_run_in_the_engine(temperature):
+    from conftest import make_tiny_model
+
+    from adaspec import SpeculativeEngine
+    from adaspec.drafters import ModelDrafter
+    from adaspec.models import as_loaded
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target, other = make_tiny_model(seed=0), make_tiny_model(seed=1)
+        prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+        reference = None
+        for cls in ALL:
+            policy = cls(seed=0, budget=9) if cls is PETC else cls(seed=0)  # 60 tokens only
+            rec = _Recording(policy)
+            engine = SpeculativeEngine(target, ["none", ModelDrafter(as_loaded(other), 32), "self"],
+                                       selector=policy, k=4)
+            res = engine.generate(prompt, max_new_tokens=60, temperature=temperature, seed=3)
+            if temperature == 0.0:  # lossless: every policy gives the same greedy text
+                reference = reference or res.token_ids
+                assert res.token_ids == reference
+            assert rec.rewards and all(0.0 <= r <= 1.0 for *_, r in rec.rewards)
+            for d, cap, k, r in rec.rewards:
+                if d == 0 and cap > 0:  # "none" drafts nothing: r = 0 (missing positions)
+                    assert k == 0 and r == 0.0
+                if d == 2 and cap > 0:  # "self" drafts with q = p: 1 - TV = 1 at every position
+                    assert r == pytest.approx(k / cap, abs=1e-5)
+            if cls in (MetaSDUCB, DiscountedUCB, SequentialHalving, PETC):
+                used = Counter(r.drafter for r in res.stats.rounds)
+                assert used.most_common(1)[0][0] == "self", (cls.name, used)
+    finally:
+        torch.set_num_threads(prev)

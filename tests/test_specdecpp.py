@@ -104,7 +104,8 @@ def test_stop_rule_on_hand_made_probabilities():
     assert pol.decide(DraftStep(0, 1, hidden=_e(0.01))) is Decision.CONTINUE
     assert pol.predicted_rejection == 0.0
     # predicted acceptances of y_1..y_4: 0.9, 0.8, 0.5, 0.8 -> 1 - prod = .1, .28, .64, .712
-    decisions = [pol.decide(DraftStep(i, 1, hidden=_e(p))) for i, p in enumerate([0.9, 0.8, 0.5, 0.8], 1)]
+    decisions = [pol.decide(DraftStep(i, 1, hidden=_e(p)))
+                 for i, p in enumerate([0.9, 0.8, 0.5, 0.8], 1)]
     assert decisions == [Decision.CONTINUE] * 3 + [Decision.STOP]
     assert pol.predicted_rejection == pytest.approx(0.712)
     # a new round starts from P_hat = 1 again
@@ -127,8 +128,8 @@ def test_model_free_drafters_use_static_fallback():
     assert SpecDecPPPolicy(head=_probe_head(), max_len=2, fallback_k=5).fallback_k == 2
 
 
-@pytest.mark.parametrize("params", [{}, {"head": ""}, {"h": 1.5}, {"h": -0.1}, {"max_len": 0},
-                                    {"fallback_k": 0}, {"max_len": 2.5}])
+@pytest.mark.parametrize("params", [{"head": None}, {"head": ""}, {"h": 1.5}, {"h": -0.1},
+                                    {"max_len": 0}, {"fallback_k": 0}, {"max_len": 2.5}])
 def test_bad_parameters(params):
     kwargs = {"head": _probe_head(), **params}
     with pytest.raises(ConfigError):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .drafters import Drafter, build_drafter
 from .engine import SpeculativeEngine

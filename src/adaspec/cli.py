@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -31,16 +30,16 @@ def _fail(exc: Exception) -> None:
 def generate(
     prompt: str = typer.Argument(..., help="the prompt (the chat template is applied)"),
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
-    drafter: List[str] = typer.Option(["prompt-lookup"], "--drafter", "-d", help=DRAFTER_HELP),
+    drafter: list[str] = typer.Option(["prompt-lookup"], "--drafter", "-d", help=DRAFTER_HELP),
     k: int = typer.Option(5, "--k", "-k", help="tokens drafted per round (static length policy)"),
-    selector: Optional[str] = typer.Option(None, help="drafter policy (default: static, first drafter)"),
-    length: Optional[str] = typer.Option(None, help="length policy (default: static K)"),
+    selector: str | None = typer.Option(None, help="drafter policy (default: static, first drafter)"),
+    length: str | None = typer.Option(None, help="length policy (default: static K)"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
     top_p: float = typer.Option(1.0, help="nucleus sampling mass in (0, 1]"),
     top_k: int = typer.Option(0, help="0 = off"),
-    seed: Optional[int] = typer.Option(None, help="RNG seed for sampling"),
+    seed: int | None = typer.Option(None, help="RNG seed for sampling"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    stop: List[str] = typer.Option([], help="stop string, repeatable"),
+    stop: list[str] = typer.Option([], help="stop string, repeatable"),
     no_chat_template: bool = typer.Option(False, help="feed the prompt as raw text"),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda"),
     dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16 (faster, not batch-invariant)"),
@@ -73,11 +72,11 @@ def generate(
 @app.command()
 def bench(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
-    drafter: List[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d", help=DRAFTER_HELP),
-    k: List[int] = typer.Option([5], "--k", "-k", help="draft length(s) to compare, repeatable"),
-    selector: List[str] = typer.Option([], "--selector", "-s",
+    drafter: list[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d", help=DRAFTER_HELP),
+    k: list[int] = typer.Option([5], "--k", "-k", help="draft length(s) to compare, repeatable"),
+    selector: list[str] = typer.Option([], "--selector", "-s",
                                        help="drafter policy over all drafters, repeatable"),
-    length: List[str] = typer.Option([], "--length", "-l",
+    length: list[str] = typer.Option([], "--length", "-l",
                                      help="length policy, run with each drafter, repeatable"),
     no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
@@ -86,7 +85,7 @@ def bench(
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     costs: bool = typer.Option(True, help="measure and print the verify-cost curve"),
-    json_out: Optional[str] = typer.Option(None, "--json", help="also write the report as JSON here"),
+    json_out: str | None = typer.Option(None, "--json", help="also write the report as JSON here"),
 ) -> None:
     """Plain decoding vs speculative configurations on built-in prompts, in one process."""
     from rich.progress import Progress
@@ -173,7 +172,7 @@ def train_head_cmd(
     drafter: str = typer.Option("self", "--drafter", "-d",
                                 help="drafter the head is for: model:REF (same tokenizer as the "
                                      "target) or self (the target itself)"),
-    prompts: Optional[str] = typer.Option(None, help="text file, one prompt per line "
+    prompts: str | None = typer.Option(None, help="text file, one prompt per line "
                                                      "(default: the built-in bench prompts)"),
     out: str = typer.Option("specdecpp-head.pt", "--out", "-o", help="where to write the head file"),
     epochs: int = typer.Option(20, help="training epochs over the collected examples"),
@@ -250,10 +249,11 @@ def train_head_cmd(
         _fail(exc)
         return
     f = result.final
-    print(f"held-out ({result.n_eval} positions from {result.n_prompts} prompts' split; "
-          f"{result.n_train} training positions): weighted BCE {f.eval_loss:.4f}, BCE "
+    print(f"{result.n_prompts} prompts, {result.n_train} training / {result.n_eval} held-out "
+          f"positions, mean acceptance {result.mean_acceptance:.3f}")
+    print(f"held-out: weighted BCE {f.eval_loss:.4f}, BCE "
           f"{f.eval_bce:.4f}, eval KL {f.eval_kl:.4f} (constant predictor: "
-          f"{result.eval_kl_constant:.4f}), mean acceptance {result.mean_acceptance:.3f}")
+          f"{result.eval_kl_constant:.4f}), mean predicted acceptance {f.eval_pred_mean:.3f}")
     print(f"time: {total:.1f} s (responses {result.generate_s:.1f} s, examples "
           f"{result.collect_s:.1f} s, training {result.train_s:.1f} s)")
     print(f"head written to {result.path}: use it with --length specdecpp:head={result.path}")

@@ -12,10 +12,10 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
-from typing import Sequence
 
 import torch
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ class SpeculativeEngine:
     def from_pretrained(cls, model: str = DEFAULT_MODEL,
                         drafters: Sequence[str | Drafter] = ("prompt-lookup",), *,
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
-                        **kwargs: Any) -> "SpeculativeEngine":
+                        **kwargs: Any) -> SpeculativeEngine:
         """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the engine."""
         return cls(load_model(model, device=device, dtype=dtype), drafters, **kwargs)
 

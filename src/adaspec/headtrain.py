@@ -30,7 +30,7 @@ import torch
 
 from .config import SamplingConfig
 from .errors import ConfigError
-from .length.specdecpp import AcceptanceHead, drafter_info, hidden_size_of, save_head
+from .length.specdecpp import AcceptanceHead, drafter_info, save_head
 from .models import LoadedModel
 from .sampling import process_logits
 
@@ -160,7 +160,8 @@ def weighted_bce(logits: torch.Tensor, targets: torch.Tensor, w_rej: float = 6.0
     targets = targets.to(logits.dtype)
     pos = w_acc * targets
     neg = w_rej * (1.0 - targets)
-    loss = pos * -torch.nn.functional.logsigmoid(logits) + neg * -torch.nn.functional.logsigmoid(-logits)
+    logsig = torch.nn.functional.logsigmoid
+    loss = pos * -logsig(logits) + neg * -logsig(-logits)
     return loss.sum() / (pos + neg).sum().clamp_min(1e-12)
 
 
@@ -168,7 +169,8 @@ def bernoulli_kl(targets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-example KL(Bern(P) || Bern(sigmoid(logit))) with 0 log 0 = 0 (SpecDec++ D.3)."""
     p = targets.to(logits.dtype)
     neg_entropy = torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p)
-    cross = -(p * torch.nn.functional.logsigmoid(logits) + (1 - p) * torch.nn.functional.logsigmoid(-logits))
+    logsig = torch.nn.functional.logsigmoid
+    cross = -(p * logsig(logits) + (1 - p) * logsig(-logits))
     return (cross + neg_entropy).clamp_min(0.0)
 
 
@@ -184,7 +186,8 @@ def mix_tokens(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, r: float
 
 
 # -- data --------------------------------------------------------------------------------------
-def encode_prompts(target: LoadedModel, prompts: Sequence[Any], chat_template: bool = True) -> list[list[int]]:
+def encode_prompts(target: LoadedModel, prompts: Sequence[Any],
+                   chat_template: bool = True) -> list[list[int]]:
     """Token ids of each prompt, encoded exactly as ``SpeculativeEngine.generate`` would."""
     from .engine import SpeculativeEngine
     from .prompts import BenchPrompt
@@ -309,9 +312,12 @@ def collect_examples(target: LoadedModel, drafter: LoadedModel, prompt_ids: Sequ
         seq = torch.tensor([list(prompt) + list(resp)], device=target.device)
         # logits at positions m-1 .. m+n-2 predict X_1..X_N
         t_logits = target.model(input_ids=seq, logits_to_keep=n + 1).logits[0, :n].float().cpu()
-        d_seq = seq.to(drafter.device)
-        d_logits = _align(drafter.model(input_ids=d_seq, logits_to_keep=n + 1).logits[0, :n].float().cpu(),
-                          vocab)
+        if drafter.model is target.model:  # self-drafting: q = p
+            d_logits = t_logits
+        else:
+            d_seq = seq.to(drafter.device)
+            d_logits = _align(drafter.model(input_ids=d_seq, logits_to_keep=n + 1).logits[0, :n]
+                              .float().cpu(), vocab)
         y, p_acc = acceptance_targets(t_logits, d_logits, sampling, gen)
         x = torch.tensor(list(resp))
         z, from_target = mix_tokens(x, y, mix_ratio, gen)
@@ -328,9 +334,7 @@ def collect_examples(target: LoadedModel, drafter: LoadedModel, prompt_ids: Sequ
             progress("collecting examples", k + 1, len(prompt_ids))
     if not feats:
         raise ConfigError("head training: no response tokens were generated: raise max_new_tokens")
-    h = hidden_size_of(drafter.model)
-    return HeadDataset(torch.cat(feats) if feats else torch.empty(0, h), torch.cat(targs),
-                       torch.cat(where), n_resp, n_tgt)
+    return HeadDataset(torch.cat(feats), torch.cat(targs), torch.cat(where), n_resp, n_tgt)
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -348,9 +352,9 @@ def split_prompts(n_prompts: int, eval_fraction: float, seed: int) -> tuple[list
 def _evaluate(head: AcceptanceHead, x: torch.Tensor, y: torch.Tensor, w_rej: float,
               w_acc: float) -> tuple[float, float, float, float]:
     head.eval()
-    logits = torch.cat([head(x[i: i + 4096]) for i in range(0, len(x), 4096)]) if len(x) else x.new_zeros(0)
     if len(x) == 0:
         return math.nan, math.nan, math.nan, math.nan
+    logits = torch.cat([head(x[i: i + 4096]) for i in range(0, len(x), 4096)])
     return (float(weighted_bce(logits, y, w_rej, w_acc)), float(weighted_bce(logits, y, 1.0, 1.0)),
             float(bernoulli_kl(y, logits).mean()), float(torch.sigmoid(logits).mean()))
 

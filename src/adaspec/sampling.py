@@ -10,8 +10,8 @@ Greedy decoding accepts y_i iff it is the argmax of p_i.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -6,7 +6,8 @@ is anything ``load_model`` accepts (Hugging Face id, local directory, .gguf file
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import AdaspecError, UnknownNameError
 from ..models import LoadedModel, load_model
@@ -17,9 +18,20 @@ from .none import NoDrafter
 from .suffix import SuffixDatastore, SuffixDrafter
 
 __all__ = [
-    "Decision", "Draft", "Drafter", "DraftStep", "Proposals", "ModelDrafter", "NoDrafter",
-    "PromptLookupDrafter", "SuffixDrafter", "SuffixDatastore", "build_drafter",
-    "DRAFTER_NAMES", "parse_params", "check_same_vocabulary",
+    "DRAFTER_NAMES",
+    "Decision",
+    "Draft",
+    "DraftStep",
+    "Drafter",
+    "ModelDrafter",
+    "NoDrafter",
+    "PromptLookupDrafter",
+    "Proposals",
+    "SuffixDatastore",
+    "SuffixDrafter",
+    "build_drafter",
+    "check_same_vocabulary",
+    "parse_params",
 ]
 
 

@@ -8,7 +8,7 @@ live drafting and teacher-forced scoring (and trace replay) consistent.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class NgramIndex:

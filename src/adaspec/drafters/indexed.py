@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..config import SamplingConfig
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider

@@ -9,8 +9,6 @@ match and stay a pure function of the prefix.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from ..errors import ConfigError
 from .indexed import IndexedDrafter
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..config import SamplingConfig
 from .base import Draft, Drafter, Proposals

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import AdaspecError
 from .index import NgramIndex
@@ -78,12 +79,11 @@ class SuffixDatastore:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps({"adaspec_datastore": 1, "min_match": self.min_match,
                                  "max_tokens": self.max_tokens}) + "\n")
-            for doc in self.docs:
-                fh.write(json.dumps(doc) + "\n")
+            fh.writelines(json.dumps(doc) + "\n" for doc in self.docs)
 
     @classmethod
     def load(cls, path: str | Path, max_tokens: int | None = None,
-             min_match: int | None = None) -> "SuffixDatastore":
+             min_match: int | None = None) -> SuffixDatastore:
         """Load a saved datastore (.jsonl of token-id lists)."""
         path = Path(path)
         if not path.is_file():
@@ -104,7 +104,7 @@ class SuffixDatastore:
 
     @classmethod
     def from_text(cls, path: str | Path, tokenizer: Any, max_tokens: int = 1_000_000,
-                  min_match: int = 2) -> "SuffixDatastore":
+                  min_match: int = 2) -> SuffixDatastore:
         """Build from a plain-text corpus: one document per blank-line separated paragraph."""
         if tokenizer is None:
             raise AdaspecError("building a datastore from text needs the target's tokenizer")

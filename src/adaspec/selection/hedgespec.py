@@ -522,8 +522,10 @@ class CostAwareHedgeSpec(HedgeSpec):
         self._fill_sum = [0.0 if z else 1.0 for z in none[:n]]  # prior: one pseudo-round
         self._fill_cnt = [1] * n
         self._behind = [0] * n
+        self._scale_cache: dict[float, list[float]] = {}
 
     def _observe(self, feedback: RoundFeedback, m: int) -> None:
+        self._scale_cache = {}
         i = feedback.drafter
         if 0 <= i < self.n_arms and feedback.k_cap > 0:
             self._fill_sum[i] += min(1.0, feedback.n_drafted / feedback.k_cap)
@@ -552,21 +554,29 @@ class CostAwareHedgeSpec(HedgeSpec):
         a = c.verify_cost(lo)
         return a if f < 1e-9 else (1.0 - f) * a + f * c.verify_cost(lo + 1)
 
+    def _scales(self, top: float) -> list[float]:
+        """``1 / (T_i r_max)`` for windows whose longest possible length is ``top`` (cached
+        until the next round: the cost estimates change at most once per round)."""
+        cached = self._scale_cache.get(top)
+        if cached is None:
+            n = self.n_arms
+            times = [self.round_time(i) for i in range(n)]
+            caps = [1.0 if self.drafted(i) <= 0.0 else top for i in range(n)]
+            r_max = max(caps[i] / times[i] for i in range(n))
+            cached = self._scale_cache[top] = [1.0 / (t * r_max) for t in times]
+        return cached
+
     def _losses(self, window: list[list[float]], kind: str) -> list[float]:
-        n = self.n_arms
-        times = [self.round_time(i) for i in range(n)]
         if kind == "length":
-            top = float(len(window) + 1)
-            lengths = [_accept_length(window, i) for i in range(n)]
+            scales = self._scales(float(len(window) + 1))
+            lengths = _accept_lengths(window)
         else:  # hybrid surrogate: i.i.d. acceptance at the window's mean gamma
-            top = float(self.depth + 1)
-            lengths = []
-            for i in range(n):
-                g = sum(row[i] for row in window) / len(window)
-                lengths.append(sum(g ** k for k in range(self.depth + 1)))
-        caps = [1.0 if self.drafted(i) <= 0.0 else top for i in range(n)]
-        r_max = max(caps[i] / times[i] for i in range(n))
-        return [min(1.0, max(0.0, 1.0 - lengths[i] / times[i] / r_max)) for i in range(n)]
+            depth = self.depth
+            scales = self._scales(float(depth + 1))
+            inv = 1.0 / len(window)
+            lengths = [sum((inv * sum(col)) ** k for k in range(depth + 1)) for col in zip(*window)]
+        # lengths >= 1 and scales > 0, so every loss is < 1; lengths <= caps, so >= 0
+        return [max(0.0, 1.0 - a * c) for a, c in zip(lengths, scales)]
 
 
 __all__ = ["HedgeSpec", "CostAwareHedgeSpec", "counterfactual_accept_length", "normalhedge_scale",
