@@ -234,6 +234,24 @@ def test_self_drafter_head_drafts_to_the_cap(tmp_path):
     assert [r.drafted for r in out.stats.rounds[:4]] == [6, 6, 6, 6]
 
 
+def test_early_exit_drafter_head(tmp_path):
+    """The early-exit drafter (target's first layer) is the SmolLM2 use case: head trained on
+    it, then used by the engine with the ``early-exit:layers=1`` drafter spec."""
+    from adaspec.drafters import early_exit_model
+
+    target = make_tiny_model(0, init_std=0.2)
+    loaded = as_loaded(target)
+    cfg = HeadTrainConfig(prompts=_prompts(6, seed=2), max_new_tokens=24, epochs=3)
+    res = train_head(loaded, early_exit_model(loaded, 1), cfg, out=tmp_path / "ee.pt")
+    assert res.history[-1].train_loss <= res.history[0].train_loss
+    assert load_head(tmp_path / "ee.pt").drafter["hidden_size"] == 32
+    engine = SpeculativeEngine(loaded, ["early-exit:layers=1"],
+                               length=SpecDecPPPolicy(head=str(tmp_path / "ee.pt")))
+    out = engine.generate([2, 7, 1, 8], max_new_tokens=30)
+    assert out.token_ids == _hf_greedy(target, [2, 7, 1, 8], 30)
+    assert all(1 <= r.drafted <= 20 for r in out.stats.rounds[:-1])
+
+
 def test_pipeline_sampling_mode_targets():
     target, drafter = _pair(0.05)
     cfg = HeadTrainConfig(prompts=_prompts(4), max_new_tokens=12, epochs=1, temperature=1.0,
@@ -285,6 +303,11 @@ def test_cli_train_head(tmp_path):
     assert "eval KL" in result.output and out.is_file()
     meta = load_head(out)
     assert meta.head.depth == 1 and meta.training["w_rej"] == 3.0 and meta.training["seed"] == 1
+    ee = CliRunner().invoke(app, [
+        "train-head", "--model", str(tmp_path / "target"), "--drafter", "early-exit:layers=1",
+        "--prompts", str(prompts), "--out", str(out), "--epochs", "1", "--max-new-tokens", "8"])
+    assert ee.exit_code == 0, ee.output
+    assert load_head(out).drafter["name"].endswith("[:1 layers]")
     bad = CliRunner().invoke(app, ["train-head", "--model", str(tmp_path / "target"),
                                    "--drafter", "prompt-lookup", "--out", str(out)])
     assert bad.exit_code == 2 and "model:REF" in bad.output

@@ -171,7 +171,8 @@ def train_head_cmd(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
     drafter: str = typer.Option("self", "--drafter", "-d",
                                 help="drafter the head is for: model:REF (same tokenizer as the "
-                                     "target) or self (the target itself)"),
+                                     "target), early-exit:layers=N (the target's first N layers) "
+                                     "or self (the target itself)"),
     prompts: str | None = typer.Option(None, help="text file, one prompt per line "
                                                      "(default: the built-in bench prompts)"),
     out: str = typer.Option("specdecpp-head.pt", "--out", "-o", help="where to write the head file"),
@@ -214,19 +215,27 @@ def train_head_cmd(
                               batch_size=batch_size, w_rej=w_rej, depth=depth, mix_ratio=mix_ratio,
                               seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
         spec = drafter.strip()
-        if spec != "self" and not (spec.startswith("model:") and spec[6:].strip()):
+        kind, _, ref = spec.partition(":")
+        if not (spec == "self" or (kind in ("model", "early-exit") and ref.strip())):
             raise AdaspecError(f"--drafter {drafter!r}: use model:REF (a model sharing the target's "
-                               "tokenizer) or self")
+                               "tokenizer), early-exit:layers=N or self")
         err.print(f"loading {model} ...")
         target = load_model(model, device=device, dtype=dtype)
         if spec == "self":
             draft_model = target
             err.print("[yellow]note:[/] drafter 'self' is the target itself, so every draft is "
                       "accepted (P = 1): the head is only a smoke test of the pipeline")
+        elif kind == "early-exit":
+            from .drafters import early_exit_model, parse_params
+
+            params = parse_params(ref, f"drafter {spec!r}")
+            if set(params) != {"layers"} or not params["layers"].isdigit():
+                raise AdaspecError(f"--drafter {spec!r}: write early-exit:layers=N")
+            draft_model = early_exit_model(target, int(params["layers"]))
         else:
             from .drafters import check_same_vocabulary
 
-            draft_model = load_model(spec[6:].strip(), device=device, dtype=dtype)
+            draft_model = load_model(ref.strip(), device=device, dtype=dtype)
             check_same_vocabulary(target, draft_model)
         start = _time.perf_counter()
         with Progress(console=err, transient=True) as bar:

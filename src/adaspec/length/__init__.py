@@ -10,8 +10,12 @@ from typing import Callable
 
 from ..errors import ConfigError, UnknownNameError
 from .base import LengthPolicy, StaticLength
+from .specdecpp import SpecDecPPPolicy
 
-LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {"static": StaticLength}
+LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
+    "static": StaticLength,
+    "specdecpp": SpecDecPPPolicy,
+}
 
 
 def build_length(spec: str | int | LengthPolicy | None, k: int = 5) -> LengthPolicy:
