@@ -19,7 +19,13 @@ from adaspec.feedback import RoundFeedback
 from adaspec.length.cost_rule import CostModelRule, _linear_fit
 from adaspec.length.oracle import oracle_for_drafter, oracle_greedy_lengths
 from adaspec.length.rules import (
-    AdaEDL, HFHeuristic, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy, entropy,
+    AdaEDL,
+    HFHeuristic,
+    LogitMargin,
+    MaxConfidence,
+    SVIPDifference,
+    SVIPEntropy,
+    entropy,
 )
 from adaspec.models import as_loaded
 
@@ -258,8 +264,8 @@ def test_cost_rule_passes_a_verify_cost_cliff():
 
 def test_cost_rule_learns_acceptance():
     rule = cost_rule([1.0] * 16, 0.1)
-    for j in range(4):
-        rule.begin_round(0) if j == 0 else None
+    rule.begin_round(0)
+    for j in range(4):  # four drafted tokens predicted at 0.9 each
         rule.decide(step(q(0.9, 0.1), j))
     rule.update(feedback(4, 1, greedy=True))  # realised: [1, 0] on the first two tokens
     assert rule.calibration(0) == pytest.approx((1.0 + 4.0) / (1.8 + 4.0))

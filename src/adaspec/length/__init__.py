@@ -10,10 +10,19 @@ from typing import Callable
 
 from ..errors import ConfigError, UnknownNameError
 from .base import LengthPolicy, StaticLength
+from .cost_rule import CostModelRule
+from .rules import AdaEDL, HFHeuristic, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy
 from .specdecpp import SpecDecPPPolicy
 
 LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
     "static": StaticLength,
+    "hf-heuristic": HFHeuristic,
+    "max-confidence": MaxConfidence,
+    "svip": SVIPEntropy,
+    "svip-diff": SVIPDifference,
+    "logit-margin": LogitMargin,
+    "adaedl": AdaEDL,
+    "cost-model": CostModelRule,
     "specdecpp": SpecDecPPPolicy,
 }
 

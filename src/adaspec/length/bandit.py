@@ -116,6 +116,5 @@ class LengthUCB(LengthPolicy):
         tput = (feedback.n_accepted + 1) / seconds
         self.counts[arm] += 1
         self.sums[arm] += tput
-        if tput > self.max_throughput:
-            self.max_throughput = tput
+        self.max_throughput = max(self.max_throughput, tput)
         self.t += 1

@@ -4,7 +4,7 @@ this machine's measured costs (SpecDec++ Theorem 4.3 with a non-flat verify cost
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from ..drafters.base import Decision, DraftStep
 from ..feedback import RoundFeedback
@@ -69,7 +69,7 @@ class CostModelRule(LengthPolicy):
         self.min_gain = check_float("min_gain", min_gain, 0.0, math.inf, 0.0)
         self.costs = None  # set by the engine (adaspec.costs.CostModel)
         self.reset()
-        self._new_round(0)
+        self.begin_round(0)
 
     # -- learnt state --------------------------------------------------------------------
     def reset(self) -> None:

@@ -10,8 +10,8 @@ budget of N (as in the engine) a disagreement at the last position N needs no ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..config import SamplingConfig
 from ..drafters.base import Drafter, Proposals
