@@ -12,21 +12,30 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from itertools import pairwise
 
 import numpy as np
 import pytest
 import torch
+from conftest import chisquare_gof
 
 from adaspec.config import SamplingConfig
 from adaspec.drafters.base import Draft
 from adaspec.errors import ConfigError
 from adaspec.feedback import RoundFeedback
 from adaspec.selection import SELECTORS, build_selector
-from adaspec.selection.metasd import (PETC, DiscountedUCB, MetaSDEXP3, MetaSDUCB,
-                                      SequentialHalving, SlidingWindowUCB, ThompsonSampling,
-                                      block_reward, resolve_n_max)
+from adaspec.selection.metasd import (
+    PETC,
+    DiscountedUCB,
+    MetaSDEXP3,
+    MetaSDUCB,
+    SequentialHalving,
+    SlidingWindowUCB,
+    ThompsonSampling,
+    block_reward,
+    resolve_n_max,
+)
 from adaspec.simulation import GeometricArm, SyntheticEnv, TVArm
-from conftest import chisquare_gof
 
 ALL = [MetaSDUCB, MetaSDEXP3, SequentialHalving, PETC, DiscountedUCB, SlidingWindowUCB,
        ThompsonSampling]
@@ -61,7 +70,7 @@ def run(policy, env, rounds, switch_at=None, after=None):
 
 
 def switches(choices):
-    return sum(1 for a, b in zip(choices, choices[1:]) if a != b)
+    return sum(1 for a, b in pairwise(choices) if a != b)
 
 
 # -- rewards -----------------------------------------------------------------------------------
@@ -209,7 +218,7 @@ def test_exp3_probabilities_hand_computed():
     assert sum(expect) == pytest.approx(1.0)
     # select() draws from p_t: chi-square goodness of fit at significance 1e-3
     counts = Counter(p.select() for _ in range(20000))
-    stat, pvalue, _ = chisquare_gof([counts[i] for i in range(3)], expect)
+    _, pvalue, _ = chisquare_gof([counts[i] for i in range(3)], expect)
     assert pvalue > 1e-3, (counts, expect)
 
 
@@ -305,9 +314,9 @@ def test_bd_reward_beats_be_reward(cls):
 def test_nonstationary_discounted_and_window_track_a_switch():
     """The best drafter changes after T/2 rounds (arms reversed: 0 was best, 2 becomes best).
     Plain UCB keeps the old best (its cumulative mean of arm 0 stays above the others for
-    the whole second half); D-UCB and SW-UCB move to the new best. Observed over 10 seeds
-    (second-half ratio of the new best, mean / min): ucb 0 / 0, d-ucb .93 / .59,
-    sw-ucb .94 / .935."""
+    the whole second half); D-UCB and SW-UCB move to the new best. Observed over the 10 seeds
+    (second-half ratio of the new best, mean / min; second-half tokens, mean): ucb 0 / 0, 288;
+    d-ucb .915 / .59, 707; sw-ucb .94 / .935, 720."""
     before = [TVArm(8, 2), TVArm(5, 5), TVArm(3, 7)]
     after = list(reversed(before))
     T = 400
@@ -355,8 +364,9 @@ def test_halving_eliminates_and_rarely_switches(cls):
     # SH with period 1 compares single rounds: per phase the best arm (BD sd ~0.055 per round)
     # loses to the 0.6 arm with probability ~0.01, so P(>= 2 errors in 20 seeds) ~ 0.017;
     # PETC (budget 28 rounds: 3 then 7 pulls per arm) errs with probability < 1e-4 per seed.
+    # Observed: 0 wrong of 20 for both, exactly 6 switches in every seed.
     assert wrong <= (1 if cls is SequentialHalving else 0)
-    assert min(exp3_switches) > 50  # for contrast: EXP3 switches every other round or so
+    assert min(exp3_switches) > 50  # for contrast: EXP3 (gamma 0.4) switched 140-200 times
 
 
 def test_halving_odd_arm_counts_reach_a_single_drafter():
@@ -430,7 +440,7 @@ def test_overhead_under_100us_for_8_arms(cls):
     env = SyntheticEnv([TVArm(2 + i, 8 - 0.5 * i) for i in range(8)], L=5, seed=0)
     fbs = [env.step(i % 8) for i in range(2000)]
     for f in fbs:
-        f.acceptance_probs  # computed by the engine, not the policy
+        _ = f.acceptance_probs  # computed by the engine, not the policy
     p = cls(seed=0, period=20) if cls is SequentialHalving else cls(seed=0)
     p.begin_request(names(8))
     t0 = time.perf_counter()

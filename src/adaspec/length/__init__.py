@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import ConfigError, UnknownNameError
+from .bandit import LengthUCB
 from .base import LengthPolicy, StaticLength
 from .cost_rule import CostModelRule
 from .rules import AdaEDL, HFHeuristic, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy
 from .specdecpp import SpecDecPPPolicy
+from .tapout import TapOut
 
 LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
     "static": StaticLength,
@@ -24,6 +26,8 @@ LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
     "adaedl": AdaEDL,
     "cost-model": CostModelRule,
     "specdecpp": SpecDecPPPolicy,
+    "tapout": TapOut,
+    "ucbspec-length": LengthUCB,
 }
 
 

@@ -13,6 +13,8 @@ from .banditspec import EXP3Spec, UCBSpec
 from .base import DrafterPolicy, StaticPolicy
 from .baselines import RoundRobinPolicy, UniformRandomPolicy
 from .cost_aware import CostAwareEXP3, CostAwareUCB
+from .metasd import (PETC, DiscountedUCB, MetaSDEXP3, MetaSDUCB, SequentialHalving,
+                     SlidingWindowUCB, ThompsonSampling)
 
 SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
     "static": StaticPolicy,
@@ -22,6 +24,13 @@ SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
     "exp3spec": EXP3Spec,
     "cost-ucb": CostAwareUCB,
     "cost-exp3": CostAwareEXP3,
+    "metasd-ucb": MetaSDUCB,
+    "metasd-exp3": MetaSDEXP3,
+    "sh": SequentialHalving,
+    "petc": PETC,
+    "d-ucb": DiscountedUCB,
+    "sw-ucb": SlidingWindowUCB,
+    "thompson": ThompsonSampling,
 }
 
 

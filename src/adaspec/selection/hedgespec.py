@@ -12,6 +12,23 @@ unbiased estimate of the accepted length any drafter would have had starting at 
 
 so the problem is an experts (full-information) game, not a bandit.
 
+Caveat (ours, checked by tests/test_selection_hedgespec.py): Theorem 3 is exact when the
+acceptance probabilities do not depend on which token the target realised (e.g. fixed
+per-depth probabilities, or 1 - TV equal in every context), but biased in general under
+speculative sampling: given acceptance at depth j, the token x_j follows min(p, q)/gamma_j,
+not p, so later gammas must be taken along the drafter's accepted branch. The proof replaces
+P[x_{t+1:t+k-1} accepted | x_{<=t+k-1}] (which depends on the realised x_{t+k-1}) by the
+token-averaged gamma. The unbiased version weights the prefix by the acceptance probability
+of the realised token, alpha_j = min(1, q_j(x_j) / p_j(x_j)) (= 1[x_j = y_j] for a one-hot
+proposal y_j):
+
+    AcceptLength~_{t,K} = 1 + sum_{k=1}^{K} gamma_k prod_{j<k} alpha_j      (E[alpha_j | x_<j] = gamma_j)
+
+``estimator="corrected"`` uses it, with the chosen drafter's realised acceptances as its
+alphas and ``feedback.counterfactual_alpha`` (drafter -> alpha per emitted position, not yet
+filled by the engine) for the others; without that field it falls back to alpha = gamma for
+the other drafters. The default is the paper's estimator.
+
 Games (3.3, B.3). ``game="token"``: one loss vector per generated token t,
 ``f_t[i] = 1 - AcceptLength_{t,K}[i] / (K+1)`` (``loss="length"``, needs gammas at t..t+K-1)
 or ``f_t[i] = 1 - gamma_t[i]`` (``loss="prob"``). ``game="chunk"``: one loss vector per round
@@ -77,6 +94,34 @@ def counterfactual_accept_length(gammas: Sequence[float], K: int | None = None) 
         total += k * (1.0 - g) * prefix
         prefix *= g
     return total
+
+
+def corrected_accept_length(gammas: Sequence[float], alphas: Sequence[float],
+                            K: int | None = None) -> float:
+    """Unbiased counterfactual accepted length (ours, see the module docstring):
+    ``1 + sum_{k=1}^{K} gamma_k prod_{j<k} alpha_j`` with alpha_j the acceptance probability of
+    the realised token at depth j. Equals Theorem 3 when ``alphas == gammas``."""
+    if K is None:
+        K = len(gammas)
+    if K < 0 or len(gammas) < K or len(alphas) < K - 1:
+        raise ConfigError(f"need K >= 0, at least K gammas and K-1 alphas, got K={K}, "
+                          f"{len(gammas)} gammas and {len(alphas)} alphas")
+    total, prefix = 1.0, 1.0
+    for k in range(K):
+        total += prefix * float(gammas[k])
+        if k + 1 < K:
+            prefix *= float(alphas[k])
+    return total
+
+
+def _corrected_lengths(window: Sequence[Sequence[float]],
+                       awindow: Sequence[Sequence[float]]) -> list[float]:
+    """``corrected_accept_length`` for every arm, Horner form
+    1 + (g1 + a1 (g2 + a2 (... + a_{K-1} gK)))."""
+    acc = list(window[-1])
+    for j in range(len(window) - 2, -1, -1):
+        acc = [g + a * x for g, a, x in zip(window[j], awindow[j], acc)]
+    return [1.0 + x for x in acc]
 
 
 def _accept_lengths(window: Sequence[Sequence[float]]) -> list[float]:

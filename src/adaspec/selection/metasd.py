@@ -67,8 +67,8 @@ def _check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
 
 
 def _check_int(value: object, what: str, low: int, example: str) -> int:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
-        and not math.isinf(value) and value == int(value) and value >= low
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value == int(value) and value >= low
     if not ok:
         raise ConfigError(f"{what} must be an integer >= {low}, got {value!r}: pass e.g. {example}")
     return int(value)
@@ -76,7 +76,7 @@ def _check_int(value: object, what: str, low: int, example: str) -> int:
 
 def _check_float(value: object, what: str, low: float, high: float, example: str,
                  low_open: bool = False, high_open: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
@@ -363,8 +363,9 @@ class MetaSDEXP3(_MetaSDPolicy):
 
 # -- Bayesian --------------------------------------------------------------------------------
 class ThompsonSampling(_MetaSDPolicy):
-    """Beta-Bernoulli Thompson sampling (MetaSD cites it as an alternative bandit, refs. Liu
-    et al. 2024) with the Bernoulli trick for [0, 1] rewards (Agrawal & Goyal 2012, Alg. 2).
+    """Beta-Bernoulli Thompson sampling on the MetaSD rewards (MetaSD E.3 mentions Thompson
+    sampling, used by Liu et al. 2024 for N_max; MetaSD itself gives no TS algorithm), with
+    the Bernoulli trick for [0, 1] rewards (Agrawal & Goyal 2012, Alg. 2).
 
     ``reward="bd"``: every position j < N_max gives one trial Bernoulli(gamma_j) (undrafted
     positions: failures under ``missing="zero"``). Under MetaSD Assumption 1 (gamma_j i.i.d.
@@ -507,5 +508,6 @@ class PETC(_Halving):
         return max(1, self.exploration_budget // (n_survivors * _n_phases(self.n_arms)))
 
 
-__all__ = ["block_reward", "resolve_n_max", "is_informative", "MetaSDUCB", "MetaSDEXP3",
-           "SequentialHalving", "PETC", "DiscountedUCB", "SlidingWindowUCB", "ThompsonSampling"]
+__all__ = ["PETC", "DiscountedUCB", "MetaSDEXP3", "MetaSDUCB", "SequentialHalving",
+           "SlidingWindowUCB", "ThompsonSampling", "block_reward", "is_informative",
+           "resolve_n_max"]
