@@ -265,3 +265,26 @@ def test_full_information_single_drafter_gets_no_counterfactual(target, referenc
     result = engine.generate(PROMPTS["repetitive"], max_new_tokens=MAX_NEW)
     assert result.token_ids == reference("repetitive")
     assert all(cf is None for _, _, cf in policy.log)
+
+
+class AlphaRecorder(FullInfoRecorder):
+    def update(self, feedback) -> None:
+        self.alphas = getattr(self, "alphas", [])
+        self.alphas.append((feedback.drafter, list(feedback.emitted),
+                            dict(feedback.counterfactual_alpha or {})))
+        super().update(feedback)
+
+
+def test_full_information_alphas_of_realised_tokens(target, reference):
+    """alpha_j = 1[proposal == emitted token] under greedy: 1 for the target itself, 0 for none."""
+    policy = AlphaRecorder()
+    engine = SpeculativeEngine(target, ["self", "none", "prompt-lookup"], selector=policy, k=3)
+    prompt = PROMPTS["repetitive"]
+    result = engine.generate(prompt, max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference("repetitive")
+    for chosen, emitted, alphas in policy.alphas:
+        assert set(alphas) == {0, 1, 2} - {chosen}
+        if 0 in alphas:
+            assert alphas[0] == [1.0] * len(emitted)
+        if 1 in alphas:
+            assert alphas[1] == [0.0] * len(emitted)

@@ -24,7 +24,7 @@ from .config import GenerationConfig, SamplingConfig
 from .costs import CostModel, VerifyCostCurve, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
 from .errors import ConfigError, PromptError
-from .feedback import RoundFeedback, gammas_from_proposals
+from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
 from .length import LengthPolicy, StaticLength, build_length
 from .metrics import RequestStats, RoundRecord
 from .models import DEFAULT_MODEL, LoadedModel, as_loaded, load_model
@@ -397,9 +397,12 @@ class SpeculativeEngine:
         target_logits = logits[:m]
         target_probs = feedback.target_probs[:m]
         out: dict[int, list[float]] = {chosen: feedback.chosen_gammas()}
+        alphas: dict[int, list[float]] = {}
         for j, d in enumerate(self.drafters):
             if j == chosen:
                 continue
             props = d.score(context, emitted, sampling)
             out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
+            alphas[j] = alphas_from_proposals(target_probs, props, emitted, sampling)
+        feedback.counterfactual_alpha = alphas
         return out

@@ -42,6 +42,24 @@ def gammas_from_proposals(
     return torch.minimum(target_probs[: q.shape[0]], q).sum(-1).tolist()
 
 
+def alphas_from_proposals(target_probs: torch.Tensor, proposals: Proposals, emitted: list[int],
+                          sampling: SamplingConfig) -> list[float]:
+    """Acceptance probability of the *realised* token at each emitted position,
+    alpha_j = min(1, q_j(x_j) / p_j(x_j)) (1[x_j = y_j] for one-hot or greedy proposals); used
+    by the corrected counterfactual acceptance-length estimator (selection/hedgespec.py)."""
+    m = len(emitted)
+    if proposals.tokens is not None:
+        return [1.0 if t == e else 0.0 for t, e in zip(proposals.tokens[:m], emitted)]
+    q = proposals.probs
+    assert q is not None
+    q = q[:m].to(target_probs.device)
+    x = torch.tensor(emitted[: q.shape[0]], device=q.device)
+    if sampling.greedy:
+        return (q.argmax(-1) == x).float().tolist()
+    i = torch.arange(q.shape[0], device=q.device)
+    return (q[i, x] / target_probs[i, x].clamp_min(1e-30)).clamp(max=1.0).tolist()
+
+
 @dataclass
 class RoundFeedback:
     """Everything a drafter or length policy may learn from one round."""
@@ -62,6 +80,9 @@ class RoundFeedback:
     #: The chosen drafter's list is one shorter when all drafts passed (no proposal at the
     #: bonus position).
     counterfactual: dict[int, list[float]] | None = None
+    #: full information: drafter index -> alpha (acceptance probability of the realised token)
+    #: at each emitted position, for the other drafters (see ``alphas_from_proposals``)
+    counterfactual_alpha: dict[int, list[float]] | None = None
     #: per-position acceptance probabilities given directly (synthetic environments, replay)
     gammas: list[float] | None = None
     extra: dict[str, float] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from .banditspec import EXP3Spec, UCBSpec
 from .base import DrafterPolicy, StaticPolicy
 from .baselines import RoundRobinPolicy, UniformRandomPolicy
 from .cost_aware import CostAwareEXP3, CostAwareUCB
+from .hedgespec import CostAwareHedgeSpec, HedgeSpec
 from .metasd import (PETC, DiscountedUCB, MetaSDEXP3, MetaSDUCB, SequentialHalving,
                      SlidingWindowUCB, ThompsonSampling)
 
@@ -31,6 +32,8 @@ SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
     "d-ucb": DiscountedUCB,
     "sw-ucb": SlidingWindowUCB,
     "thompson": ThompsonSampling,
+    "hedgespec": HedgeSpec,
+    "cost-hedgespec": CostAwareHedgeSpec,
 }
 
 

@@ -25,8 +25,8 @@ proposal y_j):
     AcceptLength~_{t,K} = 1 + sum_{k=1}^{K} gamma_k prod_{j<k} alpha_j      (E[alpha_j | x_<j] = gamma_j)
 
 ``estimator="corrected"`` uses it, with the chosen drafter's realised acceptances as its
-alphas and ``feedback.counterfactual_alpha`` (drafter -> alpha per emitted position, not yet
-filled by the engine) for the others; without that field it falls back to alpha = gamma for
+alphas and ``feedback.counterfactual_alpha`` (drafter -> alpha per emitted position, filled
+by the engine's full-information evaluation) for the others; without that field it falls back to alpha = gamma for
 the other drafters. The default is the paper's estimator.
 
 Games (3.3, B.3). ``game="token"``: one loss vector per generated token t,
@@ -320,7 +320,8 @@ class HedgeSpec(DrafterPolicy):
     3.3) | chunk (B.3); ``loss`` length (default) | prob; ``K`` estimator depth (0 = the
     largest k_cap seen, 5 before any round; alias ``k``); ``eta`` Hedge rate ("auto" = anytime
     sqrt(8 ln N / t)); ``hybrid`` (B.5, default on) with ``hybrid_tokens`` (0 = K); ``skip``
-    (B.5, default off) with ``warmup=6``, ``batch=12``, ``every=6``; ``seed``; ``scope``.
+    (B.5, default off) with ``warmup=6``, ``batch=12``, ``every=6``; ``estimator`` paper
+    (Theorem 3, default) | corrected (module docstring); ``seed``; ``scope``.
     """
 
     name = "hedgespec"
@@ -329,11 +330,13 @@ class HedgeSpec(DrafterPolicy):
     def __init__(self, learner: str = "normalhedge", game: str = "token", loss: str = "length",
                  K: int = 0, eta: float | str = "auto", hybrid: bool | int | str = True,
                  skip: bool | int | str = False, warmup: int = 6, batch: int = 12,
-                 every: int = 6, hybrid_tokens: int = 0, k: int | None = None, **kwargs: Any):
+                 every: int = 6, hybrid_tokens: int = 0, estimator: str = "paper",
+                 k: int | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.learner = _choice(learner, "learner", tuple(LEARNERS))
         self.game = _choice(game, "game", ("token", "chunk"))
         self.loss = _choice(loss, "loss", ("length", "prob"))
+        self.estimator = _choice(estimator, "estimator", ("paper", "corrected"))
         if k is not None:
             K = k
         self.K = _as_int(K, "K", 0, "K=5 (0 = read from the length cap)")
@@ -360,6 +363,7 @@ class HedgeSpec(DrafterPolicy):
         self._max_cap = 0
         self._rounds = 0  # update() calls
         self._pending: list[list[float]] = []  # gamma vectors of tokens whose loss is incomplete
+        self._pending_a: list[list[float]] = []  # their alpha vectors (estimator="corrected")
         self._next = 0  # token position of _pending[0]
         self._queue: list[tuple[int, list[float]]] = []  # complete (position, loss) vectors, FIFO
         self._flush_due = True
@@ -377,7 +381,7 @@ class HedgeSpec(DrafterPolicy):
         super().begin_request(drafter_names)
         if self.base is before and before is not None:  # global scope, learner kept
             self._next += len(self._pending)
-            self._pending = []
+            self._pending, self._pending_a = [], []
 
     @property
     def depth(self) -> int:
@@ -417,17 +421,20 @@ class HedgeSpec(DrafterPolicy):
             self._max_cap = feedback.k_cap
         self._rounds += 1
         self._observe(feedback, m)
-        rows = self._round_rows(feedback, m)
-        if rows is not None:
+        got = self._round_rows(feedback, m)
+        if got is not None:
+            rows, arows = got
             if self.game == "token":
                 self._pending.extend(rows)
+                if arows is not None:
+                    self._pending_a.extend(arows)
                 self._drain_pending()
             else:
                 t0 = self._next
                 self._next += m
                 kind = "length" if self.loss == "length" else "prob"
                 if rows and self._want(t0):
-                    self._queue.append((t0, self._losses(rows, kind)))
+                    self._queue.append((t0, self._losses(rows, kind, arows)))
         if not self.skip or self._rounds <= self.warmup \
                 or (self._rounds - self.warmup) % self.batch == 0:
             self._flush_due = True
@@ -441,9 +448,11 @@ class HedgeSpec(DrafterPolicy):
     def _observe(self, feedback: RoundFeedback, m: int) -> None:
         """Hook for subclasses (cost statistics); called once per round before the losses."""
 
-    def _round_rows(self, fb: RoundFeedback, m: int) -> list[list[float]] | None:
+    def _round_rows(self, fb: RoundFeedback, m: int
+                    ) -> tuple[list[list[float]], list[list[float]] | None] | None:
         """Gamma of every drafter at each of the round's m emitted positions (rows = positions),
-        with the chosen drafter's missing bonus-position gamma imputed (module docstring)."""
+        with the chosen drafter's missing bonus-position gamma imputed (module docstring), and
+        for ``estimator="corrected"`` the alphas (realised acceptance probabilities)."""
         n = self.n_arms
         cf = fb.counterfactual
         if cf is None:
@@ -452,25 +461,36 @@ class HedgeSpec(DrafterPolicy):
             cf = {fb.drafter: fb.chosen_gammas()}
         gsum, gcnt = self._gsum, self._gcnt
         cols: list[list[float]] = []
-        short = False
         for i in range(n):
             g = list(cf.get(i, ())[:m])
             gsum[i] += sum(g)
             gcnt[i] += len(g)
-            short = short or len(g) < m
             cols.append(g)
-        if short:
-            for i, g in enumerate(cols):
-                if len(g) < m:
-                    if i == fb.drafter and fb.n_drafted == 0 and fb.k_cap > 0:
-                        fill = 0.0  # asked to draft, proposed nothing: nothing can be accepted
-                    elif gcnt[i]:
-                        fill = gsum[i] / gcnt[i]
-                    else:
-                        tot = sum(gcnt)
-                        fill = sum(gsum) / tot if tot else 0.5
-                    g.extend([fill] * (m - len(g)))
-        return [list(row) for row in zip(*cols)]
+        for i, g in enumerate(cols):
+            if len(g) < m:
+                if i == fb.drafter and fb.n_drafted == 0 and fb.k_cap > 0:
+                    fill = 0.0  # asked to draft, proposed nothing: nothing can be accepted
+                elif gcnt[i]:
+                    fill = gsum[i] / gcnt[i]
+                else:
+                    tot = sum(gcnt)
+                    fill = sum(gsum) / tot if tot else 0.5
+                g.extend([fill] * (m - len(g)))
+        rows = [list(row) for row in zip(*cols)]
+        if self.estimator == "paper":
+            return rows, None
+        given = getattr(fb, "counterfactual_alpha", None) or {}
+        acols: list[list[float]] = []
+        for i, g in enumerate(cols):
+            if i == fb.drafter:  # realised acceptances: 1 per accepted draft, 0 at the rejection
+                n_acc, k = fb.n_accepted, fb.n_drafted
+                a = ([1.0] * n_acc + ([0.0] if n_acc < k else []))[:m]
+            else:
+                a = list(given.get(i, g)[:m])
+            if len(a) < m:
+                a.extend(g[len(a):])  # imputed positions: E[alpha] = gamma
+            acols.append(a)
+        return rows, [list(row) for row in zip(*acols)]
 
     def _uses_prob(self, t: int) -> bool:
         if self.loss == "prob":
@@ -489,6 +509,7 @@ class HedgeSpec(DrafterPolicy):
     def _drain_pending(self) -> None:
         """Token game: turn every token whose loss is now complete into a loss vector, in order."""
         pending, K = self._pending, self.depth
+        apending = self._pending_a if self.estimator == "corrected" else None
         used = 0
         while used < len(pending):
             t = self._next
@@ -497,20 +518,31 @@ class HedgeSpec(DrafterPolicy):
                     self._queue.append((t, self._losses(pending[used:used + 1], "prob")))
             elif len(pending) - used >= K:
                 if self._want(t):
-                    self._queue.append((t, self._losses(pending[used:used + K], "length")))
+                    awin = apending[used:used + K] if apending is not None else None
+                    self._queue.append((t, self._losses(pending[used:used + K], "length", awin)))
             else:
                 break
             used += 1
             self._next += 1
         if used:
             del pending[:used]
+            if apending:
+                del apending[:used]
 
-    def _losses(self, window: list[list[float]], kind: str) -> list[float]:
+    @staticmethod
+    def _lengths(window: list[list[float]], awindow: list[list[float]] | None) -> list[float]:
+        """Counterfactual accepted length of every arm over a window (Thm 3 or corrected)."""
+        if awindow is None:
+            return _accept_lengths(window)
+        return _corrected_lengths(window, awindow)
+
+    def _losses(self, window: list[list[float]], kind: str,
+                awindow: list[list[float]] | None = None) -> list[float]:
         """Loss vector in [0, 1] from a window of gamma vectors: ``length`` ->
         1 - AcceptLength/(len+1) (3.3, B.3); ``prob`` -> mean of 1 - gamma."""
         if kind == "length":
             scale = 1.0 / (len(window) + 1)
-            return [1.0 - scale * a for a in _accept_lengths(window)]
+            return [1.0 - scale * a for a in self._lengths(window, awindow)]
         if len(window) == 1:
             return [1.0 - g for g in window[0]]
         inv = 1.0 / len(window)
@@ -611,10 +643,11 @@ class CostAwareHedgeSpec(HedgeSpec):
             cached = self._scale_cache[top] = [1.0 / (t * r_max) for t in times]
         return cached
 
-    def _losses(self, window: list[list[float]], kind: str) -> list[float]:
+    def _losses(self, window: list[list[float]], kind: str,
+                awindow: list[list[float]] | None = None) -> list[float]:
         if kind == "length":
             scales = self._scales(float(len(window) + 1))
-            lengths = _accept_lengths(window)
+            lengths = self._lengths(window, awindow)
         else:  # hybrid surrogate: i.i.d. acceptance at the window's mean gamma
             depth = self.depth
             scales = self._scales(float(depth + 1))
@@ -624,5 +657,6 @@ class CostAwareHedgeSpec(HedgeSpec):
         return [max(0.0, 1.0 - a * c) for a, c in zip(lengths, scales)]
 
 
-__all__ = ["HedgeSpec", "CostAwareHedgeSpec", "counterfactual_accept_length", "normalhedge_scale",
+__all__ = ["HedgeSpec", "CostAwareHedgeSpec", "counterfactual_accept_length",
+           "corrected_accept_length", "normalhedge_scale",
            "BaseLearner", "Hedge", "NormalHedge", "AdaNormalHedge", "LEARNERS"]
