@@ -19,7 +19,7 @@ import math
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import DrafterPolicy
+from .base import DrafterPolicy, argmax, sample_index
 
 #: maximum speculation length assumed before any round has been seen (NOTES: N_max = 5)
 DEFAULT_L = 5
@@ -132,16 +132,9 @@ class UCBSpec(_SpecLength, DrafterPolicy):
         k = need_arms(self)
         if self.t < k:  # Alg. 8 lines 4-5: round-robin over the first K rounds
             return self.t
-        best, best_val = 0, -math.inf
-        width, t, delta, c = self.spec_length(), self.t, self.delta, self.explore
-        for i in range(k):
-            n = self.counts[i]
-            if n == 0:
-                return i
-            val = self.sums[i] / n + c * confidence_radius(width, n, t, k, delta)
-            if val > best_val:
-                best, best_val = i, val
-        return best
+        if 0 in self.counts:
+            return self.counts.index(0)
+        return argmax(self.ucb())
 
     def update(self, feedback: RoundFeedback) -> None:
         i = feedback.drafter
@@ -196,16 +189,7 @@ class EXP3Spec(_SpecLength, DrafterPolicy):
     def select(self) -> int:
         p = self.probabilities()
         self._p = p
-        u = float(self.rng.random())
-        acc = 0.0
-        last = 0
-        for i, pi in enumerate(p):
-            if pi > 0.0:
-                last = i
-                acc += pi
-                if u < acc:
-                    return i
-        return last  # u beyond the rounded total
+        return sample_index(self.rng, p)
 
     def update(self, feedback: RoundFeedback) -> None:
         i = feedback.drafter

@@ -73,3 +73,25 @@ class StaticPolicy(DrafterPolicy):
 
     def select(self) -> int:
         return self.arm
+
+
+def argmax(values: Sequence[float]) -> int:
+    """Index of the largest value (the first one on ties)."""
+    best, best_val = 0, -float("inf")
+    for i, v in enumerate(values):
+        if v > best_val:
+            best, best_val = i, v
+    return best
+
+
+def sample_index(rng: np.random.Generator, probs: Sequence[float]) -> int:
+    """Draw an index from a probability vector with one uniform draw (inverse CDF)."""
+    u = float(rng.random())
+    acc, last = 0.0, 0
+    for i, pi in enumerate(probs):
+        if pi > 0.0:
+            last = i
+            acc += pi
+            if u < acc:
+                return i
+    return last  # u beyond the rounded total

@@ -30,13 +30,12 @@ and the ratio estimator is not an average of bounded i.i.d. rewards.
 
 from __future__ import annotations
 
-import math
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from .banditspec import (DEFAULT_DELTA, EXP3Spec, check_positive, check_unit,
                          confidence_radius, need_arms)
-from .base import DrafterPolicy
+from .base import DrafterPolicy, argmax
 
 #: a round time below this (seconds) is treated as this (guards a zero-cost synthetic round)
 MIN_ROUND_S = 1e-9
@@ -85,17 +84,9 @@ class CostAwareUCB(DrafterPolicy):
         k = need_arms(self)
         if self.t < k:  # round-robin over the first K rounds (Alg. 8 lines 4-5)
             return self.t
-        inv_m = 1.0 / self.scale if self.scale > 0 else 1.0
-        best, best_val = 0, -math.inf
-        t, delta, c = self.t, self.delta, self.explore
-        for i in range(k):
-            n = self.counts[i]
-            if n == 0:
-                return i
-            val = self.tokens[i] / self.seconds[i] * inv_m + c * confidence_radius(1.0, n, t, k, delta)
-            if val > best_val:
-                best, best_val = i, val
-        return best
+        if 0 in self.counts:
+            return self.counts.index(0)
+        return argmax(self.ucb())
 
     def update(self, feedback: RoundFeedback) -> None:
         i = feedback.drafter

@@ -71,7 +71,7 @@ from typing import Any, Callable, Sequence
 from ..costs import CostModel
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import DrafterPolicy
+from .base import DrafterPolicy, sample_index
 
 #: estimator depth before any round has been seen (NOTES: N_max = 5)
 DEFAULT_K = 5
@@ -403,15 +403,7 @@ class HedgeSpec(DrafterPolicy):
         if self._flush_due:  # QFI-D predict phase: catch the learner up with arrived feedback
             self._flush()
         p = self.base.probs()
-        u = float(self.rng.random())
-        acc, last = 0.0, 0
-        for i, pi in enumerate(p):
-            if pi > 0.0:
-                last = i
-                acc += pi
-                if u < acc:
-                    return i
-        return last
+        return sample_index(self.rng, p)
 
     def update(self, feedback: RoundFeedback) -> None:
         if self.base is None:

@@ -38,7 +38,7 @@ from collections import deque
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import DrafterPolicy
+from .base import DrafterPolicy, argmax, sample_index
 
 #: N_max of the paper's experiments (4.1), used when neither ``n_max`` nor the cap is set
 DEFAULT_N_MAX = 5
@@ -166,14 +166,6 @@ class _MetaSDPolicy(DrafterPolicy):
         raise NotImplementedError
 
 
-def _argmax(values: list[float]) -> int:
-    best, best_val = 0, -math.inf
-    for i, v in enumerate(values):
-        if v > best_val:
-            best, best_val = i, v
-    return best
-
-
 class _UCBIndex(_MetaSDPolicy):
     """UCB skeleton of MetaSD Alg. 2 / 6 / 8: play every drafter once (lines 2-5), then the
     argmax of ``mean_i + beta * sqrt(2 ln t / n_i)`` (line 7). Subclasses define the
@@ -218,7 +210,7 @@ class _UCBIndex(_MetaSDPolicy):
         for i in range(k):  # lines 2-5: one round with every drafter first
             if self.pulls[i] == 0:
                 return i
-        return _argmax(self.indices())
+        return argmax(self.indices())
 
 
 # -- UCB family ------------------------------------------------------------------------------
@@ -348,13 +340,7 @@ class MetaSDEXP3(_MetaSDPolicy):
 
     def select(self) -> int:
         p = self.probabilities()
-        u = float(self.rng.random())
-        acc = 0.0
-        for i, pi in enumerate(p):
-            acc += pi
-            if u < acc:
-                return i
-        return len(p) - 1
+        return sample_index(self.rng, p)
 
     def _learn(self, arm: int, feedback: RoundFeedback) -> None:  # lines 6-9
         p = self.probabilities()[arm]  # weights unchanged since select(): same p_t
@@ -387,7 +373,7 @@ class ThompsonSampling(_MetaSDPolicy):
 
     def select(self) -> int:
         self._need_arms()
-        return _argmax(self.rng.beta(self.post_a, self.post_b).tolist())
+        return argmax(self.rng.beta(self.post_a, self.post_b).tolist())
 
     def _learn(self, arm: int, feedback: RoundFeedback) -> None:
         if self.reward == "be":
