@@ -85,6 +85,31 @@ def tiny_model():
     return make_tiny_model()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_for_fast_tests(request):
+    """Fast-suite modules run torch on one thread (tiny models are per-op-overhead bound);
+    modules marked slow (real models) keep the default thread count."""
+    marks = getattr(request.module, "pytestmark", [])
+    marks = marks if isinstance(marks, list) else [marks]
+    if any(m.name == "slow" for m in marks):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def word_tokenizer(words: Sequence[str], **special):
+    """A whitespace-split word-level fast tokenizer: token i is ``words[i]``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, **special)
+
+
 @pytest.fixture
 def torch_single_thread():
     """Run the test with one intra-op torch thread (restored afterwards).

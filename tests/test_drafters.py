@@ -7,8 +7,9 @@ import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from conftest import make_tiny_model, word_tokenizer
 
 from adaspec import SpeculativeEngine
 from adaspec.config import SamplingConfig
@@ -24,29 +25,12 @@ GREEDY = SamplingConfig()
 
 
 def _tiny_model(seed: int = 0, vocab: int = VOCAB, max_pos: int = 512) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max_pos, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):  # leave the global RNG alone
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    """A tiny randomly initialised Llama (deterministic for a given seed)."""
+    return make_tiny_model(seed, vocab, max_positions=max_pos)
 
 
 def _word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+    return word_tokenizer(words)
 
 
 @pytest.fixture(scope="module")

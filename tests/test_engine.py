@@ -7,10 +7,11 @@ import time
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import adaspec.costs
+from conftest import make_tiny_model, word_tokenizer
+
 from adaspec import GenerationConfig, SpeculativeEngine
 from adaspec.costs import VerifyCostCurve, load_or_measure, measure_verify_costs
 from adaspec.drafters import PromptLookupDrafter
@@ -24,35 +25,18 @@ PROMPT2 = [7, 3, 9, 22, 14, 5, 30, 2, 11, 8]
 
 
 def _tiny_model(seed: int = 0, vocab: int = VOCAB, max_pos: int = 512) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max_pos, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):  # leave the global RNG alone
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    """A tiny randomly initialised Llama (deterministic for a given seed)."""
+    return make_tiny_model(seed, vocab, max_positions=max_pos)
 
 
 def _word_tokenizer(**special) -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=WORDS[0]))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, **special)
+    return word_tokenizer(WORDS, **special)
 
 
 def _hf_greedy(model, prompt, n, **kw) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, **kw)
     return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from conftest import make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.drafters import ModelDrafter, PromptLookupDrafter
@@ -21,15 +23,7 @@ MAX_NEW = 40
 
 def _tiny_model(seed: int = 0, vocab: int = VOCAB, max_pos: int = 512) -> LlamaForCausalLM:
     """A tiny randomly initialised Llama (deterministic for a given seed)."""
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max_pos, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):  # leave the global RNG alone
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return make_tiny_model(seed, vocab, max_positions=max_pos)
 
 
 def _random_prompt(n: int, seed: int) -> list[int]:
@@ -44,15 +38,6 @@ PROMPTS = {
     "single": [7],
 }
 DRAFTERS = ["none", "prompt-lookup", "suffix", "self", "model-other"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run much faster (and steadier on a loaded machine) on one thread."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

@@ -17,19 +17,11 @@ from adaspec.errors import AdaspecError, ConfigError
 from adaspec.headtrain import (HeadTrainConfig, acceptance_targets, bernoulli_kl, mix_tokens,
                                split_prompts, train_head, weighted_bce)
 from adaspec.length import LENGTH_POLICIES, build_length
-from adaspec.length.specdecpp import (AcceptanceHead, HeadFile, SpecDecPPPolicy, drafter_info,
+from adaspec.length.specdecpp import (AcceptanceHead, SpecDecPPPolicy, drafter_info,
                                       load_head, save_head)
 from adaspec.models import as_loaded
 
 LN2 = math.log(2.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 # -- loss, metric, mixing ----------------------------------------------------------------------
