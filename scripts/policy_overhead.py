@@ -18,13 +18,11 @@ import numpy as np
 from adaspec.config import SamplingConfig
 from adaspec.drafters.base import Draft
 from adaspec.feedback import RoundFeedback
-from adaspec.selection.banditspec import EXP3Spec, UCBSpec
-from adaspec.selection.baselines import RoundRobinPolicy, UniformRandomPolicy
-from adaspec.selection.base import StaticPolicy
-from adaspec.selection.cost_aware import CostAwareEXP3, CostAwareUCB
+from adaspec.costs import CostModel, VerifyCostCurve
+from adaspec.selection import SELECTORS, build_selector
 
-POLICIES = [StaticPolicy, UniformRandomPolicy, RoundRobinPolicy, UCBSpec, EXP3Spec,
-            CostAwareUCB, CostAwareEXP3]
+#: every registered selector, plus the MetaSD block-efficiency variant
+POLICIES = sorted(SELECTORS) + ["metasd-ucb:reward=be"]
 
 
 def feedback_pool(n_arms: int, per_arm: int, L: int = 5, seed: int = 0) -> list[list[RoundFeedback]]:
@@ -38,16 +36,24 @@ def feedback_pool(n_arms: int, per_arm: int, L: int = 5, seed: int = 0) -> list[
         for r in range(per_arm):
             u = rng.random(L)
             n = int(np.argmax(u >= alpha)) if np.any(u >= alpha) else L
-            rows.append(RoundFeedback(
+            fb = RoundFeedback(
                 round=r, drafter=arm, draft=Draft(tokens=[0] * L), n_accepted=n,
                 emitted=[0] * (n + 1), k_cap=L, target_logits=None, sampling=sampling,
-                draft_s=0.001 * arm * L, verify_s=0.02 + 0.002 * rng.random()))
+                draft_s=0.001 * arm * L, verify_s=0.02 + 0.002 * rng.random(), gammas=[alpha] * L)
+            # full information: every arm's gamma at each emitted position
+            fb.counterfactual = {j: [0.3 + 0.6 * j / max(1, n_arms - 1)] * (n + 1)
+                                 for j in range(n_arms) if j != arm}
+            fb.counterfactual[arm] = fb.chosen_gammas()
+            rows.append(fb)
         pool.append(rows)
     return pool
 
 
-def measure(cls, n_arms: int, rounds: int, pool: list[list[RoundFeedback]]) -> list[float]:
-    policy = cls(seed=0)
+def measure(spec: str, n_arms: int, rounds: int, pool: list[list[RoundFeedback]]) -> list[float]:
+    policy = build_selector(spec)
+    if getattr(policy, "wants_costs", False):
+        curve = VerifyCostCurve(ks=[1, 2, 4, 8], seconds=[0.02, 0.03, 0.028, 0.03], context=200)
+        policy.costs = CostModel(curve)
     policy.begin_request([f"d{i}" for i in range(n_arms)])
     per_arm = len(pool[0])
     times = []
@@ -67,11 +73,11 @@ def main() -> None:
     args = ap.parse_args()
     pool = feedback_pool(args.arms, 512)
     print(f"select()+update() per round, {args.arms} arms, {args.rounds} rounds")
-    print(f"{'policy':<12} {'median us':>10} {'p99 us':>10}")
-    for cls in POLICIES:
-        times = measure(cls, args.arms, args.rounds, pool)
+    print(f"{'policy':<22} {'median us':>10} {'p99 us':>10}")
+    for spec in POLICIES:
+        times = measure(spec, args.arms, args.rounds, pool)
         p99 = float(np.quantile(times, 0.99))
-        print(f"{cls.name:<12} {statistics.median(times) * 1e6:10.2f} {p99 * 1e6:10.2f}")
+        print(f"{spec:<22} {statistics.median(times) * 1e6:10.2f} {p99 * 1e6:10.2f}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,16 @@ class ConfigResult:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def discard_rate(self) -> float:
+        """SpecDec++ eq. (5.1): discarded drafts per generated token."""
+        return (self.drafted - self.accepted) / self.tokens if self.tokens else 0.0
+
+    @property
+    def verification_rate(self) -> float:
+        """SpecDec++ eq. (5.1): target forwards per generated token."""
+        return self.rounds / self.tokens if self.tokens else 0.0
+
+    @property
     def overhead_share(self) -> float:
         """Median over prompts of (median engine overhead per round / median target forward)."""
         return statistics.median(self.overhead_shares) if self.overhead_shares else 0.0
@@ -88,18 +98,21 @@ class BenchReport:
         for r in self.results:
             d = asdict(r)
             d.update(tokens_per_s=r.tokens_per_s, mat=r.mat, acceptance_rate=r.acceptance_rate,
-                     speedup=self.speedup(r), overhead_share=r.overhead_share)
+                     speedup=self.speedup(r), overhead_share=r.overhead_share,
+                     discard_rate=r.discard_rate, verification_rate=r.verification_rate)
             rows.append(d)
         return {"model": self.model, "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
                 "results": rows, "verify_costs": self.verify_costs}
 
     def markdown(self) -> str:
-        lines = ["| configuration | tokens/s | speed-up vs AR | MAT | acceptance | identical to AR |",
-                 "|---|---:|---:|---:|---:|---|"]
+        lines = ["| configuration | tokens/s | speed-up vs AR | MAT | acceptance | discard rate "
+                 "| verification rate | identical to AR |",
+                 "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in self.results:
             same = f"{r.identical}/{r.prompts}" + ("" if r.identical == r.prompts else " MISMATCH")
             lines.append(f"| {r.name} | {r.tokens_per_s:.1f} | {self.speedup(r):.2f}x | {r.mat:.2f} "
-                         f"| {r.acceptance_rate:.1%} | {same} |")
+                         f"| {r.acceptance_rate:.1%} | {r.discard_rate:.2f} "
+                         f"| {r.verification_rate:.2f} | {same} |")
         return "\n".join(lines)
 
 

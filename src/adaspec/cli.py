@@ -8,6 +8,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import AdaspecError
@@ -119,20 +120,21 @@ def bench(
     out = Console() if sys.stdout.isatty() else Console(width=140)
     table = Table(title=f"adaspec bench: {model}, greedy, {len(chosen)} prompts x "
                         f"{max_new_tokens} new tokens, {repeats} repeat(s), median times")
-    cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "identical to AR",
-            "overhead/round"] + (["rounds in cost cliff"] if report.verify_costs else [])
+    cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verify",
+            "identical to AR", "overhead/round"] + (["rounds in cost cliff"] if report.verify_costs else [])
     for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in report.results:
         same = f"{r.identical}/{r.prompts}"
-        table.add_row(r.name, f"{r.tokens_per_s:.1f}", f"{report.speedup(r):.2f}x", f"{r.mat:.2f}",
-                      f"{r.acceptance_rate:.1%}", same if r.identical == r.prompts else f"[red]{same}[/]",
+        table.add_row(escape(r.name), f"{r.tokens_per_s:.1f}", f"{report.speedup(r):.2f}x", f"{r.mat:.2f}",
+                      f"{r.acceptance_rate:.1%}", f"{r.discard_rate:.2f}",
+                      f"{r.verification_rate:.2f}", same if r.identical == r.prompts else f"[red]{same}[/]",
                       f"{r.overhead_share:.2%}",
                       *([f"{r.cliff_share:.0%}"] if report.verify_costs else []))
     out.print(table)
     for r in report.results:
         for m in r.mismatches:
-            out.print(f"[red]MISMATCH[/] {r.name}: {m}")
+            out.print(f"[red]MISMATCH[/] {escape(r.name)}: {escape(m)}")
     if report.verify_costs:
         c = report.verify_costs
         out.print(f"verify-cost curve (target forward over k new tokens, {c['context']}-token cache, "
@@ -140,6 +142,8 @@ def bench(
         out.print("  " + "  ".join(f"k={kk}:{ratio:.2f}x" for kk, ratio in zip(c["ks"], c["ratios"])))
         if c["cliffs"]:
             out.print(f"  cost cliffs at k={c['cliffs']}: a longer block is cheaper to verify there")
+    out.print("discard = discarded drafts per token, verify = target forwards per token "
+              "(SpecDec++ eq. 5.1)")
     if json_out:
         save_report(report, json_out)
         out.print(f"report written to {json_out}")

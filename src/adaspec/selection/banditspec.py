@@ -89,6 +89,17 @@ class _SpecLength:
             self._max_cap = feedback.k_cap
 
 
+def round_robin_then_ucb(policy) -> int:
+    """BanditSpec Alg. 8 lines 4-7: round-robin over the first K rounds (and any arm never
+    pulled), then the arm with the largest ``policy.ucb()`` index."""
+    k = need_arms(policy)
+    if policy.t < k:
+        return policy.t
+    if 0 in policy.counts:
+        return policy.counts.index(0)
+    return argmax(policy.ucb())
+
+
 class UCBSpec(_SpecLength, DrafterPolicy):
     """UCBSpec, BanditSpec Alg. 4 / Alg. 8: round-robin over the K drafters for the first K
     rounds, then argmax of mean accepted length + cr (Alg. 8 line 11); stopping-time regret
@@ -129,12 +140,7 @@ class UCBSpec(_SpecLength, DrafterPolicy):
                 for i in range(self.n_arms)]
 
     def select(self) -> int:
-        k = need_arms(self)
-        if self.t < k:  # Alg. 8 lines 4-5: round-robin over the first K rounds
-            return self.t
-        if 0 in self.counts:
-            return self.counts.index(0)
-        return argmax(self.ucb())
+        return round_robin_then_ucb(self)
 
     def update(self, feedback: RoundFeedback) -> None:
         i = feedback.drafter

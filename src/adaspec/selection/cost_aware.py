@@ -34,8 +34,8 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from .banditspec import (DEFAULT_DELTA, EXP3Spec, check_positive, check_unit,
-                         confidence_radius, need_arms)
-from .base import DrafterPolicy, argmax
+                         confidence_radius, round_robin_then_ucb)
+from .base import DrafterPolicy
 
 #: a round time below this (seconds) is treated as this (guards a zero-cost synthetic round)
 MIN_ROUND_S = 1e-9
@@ -81,12 +81,7 @@ class CostAwareUCB(DrafterPolicy):
             1.0, self.counts[i], self.t, self.n_arms, self.delta) for i in range(self.n_arms)]
 
     def select(self) -> int:
-        k = need_arms(self)
-        if self.t < k:  # round-robin over the first K rounds (Alg. 8 lines 4-5)
-            return self.t
-        if 0 in self.counts:
-            return self.counts.index(0)
-        return argmax(self.ucb())
+        return round_robin_then_ucb(self)
 
     def update(self, feedback: RoundFeedback) -> None:
         i = feedback.drafter

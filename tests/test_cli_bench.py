@@ -1,0 +1,103 @@
+"""The bench harness and the command line, on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import make_tiny_model, word_tokenizer
+
+from adaspec.bench import default_configs, run_bench
+from adaspec.cli import app
+from adaspec.models import as_loaded
+from adaspec.prompts import BenchPrompt
+
+WORDS = [f"w{i:02d}" for i in range(32)]
+PROMPTS = [BenchPrompt("copy", "w01 w02 w03 w04 w01 w02 w03 w04 w01 w02"),
+           BenchPrompt("random", "w07 w19 w03 w22 w11 w05")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model = make_tiny_model(seed=0)
+    model.save_pretrained(path)
+    word_tokenizer(WORDS).save_pretrained(path)
+    return str(path)
+
+
+def test_run_bench_checks_every_output_against_ar():
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    configs = default_configs(["prompt-lookup", "suffix"], [2, 4], selectors=["ucbspec"],
+                              lengths=["cost-model"])
+    assert configs[0].drafters == [] and len(configs) == 1 + 4 + 1 + 2
+    report = run_bench(target, configs, PROMPTS, max_new_tokens=12, measure_costs=False)
+    assert [r.name for r in report.results] == [c.name for c in configs]
+    for r in report.results:
+        assert r.identical == r.prompts == 2 and not r.mismatches
+        assert r.tokens == 24 and r.seconds > 0 and r.rounds > 0
+        assert report.speedup(r) > 0
+    assert report.baseline.mat == 1.0
+    md = report.markdown()
+    assert md.count("\n") == len(configs) + 1 and "discard rate" in md
+    json.dumps(report.to_dict())
+
+
+def test_run_bench_reports_a_mismatch(monkeypatch):
+    """A configuration whose output differs from AR is reported, never hidden."""
+    import adaspec.bench
+    from adaspec.engine import SpeculativeEngine
+
+    class Corrupting(SpeculativeEngine):
+        def generate(self, prompt, config=None, **kw):
+            res = super().generate(prompt, config, **kw)
+            if self.drafter_names != ["none"]:
+                res.token_ids[-1] = (res.token_ids[-1] + 1) % 32
+            return res
+
+    monkeypatch.setattr(adaspec.bench, "SpeculativeEngine", Corrupting)
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    report = run_bench(target, default_configs(["prompt-lookup"], [3]), PROMPTS,
+                       max_new_tokens=8, measure_costs=False)
+    ar, sd = report.results
+    assert ar.identical == 2 and not ar.mismatches
+    assert sd.identical == 0 and len(sd.mismatches) == 2
+    assert "first difference at token 7" in sd.mismatches[0]
+    assert "MISMATCH" in report.markdown()
+
+
+def test_cli_generate_json(model_dir):
+    res = CliRunner().invoke(app, ["generate", "w01 w02 w03 w01 w02", "-m", model_dir, "-n", "6",
+                                   "--json", "--no-chat-template", "-d", "prompt-lookup"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 6 and out["stats"]["new_tokens"] == 6
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-d", "nonsense"], "unknown drafter"),
+    (["-k", "0"], "k must be"),
+    (["-t", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--selector", "nope"], "unknown selector"),
+])
+def test_cli_generate_bad_input(model_dir, args, needle):
+    res = CliRunner().invoke(app, ["generate", "w01 w02", "-m", model_dir, "--no-chat-template",
+                                   *args])
+    assert res.exit_code == 2
+    assert needle in res.output
+
+
+def test_cli_bench_runs_and_writes_json(model_dir, tmp_path, monkeypatch):
+    import adaspec.prompts
+
+    monkeypatch.setattr(adaspec.prompts, "BUILTIN_PROMPTS", tuple(PROMPTS))
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "-d", "prompt-lookup", "-k", "3",
+                                   "-n", "8", "--no-costs", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["results"]] == ["AR (no drafter)", "prompt-lookup k=3"]
+    assert all(r["identical"] == r["prompts"] for r in data["results"])
