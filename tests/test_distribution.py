@@ -239,3 +239,18 @@ def test_three_tokens_with_multi_token_blocks(drafter_kind):
     # and marginals of the first two tokens agree too (a coarser, more powerful view)
     stat, pvalue, cells = chisquare_gof(runs.counts.sum(-1), exact.sum(-1))
     assert pvalue > ALPHA, f"first-two marginal: chi-square {stat:.1f}, p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("length", ["max-confidence:threshold=0.5", "tapout:seed=1", "cost-model"])
+def test_adaptive_length_policies_keep_the_distribution(length, monkeypatch, tmp_path):
+    """A length policy only decides how many tokens to verify, never which ones are emitted:
+    with an adaptive rule (its decisions depend on the drafter's q and on what it learnt) the
+    3-token output distribution still equals the target's, chi-square at alpha = 0.001."""
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))  # cost-model measures a cost curve
+    target = make_tiny_model(seed=0, vocab=V3, init_std=INIT_STD)
+    bad = make_tiny_model(seed=123, vocab=V3, init_std=INIT_STD, lm_head_scale=2.0)
+    engine = SpeculativeEngine(target, [ModelDrafter(as_loaded(bad), V3)], length=length)
+    cfg = SamplingConfig(temperature=1.0)
+    exact = exact_distribution(target, PROMPT3, cfg, 3)
+    runs = run_engine(engine, PROMPT3, 3, seed0=50_000, temperature=1.0)
+    check_exact(runs, exact, f"3 tokens, length policy {length}")

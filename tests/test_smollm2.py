@@ -67,3 +67,20 @@ def test_bf16_is_tie_aware_exact(smol):
         res = eng.generate(p, max_new_tokens=N_NEW)
         check = check_tie_aware(bf.model, res.prompt_ids, res.token_ids, max_gap=0.1)
         assert check.ok, f"tokens far from the argmax: {check.violations}"
+
+
+@pytest.mark.parametrize("selector", ["ucbspec", "exp3spec", "metasd-ucb:reward=bd", "sh", "thompson",
+                                      "hedgespec", "cost-ucb", "cost-hedgespec"])
+def test_greedy_unchanged_by_drafter_policies(smol, references, selector):
+    eng = SpeculativeEngine(smol, ["prompt-lookup", "suffix", "none"], selector=selector, k=4)
+    ids, ref = references[0]
+    assert eng.generate(ids, max_new_tokens=N_NEW).token_ids == ref
+
+
+@pytest.mark.parametrize("length", ["hf-heuristic", "cost-model", "ucbspec-length", "tapout",
+                                    "adaedl"])
+def test_greedy_unchanged_by_length_policies(smol, references, length):
+    eng = SpeculativeEngine(smol, ["early-exit:layers=8", "prompt-lookup"], length=length,
+                            selector="round-robin")
+    ids, ref = references[1]
+    assert eng.generate(ids, max_new_tokens=N_NEW).token_ids == ref
