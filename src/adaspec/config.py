@@ -70,3 +70,10 @@ def validate_k(k: int) -> int:
             "(plain decoding without drafts is drafter 'none')"
         )
     return k
+
+
+def validate_scope(scope: str) -> str:
+    """Check a learner's state scope: 'request' (reset per request) or 'global' (warm start)."""
+    if scope not in ("request", "global"):
+        raise ConfigError(f"scope must be 'request' or 'global', got {scope!r}")
+    return scope

@@ -290,7 +290,6 @@ class SpeculativeEngine:
             policy_in_draft += time.perf_counter() - t
             return verdict
 
-        round_no = 0
         while True:
             t0 = now()
             i = selector.select()
@@ -338,10 +337,11 @@ class SpeculativeEngine:
             remaining -= len(emitted)
             seen[i] = len(tokens)
 
+            draft_s, verify_s, catch_up_s = t3 - t2 - policy_in_draft, t4 - t3, t2 - t1
             feedback = RoundFeedback(
-                round=round_no, drafter=i, draft=draft, n_accepted=n, emitted=emitted, k_cap=cap,
-                target_logits=logits, sampling=sampling, draft_s=t3 - t2 - policy_in_draft,
-                verify_s=t4 - t3, catch_up_s=t2 - t1, catch_up_tokens=catch_up_tokens)
+                round=len(stats.rounds), drafter=i, draft=draft, n_accepted=n, emitted=emitted,
+                k_cap=cap, target_logits=logits, sampling=sampling, draft_s=draft_s,
+                verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens)
             t5 = now()
             if selector.full_information and len(drafters) > 1:
                 feedback.counterfactual = self._evaluate_others(
@@ -349,17 +349,15 @@ class SpeculativeEngine:
                 for j in range(len(drafters)):
                     seen[j] = len(tokens)
             t6 = now()
-            self.cost_model.observe(i, k, feedback.draft_s, feedback.verify_s, catch_up_tokens,
-                                    feedback.catch_up_s)
+            self.cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
-                draft_s=t3 - t2 - policy_in_draft, verify_s=t4 - t3, catch_up_s=t2 - t1,
+                draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
                 catch_up_tokens=catch_up_tokens, policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6),
                 eval_s=t6 - t5, total_s=t7 - t0, drafter_prefill_s=drafter_prefill))
-            round_no += 1
             yield emitted
             if reason:
                 stats.stop_reason = reason
@@ -378,14 +376,18 @@ class SpeculativeEngine:
         for j, t in enumerate(emitted):
             if cfg.stop_on_eos and t in eos:
                 return emitted[: j + 1], "eos"
-            if cfg.stop and self._hits_stop(tokens[n_prompt:] + emitted[: j + 1], cfg.stop, stop_max):
+            if cfg.stop and self._hits_stop(tokens, n_prompt, emitted[: j + 1], cfg.stop, stop_max):
                 return emitted[: j + 1], "stop_string"
             if j + 1 >= remaining:
                 return emitted[: j + 1], "max_new_tokens"
         return emitted, ""
 
-    def _hits_stop(self, generated: list[int], stops: Sequence[str], stop_max: int) -> bool:
-        tail = self.decode(generated[-(stop_max + 8):])
+    def _hits_stop(self, tokens: list[int], n_prompt: int, new: list[int], stops: Sequence[str],
+                   stop_max: int) -> bool:
+        """Does the tail of the generated text (never the prompt) contain a stop string?"""
+        window = stop_max + 8
+        start = max(n_prompt, len(tokens) - max(0, window - len(new)))
+        tail = self.decode((tokens[start:] + new)[-window:])
         return any(s in tail for s in stops)
 
     def _evaluate_others(self, chosen: int, context: list[int], emitted: list[int],

@@ -96,7 +96,7 @@ class RequestStats:
         """Seconds spent per activity; they add up to ``total_s``."""
         split = {
             "prefill": self.prefill_s,
-            "drafter_prefill": self._sum("drafter_prefill_s"),
+            "drafter_prefill": self.drafter_prefill_s,
             "target_forward": self._sum("verify_s"),
             "drafting": self._sum("draft_s"),
             "catch_up": self._sum("catch_up_s"),

@@ -109,6 +109,15 @@ class ModelDrafter(Drafter):
             del self._fed[c:]
         self._trusted = c
 
+    def _sync_for_logits(self, context: Sequence[int]) -> None:
+        """Sync to ``context`` keeping its last token unfed, so the next forward yields the
+        logits that follow ``context`` (re-feeds that token if it was already cached)."""
+        self._sync(context)
+        if len(self._fed) == len(context):
+            self._cache.crop(-1)
+            self._fed.pop()
+        self._trusted = min(self._trusted, len(self._fed))
+
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
         """Make drafter logits as wide as the target's (extra ids dropped, missing ids -inf)."""
         width = logits.shape[-1]
@@ -143,11 +152,7 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,
               want_hidden: bool = False) -> Draft:
-        self._sync(context)
-        if len(self._fed) == len(context):  # everything fed: re-feed the last token for its logits
-            self._cache.crop(-1)
-            self._fed.pop()
-        self._trusted = min(self._trusted, len(self._fed))
+        self._sync_for_logits(context)
         logits, hidden = self._forward(context[len(self._fed):], hidden=want_hidden)
         self._unfed = None
         tokens: list[int] = []
@@ -180,10 +185,7 @@ class ModelDrafter(Drafter):
         m = len(verified)
         if m == 0:
             return Proposals(probs=torch.empty(0, self._vocab))
-        self._sync(context)
-        if len(self._fed) == len(context):
-            self._cache.crop(-1)
-            self._fed.pop()
+        self._sync_for_logits(context)
         feed = list(context[len(self._fed):]) + list(verified[:-1])
         logits, _ = self._forward(feed, keep=m)
         self._trusted = len(self._fed)

@@ -11,9 +11,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ..config import validate_k
+from ..config import validate_k, validate_scope
 from ..drafters.base import Decision, DraftStep
-from ..errors import ConfigError
 from ..feedback import RoundFeedback
 
 
@@ -25,9 +24,7 @@ class LengthPolicy(ABC):
     needs_hidden: bool = False
 
     def __init__(self, seed: int | None = 0, scope: str = "request"):
-        if scope not in ("request", "global"):
-            raise ConfigError(f"scope must be 'request' or 'global', got {scope!r}")
-        self.seed, self.scope = seed, scope
+        self.seed, self.scope = seed, validate_scope(scope)
         self.rng = np.random.default_rng(seed)
         self._started = False
 

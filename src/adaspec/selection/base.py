@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..config import validate_scope
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 
@@ -30,9 +31,7 @@ class DrafterPolicy(ABC):
     full_information: bool = False
 
     def __init__(self, seed: int | None = 0, scope: str = "request"):
-        if scope not in ("request", "global"):
-            raise ConfigError(f"scope must be 'request' or 'global', got {scope!r}")
-        self.seed, self.scope = seed, scope
+        self.seed, self.scope = seed, validate_scope(scope)
         self.rng = np.random.default_rng(seed)
         self.n_arms = 0
         self.arm_names: list[str] = []
