@@ -59,6 +59,33 @@ class LoadedModel:
         return getattr(self.model.config, "max_position_embeddings", None)
 
 
+def target_fingerprint(target: LoadedModel) -> dict[str, Any]:
+    """Identity of a target for trained artifacts (heads, draft LMs, distilled data).
+
+    Architecture fields plus a hash of a slice of the output embedding, so that a file
+    trained for one model is refused by another with the same shapes.
+    """
+    cfg = target.model.config
+    w = target.model.get_output_embeddings().weight
+    sample = w[:: max(1, w.shape[0] // 64), :32].detach().float().cpu().contiguous()
+    digest = hashlib.sha256(sample.numpy().round(4).tobytes()).hexdigest()[:16]
+    return {"name": target.name, "model_type": getattr(cfg, "model_type", None),
+            "vocab_size": target.vocab_size, "hidden_size": getattr(cfg, "hidden_size", None),
+            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest}
+
+
+def check_fingerprint(expected: dict[str, Any], target: LoadedModel, what: str) -> None:
+    """Raise if ``target`` is not the model ``what`` was built for (the name may differ)."""
+    got = target_fingerprint(target)
+    diff = [k for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
+            if expected.get(k) != got.get(k)]
+    if diff:
+        raise ModelLoadError(
+            f"{what} was built for target {expected.get('name')!r} but the loaded target "
+            f"{target.name!r} differs in {', '.join(diff)}: load it with the target it was "
+            "trained on, or retrain it for this one")
+
+
 def cache_dir() -> Path:
     """Where adaspec keeps converted models and measured cost curves."""
     return Path(os.environ.get("ADASPEC_CACHE", Path.home() / ".cache" / "adaspec"))
