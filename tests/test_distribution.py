@@ -16,7 +16,7 @@ Seeds are fixed (``seed=s`` for s in a fixed range), so the tests are determinis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest

@@ -9,7 +9,7 @@ is truncated-geometric, and E[rounds to produce N tokens] follows from a renewal
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest

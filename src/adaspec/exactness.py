@@ -9,7 +9,8 @@ argmax or within ``max_gap`` nats of it, teacher-forced on the output itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 

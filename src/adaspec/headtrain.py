@@ -24,7 +24,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -83,7 +84,7 @@ class HeadTrainConfig:
             raise bad(f"mix_ratio r must be in [0, 1), got {self.mix_ratio!r}: the paper uses 0.15")
         if not 0.0 < self.eval_fraction < 1.0:
             raise bad(f"eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
-        self.sampling  # validates temperature / top_k / top_p
+        _ = self.sampling  # validates temperature / top_k / top_p
 
     @property
     def sampling(self) -> SamplingConfig:

@@ -6,7 +6,7 @@ Every policy is one class with ``begin_round`` / ``decide`` / ``update`` and is 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError, UnknownNameError
 from .bandit import LengthUCB

@@ -6,7 +6,7 @@ Every policy is one class with ``select()`` / ``update(feedback)`` and is regist
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError, UnknownNameError
 from .banditspec import EXP3Spec, UCBSpec

@@ -9,7 +9,7 @@ drafters' acceptance probabilities on the verified tokens (Not-a-Bandit 3.2) in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

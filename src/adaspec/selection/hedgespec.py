@@ -66,7 +66,8 @@ Decisions where the paper is silent (documented, ours):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..costs import CostModel
 from ..errors import ConfigError
