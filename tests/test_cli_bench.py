@@ -15,8 +15,8 @@ from adaspec.models import as_loaded
 from adaspec.prompts import BenchPrompt
 
 WORDS = [f"w{i:02d}" for i in range(32)]
-PROMPTS = [BenchPrompt("copy", "w01 w02 w03 w04 w01 w02 w03 w04 w01 w02"),
-           BenchPrompt("random", "w07 w19 w03 w22 w11 w05")]
+PROMPTS = [BenchPrompt("c1", "copy", ("w01 w02 w03 w04 w01 w02 w03 w04 w01 w02",)),
+           BenchPrompt("r1", "random", ("w07 w19 w03 w22 w11 w05",))]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_run_bench_checks_every_output_against_ar():
     assert report.baseline.mat == 1.0
     md = report.markdown()
     assert md.count("\n") == len(configs) + 1 and "discard rate" in md
-    json.dumps(report.to_dict())
+    json.dumps(report.summary())
 
 
 def test_run_bench_reports_a_mismatch(monkeypatch):
@@ -90,14 +90,26 @@ def test_cli_generate_bad_input(model_dir, args, needle):
     assert needle in res.output
 
 
-def test_cli_bench_runs_and_writes_json(model_dir, tmp_path, monkeypatch):
-    import adaspec.prompts
-
-    monkeypatch.setattr(adaspec.prompts, "BUILTIN_PROMPTS", tuple(PROMPTS))
-    out = tmp_path / "bench.json"
-    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "-d", "prompt-lookup", "-k", "3",
-                                   "-n", "8", "--no-costs", "--json", str(out)])
+def test_cli_bench_runs_and_writes_the_report(model_dir, tmp_path):
+    suite = tmp_path / "work.jsonl"
+    suite.write_text("\n".join(json.dumps({"question_id": p.id, "category": p.category, "turns": list(p.turns)})
+                               for p in PROMPTS))
+    out = tmp_path / "report"
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "-d", "prompt-lookup", "-k", "3", "-s", "ucbspec",
+                                   "-d", "suffix", "--suite", str(suite), "--peer", "hf-pld",
+                                   "-n", "8", "--no-costs", "--out", str(out), "--json", str(tmp_path / "s.json")])
     assert res.exit_code == 0, res.output
-    data = json.loads(out.read_text())
-    assert [r["name"] for r in data["results"]] == ["AR (no drafter)", "prompt-lookup k=3"]
-    assert all(r["identical"] == r["prompts"] for r in data["results"])
+    data = json.loads((out / "summary.json").read_text())
+    assert [r["config"] for r in data["overall"]] == [
+        "AR (no drafter)", "prompt-lookup k=3", "suffix k=3", "ucbspec over [prompt-lookup, suffix]", "hf-pld"]
+    assert all(r["identical"] == r["prompts"] == 2 for r in data["overall"])
+    assert (out / "report.md").is_file() and (out / "rounds.csv").is_file()
+    assert any(p.suffix == ".png" for p in out.iterdir())
+    assert json.loads((tmp_path / "s.json").read_text())["schema"] == data["schema"]
+
+
+def test_cli_bench_bad_input(model_dir, tmp_path):
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "--suite", "nonsense", "--no-costs"])
+    assert res.exit_code == 2 and "nonsense" in res.output
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "--config", str(tmp_path / "x.toml")])
+    assert res.exit_code == 2 and "does not exist" in res.output

@@ -1,38 +1,95 @@
-"""``adaspec bench``: plain decoding vs speculative configurations, side by side, in one process.
+"""``adaspec bench``: plain decoding vs speculative configurations and peers, side by side.
 
-Every configuration runs on the same loaded target. Runs are interleaved (prompt by prompt,
-configuration by configuration) after a warm-up so that machine noise hits all of them
-alike; per-prompt times are medians over repeats. Greedy outputs are compared with plain
-decoding token for token and every mismatch is reported.
+Every configuration runs on the same loaded target, in one process. Runs are interleaved
+(prompt by prompt, configuration by configuration) after a warm-up so that machine noise hits
+all of them alike; per-prompt times are medians over repeats. Greedy outputs are compared
+with plain decoding (AR, always the first configuration) token for token and every mismatch
+is reported. Multi-turn prompts are run turn by turn; the history of a later turn is AR's
+answer, so every configuration sees the same context.
+
+The result is a ``BenchRun``: one ``PromptRecord`` per (configuration, prompt), the per-round
+records, and ``summary()``, the ``summary.json`` document (schema ``adaspec.bench/1``,
+docs/summary-schema.md) from which ``adaspec.report`` writes report.md and the plots.
 """
 
 from __future__ import annotations
 
+import csv
+import datetime as _dt
 import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from .config import GenerationConfig, SamplingConfig, validate_k
 from .drafters import Drafter, build_drafter
 from .engine import SpeculativeEngine
+from .errors import ConfigError
 from .models import LoadedModel
 from .prompts import BUILTIN_PROMPTS, BenchPrompt
+
+SCHEMA = "adaspec.bench/1"
+AR_NAME = "AR (no drafter)"
+ROUND_FIELDS = ("config", "prompt_id", "category", "position", "turn", "round", "drafter", "k_cap", "drafted",
+                "accepted", "emitted", "draft_s", "verify_s", "catch_up_s", "policy_s", "total_s")
 
 
 @dataclass
 class BenchConfig:
-    """One configuration: drafters, selector and length policy (drafters=[] is plain AR)."""
+    """One configuration: drafters, selector and length policy (drafters=[] is plain AR), or
+    a peer (``peer="hf-pld"``: Hugging Face assisted generation, see ``adaspec.peers``)."""
 
     name: str
-    drafters: list[str | Drafter]
+    drafters: list[str | Drafter] = field(default_factory=list)
     k: int = 5
     selector: str | None = None
     length: str | None = None
+    peer: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """ar | static (one drafter, static K) | adaptive (a selector or length policy) | peer."""
+        if self.peer:
+            return "peer"
+        if not self.drafters:
+            return "ar"
+        if self.selector is None and self.length is None and len(self.drafters) == 1:
+            return "static"
+        return "adaptive"
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "k": self.k, "selector": self.selector,
+                "length": self.length, "peer": self.peer,
+                "drafters": [d if isinstance(d, str) else d.describe() for d in self.drafters]}
+
+
+@dataclass
+class PromptRecord:
+    """One configuration on one prompt (all its turns): median time over repeats."""
+
+    config: str
+    prompt_id: str
+    category: str
+    position: int  # order of the prompt in the workload
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    policy_s: float = 0.0
+    identical: bool = True
+    first_mismatch: int | None = None
+    drafter_usage: dict[str, int] = field(default_factory=dict)
+    overhead_shares: list[float] = field(default_factory=list)
+    verify_widths: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
 class ConfigResult:
+    """Totals of one configuration over a set of prompts."""
+
     name: str
     tokens: int = 0
     seconds: float = 0.0  # sum over prompts of the median time
@@ -41,12 +98,9 @@ class ConfigResult:
     accepted: int = 0
     identical: int = 0
     prompts: int = 0
+    policy_s: float = 0.0
     mismatches: list[str] = field(default_factory=list)
     overhead_shares: list[float] = field(default_factory=list)
-    catch_up_s: float = 0.0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    per_prompt_tps: list[float] = field(default_factory=list)
     verify_widths: dict[int, int] = field(default_factory=dict)
     cliff_share: float | None = None  # share of rounds whose verify width is in a cost cliff
 
@@ -77,36 +131,157 @@ class ConfigResult:
         """Median over prompts of (median engine overhead per round / median target forward)."""
         return statistics.median(self.overhead_shares) if self.overhead_shares else 0.0
 
+    @property
+    def policy_share(self) -> float:
+        """Share of wall time spent in the drafter and length policies."""
+        return self.policy_s / self.seconds if self.seconds else 0.0
+
+    @classmethod
+    def total(cls, name: str, records: Sequence[PromptRecord]) -> ConfigResult:
+        r = cls(name)
+        for p in records:
+            r.prompts += 1
+            r.tokens += p.tokens
+            r.seconds += p.seconds
+            r.rounds += p.rounds
+            r.drafted += p.drafted
+            r.accepted += p.accepted
+            r.policy_s += p.policy_s
+            r.overhead_shares.extend(p.overhead_shares)
+            for w, c in p.verify_widths.items():
+                r.verify_widths[w] = r.verify_widths.get(w, 0) + c
+            if p.identical:
+                r.identical += 1
+            else:
+                where = "" if p.first_mismatch is None else f": first difference at token {p.first_mismatch}"
+                r.mismatches.append(f"prompt {p.prompt_id} ({p.category}){where}")
+        return r
+
 
 @dataclass
-class BenchReport:
+class BenchRun:
+    """Everything one bench run measured."""
+
     model: str
+    configs: list[BenchConfig]
+    records: list[PromptRecord]  # config-major is not guaranteed: filter by name
+    rounds: list[dict[str, Any]]
     max_new_tokens: int
     repeats: int
-    results: list[ConfigResult]
+    temperature: float = 0.0
+    suite: str = "builtin"
+    device: str = "cpu"
+    dtype: str = "float32"
     verify_costs: dict[str, Any] | None = None
+
+    # -- aggregation ----------------------------------------------------------------------
+    def of(self, config: str, category: str | None = None) -> list[PromptRecord]:
+        return [r for r in self.records if r.config == config and (category is None or r.category == category)]
+
+    @property
+    def categories(self) -> list[str]:
+        return list(dict.fromkeys(r.category for r in self.records))
+
+    def result(self, config: str, category: str | None = None) -> ConfigResult:
+        res = ConfigResult.total(config, self.of(config, category))
+        if self.verify_costs and res.verify_widths:
+            cliffs = set(self.verify_costs.get("cliffs", []))
+            n = sum(res.verify_widths.values())
+            res.cliff_share = sum(c for w, c in res.verify_widths.items() if w in cliffs) / n
+        return res
+
+    @property
+    def results(self) -> list[ConfigResult]:
+        return [self.result(c.name) for c in self.configs]
 
     @property
     def baseline(self) -> ConfigResult:
-        return self.results[0]
+        return self.result(self.configs[0].name)
 
-    def speedup(self, r: ConfigResult) -> float:
-        return self.baseline.seconds / r.seconds if r.seconds else 0.0
+    def speedup(self, r: ConfigResult, category: str | None = None) -> float:
+        base = self.result(self.configs[0].name, category)
+        return base.seconds / r.seconds if r.seconds else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        rows = []
-        for r in self.results:
-            d = asdict(r)
-            d.update(tokens_per_s=r.tokens_per_s, mat=r.mat, acceptance_rate=r.acceptance_rate,
-                     speedup=self.speedup(r), overhead_share=r.overhead_share,
-                     discard_rate=r.discard_rate, verification_rate=r.verification_rate)
-            rows.append(d)
-        return {"model": self.model, "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
-                "results": rows, "verify_costs": self.verify_costs}
+    # -- regret (BanditSpec stopping time; cumulative against the best fixed drafter) -------
+    def _static_for(self, cfg: BenchConfig) -> list[BenchConfig]:
+        """Static single-drafter configurations over the policy's drafters (its fixed arms)."""
+        mine = {d if isinstance(d, str) else d.describe() for d in cfg.drafters}
+        return [c for c in self.configs if c.kind == "static" and c.k == cfg.k
+                and (c.drafters[0] if isinstance(c.drafters[0], str) else c.drafters[0].describe()) in mine]
+
+    def regret(self, cfg: BenchConfig, category: str | None = None) -> dict[str, Any] | None:
+        """Regret of an adaptive configuration against its fixed arms in hindsight.
+
+        ``stopping_time``: sum over prompts of the policy's rounds minus the rounds of the
+        best fixed drafter for that prompt (BanditSpec's stopping-time regret, the best arm
+        chosen per prompt). ``best_arm_ratio``: share of the policy's rounds that used that
+        drafter. ``cumulative_seconds``: running sum over the workload of the policy's time
+        minus the time of the single fixed configuration that is fastest over the whole
+        workload (the best fixed drafter in hindsight)."""
+        arms = self._static_for(cfg)
+        if cfg.kind != "adaptive" or not arms:
+            return None
+        mine = sorted(self.of(cfg.name, category), key=lambda r: r.position)
+        by_arm = {a.name: {r.prompt_id: r for r in self.of(a.name, category)} for a in arms}
+        best_fixed = min(arms, key=lambda a: sum(r.seconds for r in by_arm[a.name].values()))
+        stop_regret, used_best, n_rounds = 0.0, 0, 0
+        cum_s, cum_r, acc_s, acc_r = [], [], 0.0, 0.0
+        for rec in mine:
+            best = min(arms, key=lambda a: by_arm[a.name][rec.prompt_id].rounds)
+            stop_regret += rec.rounds - by_arm[best.name][rec.prompt_id].rounds
+            best_names = by_arm[best.name][rec.prompt_id].drafter_usage  # {its drafter's name: rounds}
+            used_best += sum(rec.drafter_usage.get(n, 0) for n in best_names)
+            n_rounds += rec.rounds
+            ref = by_arm[best_fixed.name][rec.prompt_id]
+            acc_s += rec.seconds - ref.seconds
+            acc_r += rec.rounds - ref.rounds
+            cum_s.append(acc_s)
+            cum_r.append(acc_r)
+        return {"best_fixed": best_fixed.name, "stopping_time_regret": stop_regret,
+                "best_arm_ratio": used_best / n_rounds if n_rounds and len(arms) > 1 else None,
+                "cumulative_seconds": cum_s, "cumulative_rounds": cum_r}
+
+    # -- output ---------------------------------------------------------------------------
+    def _row(self, cfg: BenchConfig, category: str | None) -> dict[str, Any]:
+        r = self.result(cfg.name, category)
+        reg = self.regret(cfg, category)
+        return {"config": cfg.name, "prompts": r.prompts, "tokens": r.tokens, "seconds": r.seconds,
+                "tokens_per_s": r.tokens_per_s, "speedup": self.speedup(r, category), "mat": r.mat,
+                "acceptance_rate": r.acceptance_rate if r.drafted else None,
+                "discard_rate": r.discard_rate, "verification_rate": r.verification_rate,
+                "policy_overhead_share": r.policy_share, "engine_overhead_share": r.overhead_share,
+                "cliff_share": r.cliff_share, "identical": r.identical, "mismatches": r.mismatches,
+                "stopping_time_regret": reg["stopping_time_regret"] if reg else None,
+                "best_arm_ratio": reg["best_arm_ratio"] if reg else None}
+
+    def summary(self) -> dict[str, Any]:
+        """The ``summary.json`` document (schema ``adaspec.bench/1``)."""
+        from . import __version__
+
+        regret = {}
+        for c in self.configs:
+            reg = self.regret(c)
+            if reg:
+                regret[c.name] = {k: reg[k] for k in ("best_fixed", "cumulative_seconds", "cumulative_rounds")}
+        return {
+            "schema": SCHEMA,
+            "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "adaspec_version": __version__, "model": self.model, "device": self.device,
+            "dtype": self.dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+            "repeats": self.repeats, "suite": self.suite,
+            "n_prompts": len({r.prompt_id for r in self.records}), "categories": self.categories,
+            "configs": [c.describe() for c in self.configs],
+            "overall": [self._row(c, None) for c in self.configs],
+            "per_category": {cat: [self._row(c, cat) for c in self.configs] for cat in self.categories},
+            "per_prompt": [{k: v for k, v in asdict(r).items() if k not in ("overhead_shares", "verify_widths")}
+                           for r in self.records],
+            "verify_costs": self.verify_costs,
+            "regret": regret,
+        }
 
     def markdown(self) -> str:
-        lines = ["| configuration | tokens/s | speed-up vs AR | MAT | acceptance | discard rate "
-                 "| verification rate | identical to AR |",
+        lines = [("| configuration | tokens/s | speed-up vs AR | MAT | acceptance | discard rate "
+                  "| verification rate | identical to AR |"),
                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in self.results:
             same = f"{r.identical}/{r.prompts}" + ("" if r.identical == r.prompts else " MISMATCH")
@@ -115,12 +290,33 @@ class BenchReport:
                          f"| {r.verification_rate:.2f} | {same} |")
         return "\n".join(lines)
 
+    def save(self, out_dir: str | Path, plots: bool = True) -> list[Path]:
+        """Write summary.json, rounds.csv and (via ``adaspec.report``) report.md and plots."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = self.summary()
+        (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        with open(out / "rounds.csv", "w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=ROUND_FIELDS)
+            w.writeheader()
+            w.writerows(self.rounds)
+        written = [out / "summary.json", out / "rounds.csv"]
+        if plots:
+            from .report import write_report
+
+            written += write_report(summary, out, out / "rounds.csv")
+        return written
+
 
 def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Sequence[str] = (),
-                    lengths: Sequence[str] = (), static: bool = True) -> list[BenchConfig]:
+                    lengths: Sequence[str] = (), static: bool = True,
+                    peers: Sequence[str] = ()) -> list[BenchConfig]:
     """Plain AR first (the baseline); then every drafter at every K (static); every selector
-    over the whole drafter pool (at the first K); every length policy with every drafter."""
-    configs = [BenchConfig("AR (no drafter)", [])]
+    over the whole drafter pool (at the first K); every length policy with every drafter; and
+    every peer."""
+    for k in ks:
+        validate_k(k)
+    configs = [BenchConfig(AR_NAME, [])]
     if static:
         for d in drafters:
             for k in ks:
@@ -131,81 +327,218 @@ def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Seque
     for ln in lengths:
         for d in drafters:
             configs.append(BenchConfig(f"{d} + {ln}", [d], k=ks[0], length=ln))
+    for p in peers:
+        configs.append(BenchConfig(p, peer=p))
+    names = [c.name for c in configs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"configurations {dup} are listed twice: remove the duplicates")
     return configs
+
+
+# -- running ------------------------------------------------------------------------------
+class _Runner:
+    """Runs one configuration on encoded prompts: an engine or a peer."""
+
+    def __init__(self, cfg: BenchConfig, target: LoadedModel, drafter: Callable[[str | Drafter], Drafter],
+                 device: Any, dtype: Any):
+        self.cfg = cfg
+        self.engine: SpeculativeEngine | None = None
+        self.peer: Any = None
+        if cfg.peer:
+            from .peers import HFPeer
+
+            self.peer = HFPeer(target, cfg.peer, device=device, dtype=dtype)
+        else:
+            self.engine = SpeculativeEngine(target, [drafter(d) for d in cfg.drafters], k=cfg.k,
+                                            selector=cfg.selector, length=cfg.length)
+
+    def run(self, ids: list[int], gen: GenerationConfig, eos: set[int]) -> tuple[list[int], float, Any]:
+        """(new token ids, seconds, RequestStats or PeerRun)."""
+        if self.peer is not None:
+            run = self.peer.run(ids, gen.max_new_tokens, eos)
+            return run.token_ids, run.seconds, run
+        res = self.engine.generate(ids, gen)
+        return res.token_ids, res.stats.total_s, res.stats
+
+
+def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
+    """Add one turn's measurements (engine stats or a peer run) to a prompt record."""
+    rec.seconds += seconds
+    if hasattr(out, "rounds") and isinstance(out.rounds, list):  # RequestStats
+        rec.tokens += out.new_tokens
+        rec.rounds += out.n_rounds
+        rec.drafted += out.drafted
+        rec.accepted += out.accepted
+        rec.policy_s += sum(r.policy_s for r in out.rounds)
+        rec.overhead_shares.append(out.overhead_share)
+        for name, c in out.drafter_usage().items():
+            rec.drafter_usage[name] = rec.drafter_usage.get(name, 0) + c
+        for w, c in out.verify_widths().items():
+            rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
+    else:  # a peer: only what HF exposes
+        rec.tokens += len(out.token_ids)
+        rec.rounds += out.rounds
+        if out.drafted is not None:
+            rec.drafted += out.drafted
+            rec.accepted += max(0, len(out.token_ids) - out.rounds)
+
+
+def _turn_prompt(prompt: BenchPrompt, turn: int, answers: list[str], engine: SpeculativeEngine) -> Any:
+    """The input of a turn: chat messages with earlier answers (AR's), or raw text without a
+    chat template."""
+    tok = engine.target.tokenizer
+    if tok is not None and getattr(tok, "chat_template", None):
+        msgs: list[dict[str, str]] = []
+        for j in range(turn):
+            msgs += [{"role": "user", "content": prompt.turns[j]}, {"role": "assistant", "content": answers[j]}]
+        return engine.encode_prompt(msgs + [{"role": "user", "content": prompt.turns[turn]}])
+    parts = [x for j in range(turn) for x in (prompt.turns[j], answers[j])] + [prompt.turns[turn]]
+    return engine.encode_prompt("\n\n".join(parts), chat_template=False)
 
 
 def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
               prompts: Sequence[BenchPrompt] = BUILTIN_PROMPTS, max_new_tokens: int = 128,
               repeats: int = 1, warmup_tokens: int = 16, measure_costs: bool = True,
-              progress: Callable[[str], None] | None = None) -> BenchReport:
-    """Run all configurations over all prompts (greedy) and aggregate."""
-    if not configs or configs[0].drafters:
-        configs = [BenchConfig("AR (no drafter)", []), *configs]
+              progress: Callable[[str], None] | None = None, temperature: float = 0.0,
+              seed: int = 0, suite: str = "builtin", device: str = "cpu",
+              dtype: str = "float32") -> BenchRun:
+    """Run all configurations over all prompts and aggregate.
+
+    Greedy (temperature 0): every output is checked against AR. Sampling: each configuration
+    uses the same seed per prompt; outputs are not compared (they are equal in distribution,
+    not token for token)."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if not prompts:
+        raise ConfigError("the workload is empty: give at least one prompt")
+    if not configs or configs[0].kind != "ar":
+        configs = [BenchConfig(AR_NAME, []), *configs]
+    configs = list(configs)
     built: dict[str, Drafter] = {}  # model drafters are loaded once and shared by configurations
 
     def drafter(spec: str | Drafter) -> Drafter:
         if isinstance(spec, Drafter):
             return spec
-        if not spec.startswith("model:"):  # model-free state (e.g. a learning datastore) is not shared
-            return build_drafter(spec, target)
+        if not spec.startswith(("model:", "feature-head:", "tiny-lm:", "early-exit")):
+            return build_drafter(spec, target)  # model-free state (e.g. a learning datastore) is not shared
         if spec not in built:
             built[spec] = build_drafter(spec, target)
         return built[spec]
 
-    engines = [SpeculativeEngine(target, [drafter(d) for d in c.drafters], k=c.k,
-                                 selector=c.selector, length=c.length) for c in configs]
-    results = [ConfigResult(c.name) for c in configs]
-    encoded = [engines[0].encode_prompt(p.text) for p in prompts]
-    for e in engines:  # warm-up: first calls allocate and pick kernels
-        e.generate(encoded[0], max_new_tokens=warmup_tokens)
-    for pi, ids in enumerate(encoded):
-        outs: list[list[int] | None] = [None] * len(engines)
-        times: list[list[float]] = [[] for _ in engines]
-        last: list[Any] = [None] * len(engines)
-        for _ in range(repeats):
-            for ci, e in enumerate(engines):
-                if progress:
-                    progress(f"prompt {pi + 1}/{len(encoded)} [{prompts[pi].category}] {configs[ci].name}")
-                res = e.generate(ids, max_new_tokens=max_new_tokens)
-                times[ci].append(res.stats.total_s)
-                outs[ci], last[ci] = res.token_ids, res
-        ref = outs[0]
-        for ci, r in enumerate(results):
-            st = last[ci].stats
-            med = statistics.median(times[ci])
-            r.prompts += 1
-            r.tokens += st.new_tokens
-            r.seconds += med
-            r.rounds += st.n_rounds
-            r.drafted += st.drafted
-            r.accepted += st.accepted
-            split = st.time_split
-            r.catch_up_s += split["catch_up"]
-            r.draft_s += split["drafting"]
-            r.target_s += split["target_forward"]
-            r.per_prompt_tps.append(st.new_tokens / med if med else 0.0)
-            r.overhead_shares.append(st.overhead_share)
-            for w, c in st.verify_widths().items():
-                r.verify_widths[w] = r.verify_widths.get(w, 0) + c
-            if outs[ci] == ref:
-                r.identical += 1
-            else:
-                first = next((j for j, (a, b) in enumerate(zip(outs[ci], ref)) if a != b),
-                             min(len(outs[ci]), len(ref)))
-                r.mismatches.append(f"prompt {pi} ({prompts[pi].category}): first difference at token {first}")
+    runners = [_Runner(c, target, drafter, device, dtype) for c in configs]
+    ar_engine = runners[0].engine
+    assert ar_engine is not None
+    eos = ar_engine.eos_ids()
+    sampling = SamplingConfig(temperature=temperature, seed=seed)
+    greedy = sampling.greedy
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
+    warm = GenerationConfig(max_new_tokens=warmup_tokens, sampling=sampling)
+    first_ids = _turn_prompt(prompts[0], 0, [], ar_engine)
+    for r in runners:  # warm-up: first calls allocate and pick kernels
+        r.run(first_ids, warm, eos)
+
+    records: list[PromptRecord] = []
+    rounds: list[dict[str, Any]] = []
+    for pos, prompt in enumerate(prompts):
+        recs = [PromptRecord(c.name, prompt.id, prompt.category, pos) for c in configs]
+        answers: list[str] = []
+        for turn in range(len(prompt.turns)):
+            ids = _turn_prompt(prompt, turn, answers, ar_engine)
+            outs: list[list[int]] = [[] for _ in runners]
+            times: list[list[float]] = [[] for _ in runners]
+            last: list[Any] = [None] * len(runners)
+            for _ in range(repeats):
+                for ci, r in enumerate(runners):
+                    if progress:
+                        progress(f"{prompt.id} [{prompt.category}] {configs[ci].name}")
+                    outs[ci], secs, last[ci] = r.run(ids, gen, eos)
+                    times[ci].append(secs)
+            answers.append(ar_engine.decode(outs[0]))
+            ref = outs[0]
+            for ci, rec in enumerate(recs):
+                _record_into(rec, last[ci], statistics.median(times[ci]))
+                if greedy and outs[ci] != ref and rec.identical:
+                    rec.identical = False
+                    offset = rec.tokens - len(outs[ci])  # tokens of earlier turns
+                    rec.first_mismatch = offset + next(
+                        (j for j, (a, b) in enumerate(zip(outs[ci], ref)) if a != b), min(len(outs[ci]), len(ref)))
+                per_round = last[ci].rounds if isinstance(last[ci].rounds, list) else []  # peers: a count
+                for j, rr in enumerate(per_round):
+                    rounds.append({"config": configs[ci].name, "prompt_id": prompt.id,
+                                   "category": prompt.category, "position": pos, "turn": turn, "round": j,
+                                   "drafter": rr.drafter, "k_cap": rr.k_cap, "drafted": rr.drafted,
+                                   "accepted": rr.accepted, "emitted": rr.emitted, "draft_s": rr.draft_s,
+                                   "verify_s": rr.verify_s, "catch_up_s": rr.catch_up_s,
+                                   "policy_s": rr.policy_s, "total_s": rr.total_s})
+        records.extend(recs)
     costs = None
     if measure_costs:
         if progress:
             progress("measuring the verify-cost curve")
-        curve = engines[0].verify_costs()
-        costs = curve.to_dict()
-        cliffs = set(curve.cliffs())
-        for r in results:
-            n = sum(r.verify_widths.values())
-            r.cliff_share = sum(c for w, c in r.verify_widths.items() if w in cliffs) / n if n else 0.0
-    return BenchReport(target.name, max_new_tokens, repeats, results, costs)
+        costs = ar_engine.verify_costs().to_dict()
+    return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
+                    suite, device, dtype, costs)
 
 
-def save_report(report: BenchReport, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(report.to_dict(), fh, indent=2)
+# -- config files -------------------------------------------------------------------------
+#: keys a bench config file may set (TOML or YAML); CLI flags override them
+FILE_KEYS = {"model", "device", "dtype", "suite", "per_category", "seed", "max_new_tokens", "repeats",
+             "temperature", "drafters", "ks", "selectors", "lengths", "peers", "static", "costs",
+             "out", "config"}
+
+
+def load_bench_file(path: str | Path) -> dict[str, Any]:
+    """Read a bench method matrix from TOML (``.toml``) or YAML (``.yaml``/``.yml``).
+
+    Top-level keys are ``FILE_KEYS``; ``[[config]]`` tables (a ``config`` list in YAML) add
+    explicit configurations with ``name``, ``drafters``, ``k``, ``selector``, ``length``, ``peer``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"bench config file {p} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    elif p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            raise ConfigError("YAML bench files need PyYAML: pip install pyyaml (or use TOML)") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    else:
+        raise ConfigError(f"bench config {p}: use a .toml or .yaml file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a table of settings")
+    unknown = sorted(set(data) - FILE_KEYS)
+    if unknown:
+        raise ConfigError(f"{p}: unknown keys {unknown}; valid keys: {sorted(FILE_KEYS)}")
+    return data
+
+
+def explicit_configs(entries: Sequence[dict[str, Any]]) -> list[BenchConfig]:
+    """``[[config]]`` entries of a bench file as configurations."""
+    out = []
+    allowed = {"name", "drafters", "k", "selector", "length", "peer"}
+    for i, e in enumerate(entries):
+        bad = sorted(set(e) - allowed)
+        if bad:
+            raise ConfigError(f"config #{i + 1}: unknown keys {bad}; valid: {sorted(allowed)}")
+        drafters = e.get("drafters", [])
+        if isinstance(drafters, str):
+            drafters = [drafters]
+        name = e.get("name") or e.get("peer") or " + ".join(
+            [", ".join(drafters) or "AR", *(x for x in (e.get("selector"), e.get("length")) if x)])
+        out.append(BenchConfig(name, list(drafters), k=validate_k(int(e.get("k", 5))),
+                               selector=e.get("selector"), length=e.get("length"), peer=e.get("peer")))
+    return out
+

