@@ -376,12 +376,13 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
             rec.drafter_usage[name] = rec.drafter_usage.get(name, 0) + c
         for w, c in out.verify_widths().items():
             rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
-    else:  # a peer: only what HF exposes
-        rec.tokens += len(out.token_ids)
+    else:  # a peer (adaspec.peers.PeerRun): counts from the target's forwards, no time split
+        rec.tokens += out.new_tokens
         rec.rounds += out.rounds
-        if out.drafted is not None:
-            rec.drafted += out.drafted
-            rec.accepted += max(0, len(out.token_ids) - out.rounds)
+        rec.drafted += out.drafted or 0
+        rec.accepted += out.accepted if out.drafted else 0
+        for w, c in out.verify_widths.items():
+            rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
 
 
 def _turn_prompt(prompt: BenchPrompt, turn: int, answers: list[str], engine: SpeculativeEngine) -> Any:
