@@ -9,7 +9,7 @@ Quick start::
 """
 
 from .config import GenerationConfig, SamplingConfig
-from .drafters import (Decision, Draft, Drafter, DraftStep, ModelDrafter, NoDrafter,
+from .drafters import (Decision, FeatureHeadDrafter, TinyLMDrafter, Draft, Drafter, DraftStep, ModelDrafter, NoDrafter,
                        PromptLookupDrafter, Proposals, SuffixDatastore, SuffixDrafter, build_drafter)
 from .engine import GenerationResult, SpeculativeEngine
 from .errors import (AdaspecError, ConfigError, ModelLoadError, PromptError, UnknownNameError,
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaspecError", "ConfigError", "Decision", "Draft", "Drafter", "DrafterPolicy", "DraftStep",
+    "FeatureHeadDrafter", "TinyLMDrafter",
     "GenerationConfig", "GenerationResult", "LengthPolicy", "LoadedModel", "ModelDrafter",
     "ModelLoadError", "NoDrafter", "PromptError", "PromptLookupDrafter", "Proposals",
     "RequestStats", "RoundFeedback", "RoundRecord", "SamplingConfig", "SpeculativeEngine",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -18,9 +19,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="adaspec: adaptive, lossless speculative decoding.")
 err = Console(stderr=True)
 
-MODEL_HELP = "target: 'smollm2' (embedded), a Hugging Face id, a local directory or a .gguf file"
+MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
+              "a Hugging Face id, a local directory or a .gguf file")
 DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_ngram=1], "
-                "suffix[:min_match=2,datastore=FILE,corpus=FILE,learn=true], self, model:REF")
+                "suffix[:min_match=2,datastore=FILE,corpus=FILE,learn=true], self, early-exit:layers=N, "
+                "model:REF, feature-head:path=FILE, tiny-lm:path=DIR")
 
 
 def _fail(exc: Exception) -> None:
@@ -109,6 +112,8 @@ def bench(
                                    help="report directory [default: adaspec-bench/<date-time>]"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="write report.md and PNG plots"),
     json_out: str | None = typer.Option(None, "--json", help="also write summary.json here"),
+    record: str | None = typer.Option(None, "--record", help="also record a replay trace of the workload "
+                                      "(greedy) for the drafters to FILE (.npz); see adaspec replay"),
 ) -> None:
     """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
     every configuration and Hugging Face's assisted generation, side by side in one process.
@@ -134,6 +139,8 @@ def bench(
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
         if opt["repeats"] < 1:
             raise AdaspecError("--repeats must be >= 1")
+        if record and opt["temperature"] > 0:
+            raise AdaspecError("--record needs greedy decoding (temperature 0): traces replay greedy runs")
         if opt["temperature"] > 0 and opt["peers"]:
             raise AdaspecError("Hugging Face peers run greedy only: add --peer none for a sampling bench")
         work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
@@ -155,6 +162,13 @@ def bench(
             run = run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"],
                             measure_costs=opt["costs"], progress=step, temperature=opt["temperature"],
                             seed=opt["seed"], suite=opt["suite"], device=opt["device"], dtype=opt["dtype"])
+            if record:
+                from .trace import record as record_trace
+
+                t0 = time.perf_counter()
+                record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
+                             progress=lambda m: bar.update(task, description=escape("trace: " + m[:52])))
+                err.print(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         written = run.save(out_dir, plots=plots)
     except AdaspecError as exc:
@@ -328,9 +342,20 @@ def train_head_cmd(
 
 def _register() -> None:
     """Commands whose code lives in their own modules."""
+    from .distill import datastore_command, distill_command
+    from .drafter_training import train_drafter_command
+    from .fetch import fetch_command
+    from .pool import pool_command
+    from .replay import replay_command
     from .report import report_command
 
     app.command("report")(report_command)
+    app.command("distill")(distill_command)
+    app.command("build-datastore")(datastore_command)
+    app.command("build-pool")(pool_command)
+    app.command("fetch")(fetch_command)
+    app.command("replay")(replay_command)
+    app.command("train-drafter")(train_drafter_command)
 
 
 _register()

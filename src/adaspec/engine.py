@@ -23,6 +23,7 @@ import torch
 from .config import GenerationConfig, SamplingConfig
 from .costs import CostModel, VerifyCostCurve, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
+from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
 from .length import LengthPolicy, StaticLength, build_length
@@ -84,6 +85,7 @@ class SpeculativeEngine:
         self.length = build_length(length, k)
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostCurve | None = None
+        self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
         #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
         self.cost_model = CostModel()
         for policy in (self.selector, self.length):
@@ -252,6 +254,28 @@ class SpeculativeEngine:
         out = self.target.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0]
 
+    def _features_for(self, drafters: Sequence[Drafter]) -> FeatureBuffer | None:
+        """A fresh per-request buffer of target features, bound to every drafter that drafts from
+        them (EAGLE-style heads); None (no extra work) when no drafter wants features."""
+        users = [d for d in drafters if getattr(d, "uses_target_features", False)]
+        if not users:
+            return None
+        if self._feature_forward is None:
+            self._feature_forward = TargetFeatureForward(self.target.model)
+        cfg = self.target.model.config
+        buffer = FeatureBuffer(int(cfg.hidden_size), self.target.device, self.target.dtype)
+        for d in users:
+            d.bind_features(buffer)
+        return buffer
+
+    @torch.inference_mode()
+    def _forward_features(self, cache: Any, ids: Sequence[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like ``_forward`` (identical logits) and also the final hidden state of every input."""
+        assert self._feature_forward is not None
+        x = torch.tensor([list(ids)], device=self.target.device)
+        logits, hidden = self._feature_forward(x, cache, keep)
+        return logits[0], hidden[0]
+
     def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generator[list[int], None, RequestStats]:
         """Generator over accepted-token chunks; its return value is the request's statistics."""
         from transformers import DynamicCache
@@ -269,11 +293,16 @@ class SpeculativeEngine:
 
         tokens = list(prompt_ids)
         cache = DynamicCache(config=self.target.model.config)
+        drafters, selector, length = self.drafters, self.selector, self.length
+        # features[j] = the target's final hidden state at position j, for every token but the newest
+        features = self._features_for(drafters)
         if len(tokens) > 1:  # the last prompt token is fed with the first round's drafts
-            self._forward(cache, tokens[:-1], keep=1)
+            if features is None:
+                self._forward(cache, tokens[:-1], keep=1)
+            else:
+                features.append(self._forward_features(cache, tokens[:-1], keep=1)[1])
         stats.prefill_s = now() - t_start
 
-        drafters, selector, length = self.drafters, self.selector, self.length
         for d in drafters:
             d.begin_request(prompt_ids)
         selector.begin_request(self.drafter_names)
@@ -319,7 +348,10 @@ class SpeculativeEngine:
             t3 = now()
 
             k = len(draft.tokens)
-            logits = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1)
+            if features is None:
+                logits = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1)
+            else:
+                logits, hidden = self._forward_features(cache, [tokens[-1], *draft.tokens], keep=k + 1)
             if sampling.greedy:
                 verdict = verify_greedy(logits, draft.tokens)
             else:
@@ -334,6 +366,8 @@ class SpeculativeEngine:
                                                 tokens, n_prompt, remaining, cfg, stop_max, eos)
             context_len = len(tokens)
             tokens.extend(emitted)
+            if features is not None:  # rows of [last, accepted drafts]: rejected rows are dropped
+                features.append(hidden[: len(emitted)])
             remaining -= len(emitted)
             seen[i] = len(tokens)
 

@@ -12,10 +12,12 @@ from typing import Any
 from ..errors import AdaspecError, UnknownNameError
 from ..models import LoadedModel, load_model
 from .base import Decision, Draft, Drafter, DraftStep, Proposals
+from .feature_head import FeatureHeadDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter, check_same_vocabulary, early_exit_model
 from .none import NoDrafter
 from .suffix import SuffixDatastore, SuffixDrafter
+from .tiny_lm import TinyLMDrafter
 
 __all__ = [
     "DRAFTER_NAMES",
@@ -23,12 +25,14 @@ __all__ = [
     "Draft",
     "DraftStep",
     "Drafter",
+    "FeatureHeadDrafter",
     "ModelDrafter",
     "NoDrafter",
     "PromptLookupDrafter",
     "Proposals",
     "SuffixDatastore",
     "SuffixDrafter",
+    "TinyLMDrafter",
     "build_drafter",
     "check_same_vocabulary",
     "parse_params",
@@ -115,6 +119,19 @@ def _early_exit(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafte
                         name=f"early-exit:{layers}")
 
 
+def _trained(kind: str, cls: Any, what: str) -> Callable[..., Drafter]:
+    """Factory for a trained drafter file/directory: ``KIND:path=PATH[,name=NAME]``."""
+    def factory(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+        path = params.pop("path", None)
+        name = params.pop("name", None)
+        _no_leftovers(params, kind, "path, name")
+        if not path:
+            raise AdaspecError(f"{kind} needs the trained {what}: write {kind}:path={what.upper()} "
+                               f"(train one with `adaspec train-drafter --kind {kind}`)")
+        return cls.load(path, target, name=name)
+    return factory
+
+
 def _none(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     _no_leftovers(params, "none", "(none)")
     return NoDrafter()
@@ -127,8 +144,11 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
     "suffix": _suffix,
     "self": _self,
     "early-exit": _early_exit,
+    "feature-head": _trained("feature-head", FeatureHeadDrafter, "file"),
+    "tiny-lm": _trained("tiny-lm", TinyLMDrafter, "dir"),
 }
-DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "early-exit:layers=N", "model:REF")
+DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "early-exit:layers=N", "model:REF",
+                 "feature-head:path=FILE", "tiny-lm:path=DIR")
 
 
 def build_drafter(spec: str | Drafter, target: LoadedModel, *, device: Any = None,

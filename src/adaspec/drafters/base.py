@@ -28,13 +28,26 @@ class Decision(enum.Enum):
     DISCARD = "discard"  # drop this token and verify the ones before it
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """Scalar statistics of the drafter's q at one drafted token: what the stopping rules of
+    ``adaspec.length.rules`` read. Carried by a ``DraftStep`` that has no distribution (trace
+    replay, ``adaspec.replay``); computed by ``adaspec.length.rules.stats_of``."""
+
+    top1: float  # max_x q(x)
+    top2: float  # second largest probability (0 for a one-token vocabulary)
+    entropy: float  # H(q) in nats
+
+
 @dataclass
 class DraftStep:
     """One drafted token as a length policy sees it.
 
     ``probs`` is the drafter's processed distribution q (None for model-free drafters, whose
     proposals are deterministic); ``logits`` the raw logits and ``hidden`` the drafter's
-    final hidden state when the drafter is a model (``hidden`` only if requested).
+    final hidden state when the drafter is a model (``hidden`` only if requested). ``stats``:
+    precomputed statistics of q when neither ``probs`` nor ``logits`` is given (replay of a
+    recorded model drafter); the live engine never sets it.
     """
 
     index: int  # 0-based position in the block
@@ -42,6 +55,7 @@ class DraftStep:
     probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    stats: StepStats | None = None
 
 
 @dataclass

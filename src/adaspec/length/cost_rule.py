@@ -9,7 +9,7 @@ from collections.abc import Callable
 from ..drafters.base import Decision, DraftStep
 from ..feedback import RoundFeedback
 from .base import LengthPolicy
-from .rules import TAPOUT_MAX_LEN, check_float, check_int, drafter_probs
+from .rules import TAPOUT_MAX_LEN, check_float, check_int, step_confidence
 
 
 class CostModelRule(LengthPolicy):
@@ -121,11 +121,10 @@ class CostModelRule(LengthPolicy):
         return v
 
     def decide(self, step: DraftStep) -> Decision:
-        q = drafter_probs(step)
-        if q is None:
+        conf = step_confidence(step)  # max q(x), from q or from a trace's recorded statistics
+        if conf is None:
             a = self.acceptance(self._drafter)
         else:
-            conf = float(q.max())
             self._confs.append(conf)
             a = min(1.0, conf * self.calibration(self._drafter))
         self._p_all *= a

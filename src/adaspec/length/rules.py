@@ -19,6 +19,9 @@ Decisions shared by every threshold rule (the papers are silent on most of them)
 * **Model-free drafters** (prompt lookup, suffix: ``probs`` and ``logits`` both None) give
   no distribution to measure, so the rules draft until ``max_len_model_free`` tokens
   (default 16) or until the drafter has no proposal, whichever comes first.
+* **Precomputed statistics**: a step with no ``probs``/``logits`` but ``stats`` (a recorded
+  model drafter replayed by ``adaspec.replay``) is judged on those numbers, which
+  ``stats_of`` computes with the same formulas as the live path, so decisions are identical.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from abc import abstractmethod
 
 import torch
 
-from ..drafters.base import Decision, DraftStep
+from ..drafters.base import Decision, DraftStep, StepStats
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from .base import LengthPolicy
@@ -85,6 +88,61 @@ def top2(q: torch.Tensor) -> tuple[float, float]:
     return p1, float(rest.max())
 
 
+def stats_of(q: torch.Tensor) -> StepStats:
+    """All statistics the rules read, computed eagerly from q (for recording a trace)."""
+    p1, p2 = top2(q)
+    return StepStats(top1=p1, top2=p2, entropy=entropy(q))
+
+
+class _LazyStats:
+    """Statistics of a live q, each computed on first use (a rule reads one or two of them),
+    with the same formulas as ``stats_of`` so live and replayed decisions agree bit for bit."""
+
+    __slots__ = ("q", "_top1", "_top2", "_entropy")
+
+    def __init__(self, q: torch.Tensor):
+        self.q = q
+        self._top1: float | None = None
+        self._top2: float | None = None
+        self._entropy: float | None = None
+
+    @property
+    def top1(self) -> float:
+        if self._top1 is None:
+            self._top1 = float(self.q.max())  # the same value as top2(q)[0]
+        return self._top1
+
+    @property
+    def top2(self) -> float:
+        if self._top2 is None:
+            self._top1, self._top2 = top2(self.q)
+        return self._top2
+
+    @property
+    def entropy(self) -> float:
+        if self._entropy is None:
+            self._entropy = entropy(self.q)
+        return self._entropy
+
+
+QStats = StepStats | _LazyStats
+
+
+def step_stats(step: DraftStep) -> QStats | None:
+    """Statistics of the step's q: from ``probs``/``logits`` when present (live), else the
+    precomputed ``step.stats`` (replay); None for model-free drafters."""
+    q = drafter_probs(step)
+    if q is not None:
+        return _LazyStats(q)
+    return step.stats
+
+
+def step_confidence(step: DraftStep) -> float | None:
+    """max_x q(x) of a drafted token (from q or from precomputed stats); None if model-free."""
+    s = step_stats(step)
+    return None if s is None else s.top1
+
+
 # -- HF heuristic --------------------------------------------------------------------------
 class HFHeuristic(LengthPolicy):
     """Hugging Face assisted generation's ``num_assistant_tokens_schedule="heuristic"``:
@@ -126,7 +184,7 @@ class HFHeuristic(LengthPolicy):
 # -- threshold rules on q ------------------------------------------------------------------
 class DistributionRule(LengthPolicy):
     """Base of TapOut's arms (Table 1): draft up to ``max_len`` and stop (keeping the token)
-    as soon as ``should_stop(q, index)`` says the drafter is uncertain."""
+    as soon as ``stop_on(stats of q, index)`` says the drafter is uncertain."""
 
     #: (lo, hi, example) of the threshold parameter, checked at construction, and its name
     threshold_range: tuple[float, float, float] = (-math.inf, math.inf, 0.5)
@@ -146,14 +204,19 @@ class DistributionRule(LengthPolicy):
         return self.max_len
 
     def decide(self, step: DraftStep) -> Decision:
-        q = drafter_probs(step)
-        if q is None:  # model-free: nothing to measure
+        s = step_stats(step)
+        if s is None:  # model-free: nothing to measure
             return Decision.STOP if step.index + 1 >= self.max_len_model_free else Decision.CONTINUE
-        return Decision.STOP if self.should_stop(q, step.index) else Decision.CONTINUE
+        return Decision.STOP if self.should_stop(s, step.index) else Decision.CONTINUE
+
+    def should_stop(self, q: torch.Tensor | QStats, index: int) -> bool:
+        """True if the block should end after the token drafted from q (0-based ``index``);
+        ``q`` is the distribution or its statistics."""
+        return self.stop_on(_LazyStats(q) if isinstance(q, torch.Tensor) else q, index)
 
     @abstractmethod
-    def should_stop(self, q: torch.Tensor, index: int) -> bool:
-        """True if the block should end after the token drafted from q (0-based ``index``)."""
+    def stop_on(self, s: QStats, index: int) -> bool:
+        """``should_stop`` on the statistics of q."""
 
 
 class MaxConfidence(DistributionRule):
@@ -165,8 +228,8 @@ class MaxConfidence(DistributionRule):
     def __init__(self, threshold: float = 0.8, **kwargs):
         super().__init__(threshold, **kwargs)
 
-    def should_stop(self, q: torch.Tensor, index: int) -> bool:
-        return float(q.max()) < self.threshold
+    def stop_on(self, s: QStats, index: int) -> bool:
+        return s.top1 < self.threshold
 
 
 class SVIPEntropy(DistributionRule):
@@ -178,8 +241,8 @@ class SVIPEntropy(DistributionRule):
     def __init__(self, threshold: float = 0.6, **kwargs):
         super().__init__(threshold, **kwargs)
 
-    def should_stop(self, q: torch.Tensor, index: int) -> bool:
-        return math.sqrt(entropy(q)) > self.threshold
+    def stop_on(self, s: QStats, index: int) -> bool:
+        return math.sqrt(s.entropy) > self.threshold
 
 
 class SVIPDifference(DistributionRule):
@@ -198,8 +261,8 @@ class SVIPDifference(DistributionRule):
         self._prev = None
         return super().begin_round(drafter)
 
-    def should_stop(self, q: torch.Tensor, index: int) -> bool:
-        cur = math.sqrt(entropy(q))
+    def stop_on(self, s: QStats, index: int) -> bool:
+        cur = math.sqrt(s.entropy)
         prev, self._prev = (self._prev if index > 0 else None), cur
         return prev is not None and cur - prev > self.threshold
 
@@ -214,9 +277,9 @@ class LogitMargin(DistributionRule):
     def __init__(self, threshold: float = 0.2, **kwargs):
         super().__init__(threshold, **kwargs)
 
-    def should_stop(self, q: torch.Tensor, index: int) -> bool:
-        p1, p2 = top2(q)
-        return p1 - p2 < self.threshold
+    def stop_on(self, s: QStats, index: int) -> bool:
+        p2 = s.top2  # first: computes both top probabilities in one go
+        return s.top1 - p2 < self.threshold
 
 
 class AdaEDL(DistributionRule):
@@ -268,9 +331,9 @@ class AdaEDL(DistributionRule):
         self._measured = False
         return super().begin_round(drafter)
 
-    def should_stop(self, q: torch.Tensor, index: int) -> bool:
+    def stop_on(self, s: QStats, index: int) -> bool:
         self._measured = True
-        return 1.0 - math.sqrt(self.gamma * entropy(q)) < self.lambda_of(self.drafter)
+        return 1.0 - math.sqrt(self.gamma * s.entropy) < self.lambda_of(self.drafter)
 
     def update(self, feedback: RoundFeedback) -> None:
         if not self._measured or feedback.n_drafted == 0:

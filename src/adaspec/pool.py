@@ -1,0 +1,453 @@
+"""The domain drafter pool: one command distils, indexes and trains a drafter per domain.
+
+MetaSD (4.1, F.1-F.2) and Not-a-Bandit (4.2, Table 1) select among drafters specialised on
+different tasks, each trained on the target's own responses to that task, plus a
+"one-size-fits-all" generalist trained on the union. ``build_pool`` makes that pool for a
+target on CPU: for every domain it
+
+1. distils the target's responses to the domain's training prompts (``adaspec.distill``,
+   resumable),
+2. builds a REST-style suffix datastore of the responses,
+3. trains the requested drafter kinds (``feature-head``, ``tiny-lm``) with
+   ``adaspec.drafter_training.train_drafter``,
+
+then trains the generalist on all domains' data and writes ``pool.json``, the manifest, whose
+spec strings the engine and the benchmark take directly (``pool_specs``). Artifacts live under
+``cache_dir() / "pool" / TARGET``, never in the repository.
+
+Layout of a pool directory::
+
+    pool.json                      manifest (format adaspec.pool/1)
+    data/DOMAIN/                   distilled sets (adaspec.distill/1)
+    datastores/DOMAIN.jsonl        suffix datastores (generalist.jsonl: all domains)
+    drafters/DOMAIN/feature-head.pt, drafters/DOMAIN/tiny-lm/
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+
+from .distill import (DEFAULT_BATCH_SIZE, DOMAINS, Progress, build_datastore_info,
+                      distill_run, domain_prompts, load_distilled)
+from .errors import AdaspecError, ConfigError, ModelLoadError
+from .models import LoadedModel, cache_dir, target_fingerprint
+
+POOL_FORMAT = "adaspec.pool/1"
+GENERALIST = "generalist"
+TRAINABLE_KINDS: tuple[str, ...] = ("feature-head", "tiny-lm")
+SPEC_KINDS: tuple[str, ...] = (*TRAINABLE_KINDS, "suffix")
+#: defaults of the full pool: 5 domains x 120 prompts, greedy responses of <= 64 tokens. The
+#: budget is set by CPU time (measured, see the README section): per sample about 0.9 s of
+#: distillation, 0.6 s of target features and 0.5 s of head training on a quiet 2-core machine,
+#: the generalist repeating the last two on the union: ~35 min for the whole pool. Greedy-only
+#: data match greedy decoding, and more prompts generalise better than more samples per prompt;
+#: add T = 0.7 (MetaSD F.1) with ``temperatures=(0.0, 0.7)`` at twice the cost.
+DEFAULT_POOL_PROMPTS = 120
+DEFAULT_POOL_TOKENS = 64
+DEFAULT_POOL_TEMPERATURES: tuple[float, ...] = (0.0,)
+#: the minutes-scale smoke version (``--quick``)
+QUICK = {"n_prompts": 8, "max_new_tokens": 32, "temperatures": (0.0,), "train_opts": {"epochs": 2}}
+#: train_drafter(kind, target, data, out, **opts) -> TrainReport (adaspec.drafter_training)
+Trainer = Callable[..., Any]
+
+
+@dataclass
+class PoolDrafter:
+    """One drafter of the pool: a label for tables (``DOMAIN/KIND``) and its spec string."""
+
+    label: str
+    domain: str
+    kind: str
+    spec: str
+
+
+@dataclass
+class PoolEntry:
+    """One domain of the pool (or the generalist): its data, drafter specs, reports and times."""
+
+    domain: str
+    data: list[str]
+    n_samples: int = 0
+    n_output_tokens: int = 0
+    specs: dict[str, str] = field(default_factory=dict)  # kind -> spec string
+    reports: dict[str, Any] = field(default_factory=dict)  # kind or "distill" -> report dict
+    train_keys: dict[str, str] = field(default_factory=dict)  # kind -> data + options hash
+    times: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+
+
+@dataclass
+class PoolManifest:
+    """``pool.json``: which target the pool serves, how it was built, and its drafters."""
+
+    root: Path
+    target: dict[str, Any]
+    settings: dict[str, Any]
+    entries: dict[str, PoolEntry] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
+    created: str = ""
+    format: str = POOL_FORMAT
+
+    @property
+    def path(self) -> Path:
+        return self.root / "pool.json"
+
+    def drafters(self, kinds: Sequence[str] | None = None,
+                 domains: Sequence[str] | None = None) -> list[PoolDrafter]:
+        """Drafters in domain order (the generalist last), kinds in ``kinds`` order."""
+        kinds = tuple(kinds) if kinds is not None else SPEC_KINDS
+        bad = [k for k in kinds if k not in SPEC_KINDS]
+        if bad:
+            raise ConfigError(f"unknown pool drafter kind(s) {bad}: use {', '.join(SPEC_KINDS)}")
+        names = list(domains) if domains is not None else list(self.entries)
+        missing = [d for d in names if d not in self.entries]
+        if missing:
+            raise ConfigError(f"the pool in {self.root} has no domain(s) {missing}: it has "
+                              f"{', '.join(self.entries)}")
+        return [PoolDrafter(f"{d}/{k}", d, k, self.entries[d].specs[k])
+                for d in names for k in kinds if k in self.entries[d].specs]
+
+    def specs(self, kinds: Sequence[str] | None = None, domains: Sequence[str] | None = None) -> list[str]:
+        return [d.spec for d in self.drafters(kinds, domains)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "target": self.target, "root": str(self.root), "created": self.created,
+                "settings": self.settings, "times": self.times,
+                "domains": {k: asdict(v) for k, v in self.entries.items()}}
+
+    def save(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name("pool.json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, default=_json_default) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+        return self.path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def load_manifest(path: str | Path) -> PoolManifest:
+    """Read ``pool.json`` (or the pool directory holding it). A moved pool directory still works:
+    paths inside the specs are re-rooted at the manifest's location."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "pool.json"
+    if not path.is_file():
+        raise AdaspecError(f"no pool manifest at {path}: build the pool with `adaspec build-pool`")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise AdaspecError(f"{path} is not valid JSON ({exc}): rebuild the pool") from exc
+    if not isinstance(raw, dict) or raw.get("format") != POOL_FORMAT:
+        raise AdaspecError(f"{path} is not a pool manifest (format {POOL_FORMAT!r}): rebuild the pool")
+    root = path.parent.resolve()
+    old_root = str(raw.get("root", root))
+    entries: dict[str, PoolEntry] = {}
+    for name, e in raw.get("domains", {}).items():
+        entry = PoolEntry(**e)
+        if old_root != str(root):
+            entry.specs = {k: _reroot(v, old_root, str(root)) for k, v in entry.specs.items()}
+            entry.data = [_reroot(d, old_root, str(root)) for d in entry.data]
+        entries[name] = entry
+    return PoolManifest(root=root, target=raw["target"], settings=raw.get("settings", {}), entries=entries,
+                        times=raw.get("times", {}), created=raw.get("created", ""))
+
+
+def _reroot(text: str, old: str, new: str) -> str:
+    """A path (or a spec ``kind:key=PATH``) under the old pool root, moved under the new one."""
+    if text.startswith(old):
+        return new + text[len(old):]
+    return text.replace(f"={old}", f"={new}")
+
+
+def pool_specs(manifest_or_path: PoolManifest | str | Path, kinds: Sequence[str] | None = None,
+               domains: Sequence[str] | None = None) -> list[str]:
+    """Drafter spec strings of a pool (all kinds by default: feature-head, tiny-lm, suffix), for
+    ``SpeculativeEngine(..., drafters=...)`` or ``adaspec bench -d``."""
+    manifest = manifest_or_path if isinstance(manifest_or_path, PoolManifest) else load_manifest(manifest_or_path)
+    return manifest.specs(kinds, domains)
+
+
+def default_pool_root(target: LoadedModel | str, quick: bool = False) -> Path:
+    """``cache_dir()/pool/NAME`` (``NAME-quick`` for the smoke version)."""
+    name = target if isinstance(target, str) else target.name
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(str(name)).name or str(name)).strip("-") or "target"
+    return cache_dir() / "pool" / (f"{safe}-quick" if quick else safe)
+
+
+def _data_key(dirs: Sequence[str | Path], opts: Mapping[str, Any]) -> str:
+    """Identity of a training run's inputs: the data files' sizes and sample counts, the options."""
+    parts = []
+    for d in dirs:
+        d = Path(d)
+        meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
+        parts.append(f"{d.name}:{meta['n_samples']}:{(d / 'samples.jsonl').stat().st_size}")
+    parts.append(json.dumps(dict(opts), sort_keys=True, default=str))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _report_dict(report: Any) -> dict[str, Any]:
+    if hasattr(report, "to_dict"):
+        return json.loads(json.dumps(report.to_dict(), default=_json_default))
+    if isinstance(report, Mapping):
+        return json.loads(json.dumps(dict(report), default=_json_default))
+    return {"repr": repr(report)}
+
+
+def _kind_opts(train_opts: Mapping[str, Any] | None, kind: str) -> dict[str, Any]:
+    """Options for one kind: the common ones, updated by ``train_opts[kind]`` when it is a dict."""
+    opts = {k: v for k, v in (train_opts or {}).items() if k not in TRAINABLE_KINDS}
+    per_kind = (train_opts or {}).get(kind)
+    if per_kind is not None:
+        if not isinstance(per_kind, Mapping):
+            raise ConfigError(f"train_opts[{kind!r}] must be a dict of options for that kind")
+        opts.update(per_kind)
+    return opts
+
+
+def _default_trainer() -> Trainer:
+    try:
+        from .drafter_training import train_drafter
+    except ImportError as exc:  # pragma: no cover - only while the module is missing
+        raise ConfigError(f"training drafters needs adaspec.drafter_training ({exc})") from exc
+    return train_drafter
+
+
+def _artifact(root: Path, domain: str, kind: str) -> Path:
+    return root / "drafters" / domain / ("feature-head.pt" if kind == "feature-head" else "tiny-lm")
+
+
+def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domains: Sequence[str] = DOMAINS,
+               n_prompts: int = DEFAULT_POOL_PROMPTS, kinds: Sequence[str] = ("feature-head",),
+               generalist: bool = True, temperatures: Sequence[float] = DEFAULT_POOL_TEMPERATURES,
+               max_new_tokens: int = DEFAULT_POOL_TOKENS, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
+               datastores: bool = True, datastore_max_tokens: int = 1_000_000,
+               train_opts: Mapping[str, Any] | None = None, retrain: bool = False,
+               progress: Progress | None = None, on_stage: Callable[[str], None] | None = None,
+               trainer: Trainer | None = None) -> PoolManifest:
+    """Build (or finish, or refresh) the domain pool of ``target`` and return its manifest.
+
+    Distillation resumes where a previous run stopped; datastores are rebuilt (seconds); a
+    drafter is retrained only when its data or options changed, its file is missing, or
+    ``retrain``. ``train_opts`` go to ``train_drafter`` (``{"epochs": 10, "tiny-lm": {...}}``:
+    common options, and per-kind ones under the kind's name). ``trainer`` replaces
+    ``train_drafter`` (tests). ``pool.json`` is rewritten after every stage, so an interrupted
+    build leaves a usable manifest of what is done. Stage times are recorded per entry.
+    """
+    t_all = time.perf_counter()
+    domains = list(domains)
+    kinds = list(kinds)
+    if not domains:
+        raise ConfigError("build_pool needs at least one domain")
+    bad = [d for d in domains if d not in DOMAINS]
+    if bad or len(set(domains)) != len(domains):
+        raise ConfigError(f"pool domains must be distinct names among {', '.join(DOMAINS)}, got {domains}")
+    bad = [k for k in kinds if k not in TRAINABLE_KINDS]
+    if bad or len(set(kinds)) != len(kinds):
+        raise ConfigError(f"pool drafter kinds must be distinct names among {', '.join(TRAINABLE_KINDS)}, "
+                          f"got {kinds}")
+    if not kinds and not datastores:
+        raise ConfigError("build_pool: nothing to build (no drafter kinds and no datastores)")
+    root = Path(out_root).expanduser() if out_root is not None else default_pool_root(target)
+    root = root.resolve()
+    fingerprint = target_fingerprint(target)
+    old: PoolManifest | None = None
+    if (root / "pool.json").is_file():
+        old = load_manifest(root)
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
+        if any(old.target.get(k) != fingerprint.get(k) for k in keys):
+            raise ModelLoadError(f"the pool in {root} was built for target {old.target.get('name')!r}, not "
+                                 f"{target.name!r}: use another --out, or delete {root}")
+    settings = {"domains": domains, "n_prompts": n_prompts, "kinds": kinds, "generalist": generalist,
+                "temperatures": [float(t) for t in temperatures], "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size, "seed": seed, "datastores": datastores,
+                "datastore_max_tokens": datastore_max_tokens, "train_opts": dict(train_opts or {})}
+    manifest = PoolManifest(root=root, target=fingerprint, settings=settings,
+                            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    say = on_stage or (lambda _msg: None)
+
+    # 1. distillation, every domain first: the generalist needs all of it, and training is resumable
+    for domain in domains:
+        prompts = domain_prompts(domain, n_prompts, seed)
+        data_dir = root / "data" / domain
+        if (data_dir / "meta.json").is_file():
+            extra = {s.prompt_id for s in load_distilled(data_dir).samples} - {p for p, _ in prompts}
+            if extra:
+                raise ConfigError(f"{data_dir} holds responses to {len(extra)} prompts outside this run's prompt "
+                                  "set (it was built with more prompts or another seed): use the same "
+                                  f"--n-prompts/--seed, another --out, or delete {data_dir}")
+        run = distill_run(target, prompts, data_dir, domain=domain, temperatures=temperatures,
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, progress=progress)
+        ds = load_distilled(run.path, target)
+        entry = PoolEntry(domain=domain, data=[str(run.path)], n_samples=len(ds.samples),
+                          n_output_tokens=ds.n_output_tokens)
+        entry.times["distill_s"] = run.seconds
+        entry.reports["distill"] = {"new_samples": run.new_samples, "new_tokens": run.new_tokens,
+                                    "skipped": run.skipped, "seconds": run.seconds,
+                                    "tokens_per_s": run.tokens_per_s}
+        manifest.entries[domain] = entry
+        manifest.save()
+        say(f"{domain}: {entry.n_samples} samples, {entry.n_output_tokens} output tokens ({run.new_tokens} new "
+            f"in {run.seconds:.0f} s, {run.tokens_per_s:.1f} tokens/s)")
+    if generalist:
+        manifest.entries[GENERALIST] = PoolEntry(
+            domain=GENERALIST, data=[d for e in manifest.entries.values() for d in e.data],
+            n_samples=sum(e.n_samples for e in manifest.entries.values()),
+            n_output_tokens=sum(e.n_output_tokens for e in manifest.entries.values()))
+
+    # 2. datastores (responses only; see adaspec.distill.build_datastore)
+    if datastores:
+        for name, entry in manifest.entries.items():
+            t0 = time.perf_counter()
+            info = build_datastore_info(entry.data, root / "datastores" / f"{name}.jsonl", datastore_max_tokens,
+                                        target=target)
+            entry.specs["suffix"] = f"suffix:datastore={info.path}"
+            entry.reports["suffix"] = {"documents": info.documents, "tokens": info.tokens}
+            entry.times["datastore_s"] = time.perf_counter() - t0
+        manifest.save()
+        say(f"datastores: {len(manifest.entries)} written to {root / 'datastores'}")
+
+    # 3. drafters: every domain, then the generalist on the union (MetaSD's one-size-fits-all)
+    if kinds:
+        train = trainer or _default_trainer()
+        for name, entry in manifest.entries.items():
+            for kind in kinds:
+                opts = _kind_opts(train_opts, kind)
+                out = _artifact(root, name, kind)
+                key = _data_key(entry.data, opts)
+                prev = old.entries.get(name) if old is not None else None
+                if (not retrain and prev is not None and prev.train_keys.get(kind) == key
+                        and kind in prev.reports and out.exists()):
+                    entry.reports[kind] = prev.reports[kind]
+                    entry.times[f"train_{kind}_s"] = prev.times.get(f"train_{kind}_s", 0.0)
+                    entry.reports[kind]["reused"] = True
+                    say(f"{name}/{kind}: unchanged, kept {out}")
+                else:
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    t0 = time.perf_counter()
+                    stage_progress = None
+                    if progress is not None:
+                        def stage_progress(stage: str, done: int, total: int, _p: str = f"{name}/{kind}") -> None:
+                            progress(f"{_p}: {stage}", done, total)
+                    report = train(kind, target, list(entry.data), out, progress=stage_progress, **opts)
+                    entry.times[f"train_{kind}_s"] = time.perf_counter() - t0
+                    entry.reports[kind] = _report_dict(report)
+                    say(f"{name}/{kind}: trained in {entry.times[f'train_{kind}_s']:.0f} s -> {out}")
+                entry.train_keys[kind] = key
+                entry.specs[kind] = f"{kind}:path={out}"
+                manifest.save()
+
+    stages: dict[str, float] = {}
+    for entry in manifest.entries.values():
+        for stage, secs in entry.times.items():
+            group = "train_s" if stage.startswith("train_") else stage
+            stages[group] = stages.get(group, 0.0) + secs
+    manifest.times = {**stages, "total_s": time.perf_counter() - t_all}
+    manifest.save()
+    return manifest
+
+
+# -- command (registered by cli.py as `adaspec build-pool`) ---------------------------------------
+def _split_list(values: Sequence[str] | None) -> list[str]:
+    return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
+
+
+def pool_command(
+    domains: Annotated[list[str] | None, typer.Option("--domains", help="domains, comma-separated or repeated "
+                       f"(default: all of {', '.join(DOMAINS)})")] = None,
+    n_prompts: Annotated[int | None, typer.Option("--n-prompts", help="training prompts per domain "
+                         f"(default {DEFAULT_POOL_PROMPTS}; --quick: {QUICK['n_prompts']})")] = None,
+    kinds: Annotated[list[str] | None, typer.Option("--kinds", help="drafter kinds to train, comma-separated: "
+                     "feature-head, tiny-lm (default feature-head; 'none' = datastores only)")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="minutes-scale smoke version: 8 prompts, 32 tokens, "
+                                        "greedy only, 2 epochs, in a separate NAME-quick directory")] = False,
+    model: Annotated[str, typer.Option("--model", "-m", help="target model")] = "smollm2",
+    out: Annotated[str | None, typer.Option("--out", "-o", help="pool directory (default: the adaspec cache, "
+                                            "pool/MODEL)")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="response length of the "
+                              f"distilled data (default {DEFAULT_POOL_TOKENS})")] = None,
+    temperature: Annotated[list[float] | None, typer.Option(
+        "--temperature", "-t", help="distillation temperature, repeatable (default: 0 only; -t 0 -t 0.7 for "
+        "MetaSD's mix, twice the time)")] = None,
+    epochs: Annotated[int | None, typer.Option(help="training epochs per drafter (default: train-drafter's)")] = None,
+    no_generalist: Annotated[bool, typer.Option("--no-generalist", help="skip the generalist drafter")] = False,
+    retrain: Annotated[bool, typer.Option("--retrain", help="retrain drafters even if their data is unchanged")
+                       ] = False,
+    seed: Annotated[int, typer.Option(help="seed of prompts, sampling and training")] = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="prompts per generate call")] = DEFAULT_BATCH_SIZE,
+    threads: Annotated[int, typer.Option(help="torch threads (1 is fastest on a busy shared machine; try 2 "
+                                         "when it is quiet)")] = 1,
+) -> None:
+    """Build the domain drafter pool: distil, index and train every domain, plus a generalist."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .models import load_model
+
+    err = Console(stderr=True)
+    before = torch.get_num_threads()
+    try:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+        kind_list = _split_list(kinds) or ["feature-head"]
+        if kind_list == ["none"]:
+            kind_list = []
+        train_opts: dict[str, Any] = dict(QUICK["train_opts"]) if quick else {}  # type: ignore[arg-type]
+        if epochs is not None:
+            train_opts["epochs"] = epochs
+        err.print(f"loading {model} ...")
+        target = load_model(model)
+        root = Path(out) if out else default_pool_root(target, quick=quick)
+        bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True)
+        tasks: dict[str, Any] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+            if done >= total:  # finished stages leave the display
+                bar.remove_task(tasks.pop(stage))
+
+        with bar:
+            manifest = build_pool(
+                target, root, domains=_split_list(domains) or DOMAINS,
+                n_prompts=n_prompts or (QUICK["n_prompts"] if quick else DEFAULT_POOL_PROMPTS),  # type: ignore[arg-type]
+                kinds=kind_list, generalist=not no_generalist,
+                temperatures=temperature or (QUICK["temperatures"] if quick else DEFAULT_POOL_TEMPERATURES),  # type: ignore[arg-type]
+                max_new_tokens=max_new_tokens or (QUICK["max_new_tokens"] if quick else DEFAULT_POOL_TOKENS),  # type: ignore[arg-type]
+                batch_size=batch_size, seed=seed, train_opts=train_opts, retrain=retrain, progress=report,
+                on_stage=lambda msg: err.print(f"[dim]{msg}[/]"))
+    except AdaspecError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    finally:
+        torch.set_num_threads(before)
+    table = Table("entry", "samples", "output tokens", "distill s", "datastore s", "train s", "drafters")
+    for name, e in manifest.entries.items():
+        train_s = sum(v for k, v in e.times.items() if k.startswith("train_"))
+        table.add_row(name, str(e.n_samples), str(e.n_output_tokens), f"{e.times.get('distill_s', 0):.0f}",
+                      f"{e.times.get('datastore_s', 0):.1f}", f"{train_s:.0f}", ", ".join(e.specs))
+    Console().print(table)
+    print(f"total {manifest.times.get('total_s', 0):.0f} s; manifest: {manifest.path}")
+    print("drafter specs: " + " ".join(f"-d {s}" for s in manifest.specs()))

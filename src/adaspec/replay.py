@@ -1,0 +1,643 @@
+"""Model-free replay of a recorded trace: any drafter policy x length policy in seconds.
+
+``replay`` runs the engine's round loop (``SpeculativeEngine._run``) on a ``Trace``
+(``adaspec.trace``) instead of models, step for step: ``selector.select()``; cap =
+``min(length.begin_round(i), remaining - 1)``; the drafter's recorded chain at the current
+position is offered token by token to ``length.decide`` (CONTINUE / STOP / DISCARD as in the
+drafters, ``DraftStep.stats`` carrying q's statistics for model drafters); the round accepts
+``min(n_acc, drafted)`` tokens and emits them plus the target's next path token; EOS and the
+token budget cut the round as ``_apply_stops`` does; then the selector and the length policy
+learn from a ``RoundFeedback`` with the recorded acceptance probabilities, the full-information
+counterfactuals (each other drafter's first chain token at every emitted position, as
+``_evaluate_others`` computes them under greedy decoding), and synthesised times. Drafter
+prefill, catch-up tokens and the full-information "everyone is prefilled" rule follow the
+engine's ``seen`` bookkeeping. Policies keep their state across the prompts of a replay as
+across the requests of one engine (``scope=global`` carries over).
+
+Exactness: for greedy decoding and time-independent policies the per-round (drafter, cap,
+drafted, accepted, emitted) sequence equals a live run's ``stats.rounds`` (checked by
+tests/test_trace_replay.py), up to floating-point batch invariance of the models (the
+recording's forwards are batched differently from a live run's; a near-tie can flip). Rounds
+that would draft past the recorded ``max_draft`` are cut there and counted (``clipped``).
+Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost model) see
+times synthesised from the recorded costs (per-drafter seconds per drafted / caught-up /
+prefilled token, the verify-cost curve), so the replay is deterministic but not a live run.
+Predicted seconds use the same costs; policy compute time is measured but not included.
+Not supported: sampling, stop strings, and length policies that read a model drafter's
+hidden states (``specdecpp`` with a model drafter; with model-free drafters it is static).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from .config import SamplingConfig, validate_k
+from .costs import CostModel
+from .drafters.base import Decision, Draft, DraftStep, StepStats
+from .errors import AdaspecError, ConfigError
+from .feedback import RoundFeedback
+from .length import LengthPolicy, build_length
+from .selection import DrafterPolicy, build_selector
+from .trace import PromptTrace, Trace
+
+GREEDY = SamplingConfig()
+#: policies whose decisions depend on round times or the cost model: their replay is
+#: deterministic (synthesised times) but not claimed equal to a live run
+TIME_DEPENDENT = frozenset({"cost-ucb", "cost-exp3", "cost-hedgespec", "ucbspec-length", "cost-model"})
+NONE = "none"
+
+
+@dataclass
+class _ReplayFeedback(RoundFeedback):
+    """RoundFeedback whose ``acceptance_probs`` are the recorded ones (no target logits).
+
+    Not ``gammas=``: under greedy decoding ``chosen_gammas`` must stay the realised 0/1
+    acceptances, as in the engine, and it would read ``gammas`` instead."""
+
+    recorded: list[float] = field(default_factory=list)
+
+    @cached_property
+    def acceptance_probs(self) -> list[float]:
+        return list(self.recorded)
+
+
+# -- results ----------------------------------------------------------------------------------
+@dataclass
+class ReplayRound:
+    """One replayed round (the fields of ``RoundRecord`` that do not need a clock)."""
+
+    prompt: int
+    round: int
+    drafter: int  # index in the replayed drafter list
+    name: str  # Drafter.name, as RoundRecord.drafter
+    k_cap: int
+    drafted: int
+    accepted: int
+    emitted: int
+    catch_up_tokens: int
+    seconds: float  # predicted: drafter prefill + catch-up + drafting + verification + evaluation
+    clipped: bool = False  # the policy wanted more than the recorded max_draft tokens
+
+    def key(self) -> tuple[str, int, int, int, int]:
+        """What a live ``RoundRecord`` must match: (drafter, k_cap, drafted, accepted, emitted)."""
+        return (self.name, self.k_cap, self.drafted, self.accepted, self.emitted)
+
+
+@dataclass
+class PromptReplay:
+    index: int
+    new_tokens: int
+    stop_reason: str
+    seconds: float  # predicted, prefill included
+    ar_seconds: float  # predicted plain decoding of the same tokens
+    rounds: list[ReplayRound]
+
+
+@dataclass
+class ReplayResult:
+    """A replayed run: per-prompt, per-round records and totals."""
+
+    selector: str
+    length: str
+    k: int
+    drafters: list[str]
+    prompts: list[PromptReplay]
+    time_dependent: bool
+    policy_s: float = 0.0  # measured compute time of the policies during the replay
+    wall_s: float = 0.0  # wall time of the replay
+
+    @property
+    def rounds(self) -> list[ReplayRound]:
+        return [r for p in self.prompts for r in p.rounds]
+
+    @property
+    def n_rounds(self) -> int:
+        return sum(len(p.rounds) for p in self.prompts)
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.new_tokens for p in self.prompts)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def clipped_rounds(self) -> int:
+        return sum(r.clipped for r in self.rounds)
+
+    @property
+    def exact(self) -> bool:
+        """True if the replay equals a live greedy run round for round (time-independent
+        policies, no clipped round)."""
+        return not self.time_dependent and self.clipped_rounds == 0
+
+    @property
+    def mat(self) -> float:
+        return self.tokens / self.n_rounds if self.n_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.prompts)
+
+    @property
+    def ar_seconds(self) -> float:
+        return sum(p.ar_seconds for p in self.prompts)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Predicted speed-up over plain decoding (same cost model)."""
+        return self.ar_seconds / self.seconds if self.seconds > 0 else None
+
+    def keys(self, prompt: int) -> list[tuple[str, int, int, int, int]]:
+        return [r.key() for r in self.prompts[prompt].rounds]
+
+    @property
+    def policy_name(self) -> str:
+        """Selector and length policy, e.g. ``ucbspec + static:k=5``."""
+        parts = [self.selector] if self.selector != "static" or len(self.drafters) > 1 else []
+        return " + ".join(parts + [self.length])
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy_name} over [{', '.join(self.drafters)}]"
+
+    def summary(self) -> dict[str, Any]:
+        return {"config": self.name, "selector": self.selector, "length": self.length, "k": self.k,
+                "drafters": self.drafters, "prompts": len(self.prompts), "tokens": self.tokens,
+                "rounds": self.n_rounds, "mat": self.mat, "acceptance_rate": self.acceptance_rate,
+                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
+                "ar_seconds": self.ar_seconds, "clipped_rounds": self.clipped_rounds,
+                "time_dependent": self.time_dependent, "exact": self.exact, "policy_s": self.policy_s,
+                "replay_s": self.wall_s}
+
+    def to_dict(self, rounds: bool = False) -> dict[str, Any]:
+        out = self.summary()
+        out["per_prompt"] = [{"index": p.index, "new_tokens": p.new_tokens, "rounds": len(p.rounds),
+                              "stop_reason": p.stop_reason, "seconds": p.seconds, "ar_seconds": p.ar_seconds}
+                             for p in self.prompts]
+        if rounds:
+            out["per_round"] = [asdict(r) for r in self.rounds]
+        return out
+
+
+# -- per-prompt views (plain Python lists: the replay loop is pure Python) ---------------------
+@dataclass
+class _View:
+    chains: list[list[int]]  # [position][j]
+    accepted: list[int]
+    gammas: list[list[float]]
+    stats: list[list[tuple[float, float, float]]] | None
+    first: list[int]  # first chain token per position (-1: no proposal)
+
+
+def _views(trace: Trace, p: int) -> list[_View]:
+    key = ("views", p)
+    got = trace.cache.get(key)
+    if got is None:
+        got = []
+        for tr in trace.prompts[p].tracks:
+            lens = tr.lengths.tolist()
+            chains = [row[:n] for row, n in zip(tr.chains.tolist(), lens)]
+            gammas = [row[:n] for row, n in zip(tr.gammas.tolist(), lens)]
+            stats = None
+            if tr.stats is not None:
+                stats = [[tuple(s) for s in row[:n]] for row, n in zip(tr.stats.tolist(), lens)]
+            got.append(_View(chains, tr.accepted.tolist(), gammas, stats,
+                             [c[0] if c else -1 for c in chains]))
+        trace.cache[key] = got
+    return got
+
+
+@dataclass
+class _Pool:
+    """The replayed drafters: trace indices (None for ``none``), names and costs."""
+
+    src: list[int | None]
+    labels: list[str]
+    names: list[str]
+
+    @classmethod
+    def of(cls, trace: Trace, drafters: Sequence[str] | None) -> _Pool:
+        chosen = list(drafters) if drafters else list(trace.specs)
+        if not chosen:
+            raise ConfigError("no drafters to replay")
+        src: list[int | None] = []
+        for d in chosen:
+            src.append(None if d == NONE and NONE not in trace.specs else trace.index_of(d))
+        if len(set(src)) != len(src):
+            raise ConfigError(f"drafters {chosen} list a drafter twice: remove the duplicate")
+        labels = [NONE if s is None else trace.specs[s] for s in src]
+        names = [NONE if s is None else trace.names[s] for s in src]
+        return cls(src, labels, names)
+
+
+def _label(spec: str | DrafterPolicy | LengthPolicy | int | None, kind: str, k: int) -> str:
+    if spec is None:
+        return "static" if kind == "selector" else f"static:k={k}"
+    if isinstance(spec, int):
+        return f"static:k={spec}"
+    return spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
+
+
+# -- the replay loop ------------------------------------------------------------------------
+def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
+           length: str | int | LengthPolicy | None = None, k: int = 5,
+           drafters: Sequence[str] | None = None, max_new_tokens: int | None = None,
+           strict: bool = False) -> ReplayResult:
+    """Replay ``selector`` x ``length`` (names as for the engine, or fresh instances) over the
+    trace's prompts in order. ``drafters``: subset / order of the recorded drafters by spec or
+    name (``"none"`` is always available); default all, in recording order. ``max_new_tokens``
+    may lower the recorded budget. ``strict``: raise instead of clipping a round at the
+    recorded ``max_draft``."""
+    validate_k(k)
+    sel = build_selector(selector)
+    ln = build_length(length, k)
+    pool = _Pool.of(trace, drafters)
+    if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
+        raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
+                          "does not record: replay it with model-free drafters only, or run it live "
+                          "(adaspec bench)")
+    budget = trace.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if not isinstance(budget, int) or not 1 <= budget <= trace.max_new_tokens:
+        raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
+                          f"got {max_new_tokens!r}")
+    cost_model = CostModel()
+    for policy in (sel, ln):
+        if getattr(policy, "wants_costs", False):
+            cost_model.curve = trace.curve
+            policy.costs = cost_model
+    time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
+    result = ReplayResult(_label(selector, "selector", k), _label(length, "length", k), k, pool.labels, [],
+                          time_dep)
+    t0 = time.perf_counter()
+    for p in range(len(trace.prompts)):
+        result.prompts.append(_replay_prompt(trace, p, pool, sel, ln, cost_model, budget, strict, result))
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: LengthPolicy,
+                   cost_model: CostModel, budget: int, strict: bool, result: ReplayResult) -> PromptReplay:
+    """One request, mirroring ``SpeculativeEngine._run`` (greedy, no stop strings)."""
+    pt: PromptTrace = trace.prompts[p]
+    views = _views(trace, p)
+    path, n_prompt = pt.path, pt.n_prompt
+    eos = set(trace.eos_ids) if trace.stop_on_eos else set()
+    curve, costs, L = trace.curve, trace.drafter_costs, trace.max_draft
+    n_drafters = len(pool.src)
+    clock = time.perf_counter
+    policy_s = 0.0
+
+    def decide(step: DraftStep) -> Decision:
+        nonlocal policy_s
+        c = clock()
+        verdict = ln.decide(step)
+        policy_s += clock() - c
+        return verdict
+
+    c = clock()
+    sel.begin_request(pool.names)
+    ln.begin_request()
+    policy_s += clock() - c
+    seen = [0] * n_drafters
+    t, remaining = n_prompt, budget
+    rounds: list[ReplayRound] = []
+    full_info = sel.full_information and n_drafters > 1
+    while True:
+        c = clock()
+        i = sel.select()
+        if not 0 <= i < n_drafters:
+            raise ConfigError(f"selector {sel.name!r} chose drafter #{i} of {n_drafters}")
+        cap = min(ln.begin_round(i), remaining - 1)
+        policy_s += clock() - c
+        src = pool.src[i]
+        cost = costs[src] if src is not None else None
+        seconds = 0.0
+        if seen[i] == 0:  # first use in this request: drafter prefill of the prompt
+            seen[i] = n_prompt
+            seconds += cost.prefill_token_s * n_prompt if cost is not None else 0.0
+        catch_up = t - seen[i] if seen[i] < t else 0
+        x = t - n_prompt
+        tokens: list[int] = []
+        clipped = False
+        if cap > 0 and src is not None:
+            view = views[src]
+            chain = view.chains[x]
+            stats = view.stats[x] if view.stats is not None else None
+            for j in range(cap):
+                if j >= len(chain):
+                    if len(chain) >= L:  # the recording stopped here, the drafter might not have
+                        if strict:
+                            raise ConfigError(
+                                f"prompt {p}, round {len(rounds)}: the policy drafts past the recorded "
+                                f"max_draft={L}: record with a larger max_draft or cap the policy "
+                                "(e.g. max_len=...)")
+                        clipped = True
+                    break
+                step = DraftStep(j, chain[j], stats=StepStats(*stats[j]) if stats is not None else None)
+                verdict = decide(step)
+                if verdict is Decision.DISCARD:
+                    break
+                tokens.append(chain[j])
+                if verdict is Decision.STOP:
+                    break
+        kd = len(tokens)
+        n = min(views[src].accepted[x], kd) if kd else 0
+        emitted, reason = _apply_stops(path[t: t + n + 1], remaining, eos)
+        m = len(emitted)
+        draft_s = cost.draft_token_s * kd if cost is not None else 0.0
+        verify_s = curve.cost(kd + 1) if curve is not None else 0.0
+        catch_up_s = cost.catch_up_token_s * catch_up if cost is not None else 0.0
+        fb = _ReplayFeedback(
+            round=len(rounds), drafter=i, draft=Draft(tokens=tokens), n_accepted=n, emitted=emitted,
+            k_cap=cap, target_logits=None, sampling=GREEDY, draft_s=draft_s, verify_s=verify_s,
+            catch_up_s=catch_up_s, catch_up_tokens=catch_up,
+            recorded=views[src].gammas[x][:kd] if kd else [])
+        eval_s = 0.0
+        if full_info:
+            cf: dict[int, list[float]] = {i: fb.chosen_gammas()}
+            alphas: dict[int, list[float]] = {}
+            for j, sj in enumerate(pool.src):
+                if j == i:
+                    continue
+                first = views[sj].first if sj is not None else None
+                g = [1.0 if first is not None and first[x + y] == path[t + y] else 0.0 for y in range(m)]
+                cf[j], alphas[j] = g, list(g)
+                if sj is not None:
+                    eval_s += costs[sj].catch_up_token_s * m
+            fb.counterfactual, fb.counterfactual_alpha = cf, alphas
+        t += m
+        remaining -= m
+        seen[i] = t
+        if full_info:
+            seen = [t] * n_drafters
+        cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
+        c = clock()
+        sel.update(fb)
+        ln.update(fb)
+        policy_s += clock() - c
+        rounds.append(ReplayRound(p, len(rounds), i, pool.names[i], cap, kd, n, m, catch_up,
+                                  seconds + draft_s + verify_s + catch_up_s + eval_s, clipped))
+        if reason:
+            break
+    result.policy_s += policy_s
+    new = t - n_prompt
+    ar = pt.prefill_s + new * curve.cost(1) if curve is not None else 0.0
+    total = pt.prefill_s + sum(r.seconds for r in rounds) if curve is not None else 0.0
+    return PromptReplay(p, new, reason, total, ar, rounds)
+
+
+def _apply_stops(emitted: list[int], remaining: int, eos: set[int]) -> tuple[list[int], str]:
+    """``SpeculativeEngine._apply_stops`` without stop strings: cut at EOS or the budget."""
+    for j, tok in enumerate(emitted):
+        if tok in eos:
+            return emitted[: j + 1], "eos"
+        if j + 1 >= remaining:
+            return emitted[: j + 1], "max_new_tokens"
+    return emitted, ""
+
+
+# -- oracle bounds ------------------------------------------------------------------------------
+def _metrics(tokens: int, rounds: int, seconds: float, ar_seconds: float) -> dict[str, Any]:
+    return {"tokens": tokens, "rounds": rounds, "mat": tokens / rounds if rounds else 0.0,
+            "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "speedup": ar_seconds / seconds if seconds > 0 else None}
+
+
+def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = None) -> dict[str, Any]:
+    """Hindsight bounds on a trace, with predicted times from its cost model.
+
+    * ``fixed``: every drafter alone at static ``k`` (a replay);
+    * ``best_fixed``: per prompt the best of them, ``by_mat`` (fewest rounds) and ``by_time``;
+    * ``oracle_length``: per drafter, SpecDec++ Thm 4.1 (every round drafts exactly the
+      tokens the target will accept, up to the recorded max_draft: nothing is discarded);
+    * ``greedy_oracle_k`` / ``greedy_oracle``: each round the drafter with the longest accepted
+      run, drafting exactly that run, capped at ``k`` / at max_draft;
+    * ``dp_rounds``: fewest rounds over any per-round choice of drafter and length (dynamic
+      programming over positions; the greedy choice is not always optimal), so its MAT bounds
+      every policy's on this trace; ``dp_time``: least predicted time the same way, drafting
+      any recorded number of tokens (a wider verify can be cheaper on a cost cliff).
+    Oracle times count drafting and verification only (no drafter prefill, catch-up or
+    evaluation), so they are lower bounds.
+    """
+    validate_k(k)
+    pool = _Pool.of(trace, drafters)
+    curve = trace.curve
+    fixed = {lab: replay(trace, None, None, k=k, drafters=[lab]) for lab in pool.labels}
+    ar_total = sum(r.ar_seconds for r in fixed.values()) / len(fixed)
+    tokens = next(iter(fixed.values())).tokens
+    out: dict[str, Any] = {"k": k, "max_draft": trace.max_draft, "tokens": tokens, "ar_seconds": ar_total,
+                           "fixed": {lab: _metrics(r.tokens, r.n_rounds, r.seconds, r.ar_seconds)
+                                     for lab, r in fixed.items()}}
+    for crit in ("by_mat", "by_time"):
+        rounds = seconds = 0.0
+        choice = []
+        for p in range(len(trace.prompts)):
+            def score(lab: str, p: int = p, crit: str = crit) -> tuple[float, float]:
+                pr = fixed[lab].prompts[p]
+                return (len(pr.rounds), pr.seconds) if crit == "by_mat" else (pr.seconds, len(pr.rounds))
+            best = min(pool.labels, key=score)
+            choice.append(best)
+            rounds += len(fixed[best].prompts[p].rounds)
+            seconds += fixed[best].prompts[p].seconds
+        out.setdefault("best_fixed", {})[crit] = _metrics(tokens, int(rounds), seconds, ar_total) | {
+            "choice": choice}
+
+    def draft_s(j: int, d: int | None) -> float:
+        return trace.drafter_costs[d].draft_token_s * j if d is not None else 0.0
+
+    def verify(w: int) -> float:
+        return curve.cost(w) if curve is not None else 0.0
+
+    def walk(choose) -> tuple[int, float]:
+        """Rounds and seconds of a per-round rule choose(p, x, remaining) -> (drafter, n)."""
+        rounds, seconds = 0, 0.0
+        for p, pt in enumerate(trace.prompts):
+            end = min(pt.n_out, trace.max_new_tokens)
+            x = 0
+            seconds += pt.prefill_s if curve is not None else 0.0
+            while x < end:
+                d, n = choose(p, x, trace.max_new_tokens - x)
+                rounds += 1
+                seconds += draft_s(n, d) + verify(n + 1)
+                x = min(x + n + 1, end)
+        return rounds, seconds
+
+    srcs = [s for s in pool.src if s is not None]
+
+    def acc(p: int, d: int, x: int) -> int:
+        return _views(trace, p)[d].accepted[x]
+
+    for lab, s in zip(pool.labels, pool.src):
+        if s is None:
+            continue
+        r, sec = walk(lambda p, x, rem, s=s: (s, min(acc(p, s, x), rem - 1)))
+        out.setdefault("oracle_length", {})[lab] = _metrics(tokens, r, sec, ar_total)
+
+    def greedy(cap: int):
+        def choose(p: int, x: int, rem: int) -> tuple[int | None, int]:
+            best, n = None, 0
+            for s in srcs:
+                a = min(acc(p, s, x), cap, rem - 1)
+                if a > n:
+                    best, n = s, a
+            return best, n
+        return choose
+
+    out["greedy_oracle_k"] = _metrics(tokens, *walk(greedy(k)), ar_total)
+    out["greedy_oracle"] = _metrics(tokens, *walk(greedy(trace.max_draft)), ar_total)
+    out["dp_rounds"] = _metrics(tokens, *_dp(trace, srcs, False, draft_s, verify), ar_total)
+    out["dp_time"] = _metrics(tokens, *_dp(trace, srcs, True, draft_s, verify), ar_total)
+    return out
+
+
+def _dp(trace: Trace, srcs: list[int], by_time: bool, draft_s, verify) -> tuple[int, float]:
+    """Optimal per-round drafter and length in hindsight: fewest rounds (ties: less time) or
+    least time (ties: fewer rounds). Returns (rounds, seconds)."""
+    total_r, total_s = 0, 0.0
+    for p, pt in enumerate(trace.prompts):
+        views = _views(trace, p)
+        end = min(pt.n_out, trace.max_new_tokens)
+        best: list[tuple[float, float]] = [(0.0, 0.0)] * (end + 1)  # (primary, secondary) to go
+        for x in range(end - 1, -1, -1):
+            rem = trace.max_new_tokens - x
+            # no draft: one plain step
+            cands = [(0, None, 0)]  # (drafted, drafter, accepted)
+            for s in srcs:
+                a = views[s].accepted[x]
+                hi = min(len(views[s].chains[x]), rem - 1) if by_time else min(a, rem - 1)
+                for j in range(1, hi + 1):
+                    cands.append((j, s, min(a, j)))
+            opt = None
+            for j, s, a in cands:
+                nxt = best[min(x + a + 1, end)]
+                sec = draft_s(j, s) + verify(j + 1) + (nxt[0] if by_time else nxt[1])
+                rnd = 1 + (nxt[1] if by_time else nxt[0])
+                val = (sec, rnd) if by_time else (rnd, sec)
+                if opt is None or val < opt:
+                    opt = val
+            best[x] = opt
+        r, s = (best[0][1], best[0][0]) if by_time else best[0]
+        total_r += int(r)
+        total_s += s + (pt.prefill_s if trace.curve is not None else 0.0)
+    return total_r, total_s
+
+
+# -- command line -------------------------------------------------------------------------------
+def _configs(trace: Trace, selectors: Sequence[str], lengths: Sequence[str], ks: Sequence[int],
+             drafters: Sequence[str] | None) -> list[dict[str, Any]]:
+    """Like ``adaspec bench``: every drafter alone at every K (when no selector or length is
+    given), every selector over the pool (with each length, or static at each K), and every
+    length policy with each drafter."""
+    pool = list(drafters) if drafters else list(trace.specs)
+    out: list[dict[str, Any]] = []
+    if not selectors and not lengths:
+        out += [{"selector": None, "length": None, "k": k, "drafters": [d]} for d in pool for k in ks]
+    for s in selectors:
+        if lengths:
+            out += [{"selector": s, "length": ln, "k": ks[0], "drafters": pool} for ln in lengths]
+        else:
+            out += [{"selector": s, "length": None, "k": k, "drafters": pool} for k in ks]
+    if lengths and not selectors:
+        out += [{"selector": None, "length": ln, "k": ks[0], "drafters": [d]} for ln in lengths for d in pool]
+    return out
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def replay_command(
+    trace: str = typer.Argument(..., help="trace file written by `adaspec bench --record FILE`"),
+    selector: list[str] = typer.Option([], "--selector", "-s", help="drafter policy, repeatable"),
+    length: list[str] = typer.Option([], "--length", "-l", help="length policy, repeatable"),
+    k: list[int] = typer.Option([5], "--k", "-k", help="static draft length(s), repeatable"),
+    drafter: list[str] = typer.Option([], "--drafter", "-d",
+                                      help="recorded drafters to use, in this order ('none' always available)"),
+    oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="also print hindsight bounds"),
+    json_out: str | None = typer.Option(None, "--json", help="write the results as JSON here"),
+) -> None:
+    """Evaluate drafter x length policies on a recorded greedy trace, without models: MAT and
+    acceptance are exact for time-independent policies; times are predicted from the recorded
+    costs."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    err = Console(stderr=True)
+    try:
+        tr = Trace.load(trace)
+        for kk in k:
+            validate_k(kk)
+        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"])
+                   for c in _configs(tr, selector, length, k, drafter or None)]
+        bounds = oracle_bounds(tr, k[0], drafter or None) if oracle else None
+    except AdaspecError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    n_tok = sum(min(p.n_out, tr.max_new_tokens) for p in tr.prompts)
+    pools = {tuple(r.drafters) for r in results}
+    one_pool = len(pools) == 1
+    console = Console()
+    table = Table(title=escape(f"replay of {trace}: {len(tr.prompts)} requests, {n_tok} tokens, "
+                               f"target {tr.target.get('name')}"
+                               + (f", drafters [{', '.join(next(iter(pools)))}]" if one_pool else "")))
+    for col in ("configuration", "pred. tokens/s", "pred. speed-up", "MAT", "acceptance", "rounds", "exact"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for r in results:
+        exact = "yes" if r.exact else ("time-dep." if r.time_dependent else f"clipped {r.clipped_rounds}")
+        table.add_row(escape(r.policy_name if one_pool else r.name), _fmt(r.tokens_per_s, ".1f"),
+                      _fmt(r.speedup, ".2f") + "x", f"{r.mat:.2f}",
+                      f"{r.acceptance_rate:.1%}" if r.drafted else "-", str(r.n_rounds), exact)
+    console.print(table)
+    total_rounds = sum(r.n_rounds for r in results)
+    total_s = sum(r.wall_s for r in results)
+    console.print(f"[dim]{len(results)} replays, {total_rounds} rounds in {total_s:.2f} s "
+                  f"({total_rounds / total_s if total_s else 0:.0f} rounds/s); times predicted from the recorded "
+                  "costs; 'time-dep.' policies read round times, so their replay is not a live run[/]")
+    if bounds is not None:
+        ob = Table(title=f"hindsight bounds (k={bounds['k']}, max_draft={bounds['max_draft']})")
+        for col in ("bound", "MAT", "rounds", "pred. tokens/s", "pred. speed-up"):
+            ob.add_column(col, justify="left" if col == "bound" else "right")
+        rows = [(f"fixed {lab} k={bounds['k']}", m) for lab, m in bounds["fixed"].items()]
+        rows += [("best fixed per prompt (MAT)", bounds["best_fixed"]["by_mat"]),
+                 ("best fixed per prompt (time)", bounds["best_fixed"]["by_time"])]
+        rows += [(f"oracle length (Thm 4.1) {lab}", m) for lab, m in bounds.get("oracle_length", {}).items()]
+        rows += [(f"per-round oracle, cap k={bounds['k']}", bounds["greedy_oracle_k"]),
+                 ("per-round oracle (greedy)", bounds["greedy_oracle"]),
+                 ("per-round oracle (fewest rounds)", bounds["dp_rounds"]),
+                 ("per-round oracle (least time)", bounds["dp_time"])]
+        for name, m in rows:
+            ob.add_row(escape(name), f"{m['mat']:.2f}", str(m["rounds"]), _fmt(m["tokens_per_s"], ".1f"),
+                       _fmt(m["speedup"], ".2f") + "x")
+        console.print(ob)
+    if json_out:
+        doc = {"trace": trace, "target": tr.target, "drafters": tr.specs,
+               "results": [r.to_dict() for r in results], "oracle": bounds}
+        Path(json_out).write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        console.print(f"written: {json_out}")
+
+
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "replay",
+           "replay_command"]

@@ -1,0 +1,36 @@
+"""``adaspec bench --record`` and ``adaspec replay`` through the command line."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from conftest import make_tiny_model, word_tokenizer
+
+from adaspec.cli import app
+
+WORDS = [f"w{i:02d}" for i in range(32)]
+
+
+def test_bench_record_then_replay_matches_the_bench(tmp_path):
+    path = tmp_path / "tiny"
+    make_tiny_model(seed=0).save_pretrained(path)
+    word_tokenizer(WORDS).save_pretrained(path)
+    suite = tmp_path / "work.jsonl"
+    suite.write_text(json.dumps({"question_id": "c1", "category": "copy",
+                                 "turns": ["w01 w02 w03 w04 w01 w02 w03 w04 w01 w02"]}))
+    trace = tmp_path / "trace.npz"
+    res = CliRunner().invoke(app, ["bench", "-m", str(path), "-d", "prompt-lookup", "-d", "suffix", "-k", "3",
+                                   "-s", "ucbspec", "--peer", "none", "--suite", str(suite), "-n", "10",
+                                   "--no-costs", "--no-plots", "-o", str(tmp_path / "out"), "--record", str(trace)])
+    assert res.exit_code == 0, res.output
+    assert trace.is_file()
+    res = CliRunner().invoke(app, ["replay", str(trace), "-s", "ucbspec", "-k", "3",
+                                   "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    live = json.loads((tmp_path / "out" / "summary.json").read_text())
+    row = next(r for r in live["overall"] if r["config"].startswith("ucbspec"))
+    assert f"{row['mat']:.2f}" in res.output  # the replayed MAT equals the live one
+    res = CliRunner().invoke(app, ["bench", "-m", str(path), "-t", "0.7", "--peer", "none", "--record", str(trace)])
+    assert res.exit_code == 2 and "greedy" in res.output
