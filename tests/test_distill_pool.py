@@ -25,7 +25,7 @@ from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore
 from adaspec.drafters import SuffixDrafter, build_drafter
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError
 from adaspec.models import as_loaded, target_fingerprint
-from adaspec.pool import (GENERALIST, build_pool, load_manifest, pool_command, pool_specs)
+from adaspec.pool import DEFAULT_POOL_TRAIN_OPTS, GENERALIST, build_pool, load_manifest, pool_command, pool_specs
 from adaspec.prompts import BUILTIN_PROMPTS
 
 VOCAB = 32
