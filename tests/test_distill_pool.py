@@ -265,7 +265,7 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
         ("feature-head", ("code",)), ("tiny-lm", ("code",)), ("feature-head", ("math",)), ("tiny-lm", ("math",)),
         ("feature-head", ("code", "math")), ("tiny-lm", ("code", "math"))]
     assert stub.calls[0][3]["epochs"] == 3 and "layers" not in stub.calls[0][3]
-    assert stub.calls[1][3] == {"epochs": 3, "layers": 1, "progress": None}
+    assert stub.calls[1][3] == DEFAULT_POOL_TRAIN_OPTS | {"epochs": 3, "layers": 1, "progress": None}
     code = manifest.entries["code"]
     assert code.n_samples == 6 and code.specs == {
         "suffix": f"suffix:datastore={root / 'datastores' / 'code.jsonl'}",
