@@ -359,3 +359,28 @@ def test_commands(tmp_path):
     assert len(pool_specs(tmp_path / "pool")) == 3  # suffix for code, math, generalist
     res = runner.invoke(app, ["distill", "--domain", "poetry", "--model", str(model)])
     assert res.exit_code == 2 and "unknown training domain" in res.output
+
+
+def test_bench_runs_the_pool(tmp_path):
+    """``adaspec bench --pool DIR`` adds the pool's drafters; every output still equals AR."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from adaspec.cli import app
+
+    pytest.importorskip("adaspec.drafter_training")
+    _, manifest = _pool(tmp_path, None, domains=("code",), n_prompts=4, kinds=("feature-head",), generalist=False,
+                        max_new_tokens=6, train_opts={"epochs": 1, "vocab_size": VOCAB, "heldout_fraction": 0.25})
+    folder = _saved_model(tmp_path)
+    suite = tmp_path / "work.jsonl"
+    suite.write_text(json.dumps({"question_id": "q1", "category": "code", "turns": [" ".join(WORDS[3:9])]}))
+    out = tmp_path / "bench"
+    res = CliRunner().invoke(app, ["bench", "-m", str(folder), "--pool", str(tmp_path / "pool"), "-d", "prompt-lookup",
+                                   "-s", "hedgespec", "--peer", "none", "--suite", str(suite), "-n", "6",
+                                   "--no-costs", "--no-plots", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "summary.json").read_text())["overall"]
+    names = [r["config"] for r in rows]
+    assert "feature-head:code/feature-head k=5" in names and "suffix:datastore=code k=5" in names
+    assert all(r["identical"] == r["prompts"] == 1 for r in rows)

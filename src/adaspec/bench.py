@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -308,6 +309,16 @@ class BenchRun:
         return written
 
 
+def label(spec: str) -> str:
+    """A short name for a drafter spec in tables: file paths shortened to their last parts
+    (``feature-head:path=/.../pool/smollm2/code/feature-head.pt`` -> ``feature-head:code/feature-head``)."""
+    def short(m: re.Match) -> str:
+        p = Path(m.group(2))
+        stem = p.stem if m.group(1) == "datastore" else f"{p.parent.name}/{p.stem}"
+        return ("" if m.group(1) in ("path",) else m.group(1) + "=") + stem
+    return re.sub(r"(path|datastore|corpus)=([^,]+)", short, spec)
+
+
 def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Sequence[str] = (),
                     lengths: Sequence[str] = (), static: bool = True,
                     peers: Sequence[str] = ()) -> list[BenchConfig]:
@@ -320,13 +331,13 @@ def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Seque
     if static:
         for d in drafters:
             for k in ks:
-                configs.append(BenchConfig(f"{d} k={k}", [d], k=k))
+                configs.append(BenchConfig(f"{label(d)} k={k}", [d], k=k))
     for sel in selectors:
-        configs.append(BenchConfig(f"{sel} over [{', '.join(drafters)}]", list(drafters), k=ks[0],
-                                   selector=sel))
+        pool = ", ".join(label(d) for d in drafters) if len(drafters) <= 4 else f"{len(drafters)} drafters"
+        configs.append(BenchConfig(f"{sel} over [{pool}]", list(drafters), k=ks[0], selector=sel))
     for ln in lengths:
         for d in drafters:
-            configs.append(BenchConfig(f"{d} + {ln}", [d], k=ks[0], length=ln))
+            configs.append(BenchConfig(f"{label(d)} + {ln}", [d], k=ks[0], length=ln))
     for p in peers:
         configs.append(BenchConfig(p, peer=p))
     names = [c.name for c in configs]

@@ -112,6 +112,10 @@ def bench(
                                    help="report directory [default: adaspec-bench/<date-time>]"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="write report.md and PNG plots"),
     json_out: str | None = typer.Option(None, "--json", help="also write summary.json here"),
+    pool: str | None = typer.Option(None, "--pool", help="add the drafters of a pool built by adaspec "
+                                    "build-pool: its directory, or 'auto' for the model's pool in the cache"),
+    pool_kinds: str | None = typer.Option(None, help="with --pool: kinds to use, comma-separated "
+                                          "(feature-head, tiny-lm, suffix; default all)"),
     record: str | None = typer.Option(None, "--record", help="also record a replay trace of the workload "
                                       "(greedy) for the drafters to FILE (.npz); see adaspec replay"),
 ) -> None:
@@ -143,6 +147,12 @@ def bench(
             raise AdaspecError("--record needs greedy decoding (temperature 0): traces replay greedy runs")
         if opt["temperature"] > 0 and opt["peers"]:
             raise AdaspecError("Hugging Face peers run greedy only: add --peer none for a sampling bench")
+        if pool:
+            from .pool import default_pool_root, pool_specs
+
+            root = default_pool_root(opt["model"]) if pool == "auto" else Path(pool)
+            kinds = [x.strip() for x in pool_kinds.split(",")] if pool_kinds else None
+            opt["drafters"] = list(opt["drafters"]) + pool_specs(root, kinds=kinds)
         work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
         if prompts > 0:
             work = work[:prompts]
