@@ -130,3 +130,12 @@ def test_sampling_bench_does_not_compare_outputs():
                     measure_costs=False, temperature=1.0, seed=3)
     assert all(r.identical == r.prompts for r in run.results)
     assert run.temperature == 1.0
+
+
+def test_per_prompt_oracle(hand_run):
+    o = hand_run.oracle()
+    # p1: A (1.0 s) beats B (1.2 s); p2: B (1.1 s) beats A (1.8 s)
+    assert o["choices"] == {"p1": "A k=5", "p2": "B k=5"}
+    assert o["seconds"] == pytest.approx(2.1) and o["speedup"] == pytest.approx(4.0 / 2.1)
+    assert o["mat"] == pytest.approx(20 / 9)
+    assert hand_run.summary()["oracle"]["choices"] == o["choices"]

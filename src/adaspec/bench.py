@@ -242,6 +242,27 @@ class BenchRun:
                 "best_arm_ratio": used_best / n_rounds if n_rounds and len(arms) > 1 else None,
                 "cumulative_seconds": cum_s, "cumulative_rounds": cum_r}
 
+    def oracle(self) -> dict[str, Any] | None:
+        """The per-prompt oracle over the static configurations: for every prompt, the static
+        drafter that was fastest on it, chosen in hindsight (an upper bound for any drafter
+        policy over those drafters at that K, up to switching within a prompt)."""
+        static = [c for c in self.configs if c.kind == "static"]
+        if not static:
+            return None
+        base = {r.prompt_id: r for r in self.of(self.configs[0].name)}
+        seconds = tokens = rounds = 0.0
+        choice: dict[str, str] = {}
+        for pid in base:
+            best = min((r for c in static for r in self.of(c.name) if r.prompt_id == pid), key=lambda r: r.seconds)
+            choice[pid] = best.config
+            seconds += best.seconds
+            tokens += best.tokens
+            rounds += best.rounds
+        ar = sum(r.seconds for r in base.values())
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+                "speedup": ar / seconds if seconds else 0.0, "mat": tokens / rounds if rounds else 0.0,
+                "choices": choice}
+
     # -- output ---------------------------------------------------------------------------
     def _row(self, cfg: BenchConfig, category: str | None) -> dict[str, Any]:
         r = self.result(cfg.name, category)
@@ -278,6 +299,7 @@ class BenchRun:
                            for r in self.records],
             "verify_costs": self.verify_costs,
             "regret": regret,
+            "oracle": self.oracle(),
         }
 
     def markdown(self) -> str:

@@ -218,6 +218,10 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     for r in run.results:
         for m in r.mismatches:
             out.print(f"[red]MISMATCH[/] {escape(r.name)}: {escape(m)}")
+    oracle = run.oracle()
+    if oracle:
+        out.print(f"per-prompt oracle (fastest static configuration of each prompt, in hindsight): "
+                  f"{oracle['tokens_per_s']:.1f} tokens/s, {oracle['speedup']:.2f}x")
     if run.verify_costs:
         c = run.verify_costs
         out.print(f"verify-cost curve (target forward over k new tokens, {c['context']}-token cache, "

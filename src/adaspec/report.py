@@ -585,6 +585,16 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
     lines += ["## Overall", "", overall_table(summary), "", sections["speedup"], "",
               "## Speed-up per category", "", "Best per column in bold; `all` is the whole workload.", "",
               category_table(summary), ""]
+    oracle = summary.get("oracle")
+    if oracle:
+        picks: dict[str, int] = {}
+        for name in oracle["choices"].values():
+            picks[name] = picks.get(name, 0) + 1
+        lines += ["## Per-prompt oracle", "",
+                  f"The fastest static configuration of each prompt, chosen in hindsight: "
+                  f"**{oracle['tokens_per_s']:.1f} tokens/s, {oracle['speedup']:.2f}x** over AR, MAT "
+                  f"{oracle['mat']:.2f}. Picks: "
+                  + ", ".join(f"{_cell(n)} ({c})" for n, c in sorted(picks.items(), key=lambda x: -x[1])) + ".", ""]
     hetero = heterogeneity_matrix(summary)
     lines += ["## Heterogeneity matrix", "",
               "Static single-drafter configurations per category, cells `MAT / speed-up`, the best of each "
