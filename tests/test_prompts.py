@@ -197,3 +197,12 @@ def test_every_builtin_prompt_fits_smollm2():
     too_long = {k: v for k, v in sizes.items() if v >= 400}
     assert not too_long, too_long
     assert min(sizes.values()) > 20
+
+
+def test_workloads_join_with_plus():
+    from adaspec.prompts import load_workload
+
+    both = load_workload("code+code-editing", per_category=2)
+    assert [p.category for p in both] == ["code", "code", "code-editing", "code-editing"]
+    with pytest.raises(ConfigError, match="repeats"):
+        load_workload("code+code", per_category=1)

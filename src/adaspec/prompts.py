@@ -226,7 +226,15 @@ def load_suite(name: str, per_category: int | None = None, seed: int = 0) -> lis
 def load_workload(spec: str, per_category: int | None = None, seed: int = 0) -> list[BenchPrompt]:
     """Prompts for a workload spec: a built-in suite (a category, ``all``, ``mixed``),
     ``humaneval``, or a ``.jsonl`` (question format) or ``.txt`` (one prompt per line) file.
-    ``per_category`` applies to every source; ``seed`` orders ``mixed``."""
+    ``per_category`` applies to every source; ``seed`` orders ``mixed``. Several specs joined
+    by ``+`` (``code+code-editing``) are concatenated in order."""
+    if "+" in spec:
+        parts = [x for x in spec.split("+") if x.strip()]
+        out = [p for part in parts for p in load_workload(part, per_category, seed)]
+        dup = sorted({p.id for p in out if sum(q.id == p.id for q in out) > 1})
+        if dup:
+            raise ConfigError(f"workload {spec!r} repeats prompts {dup[:5]}: list each suite once")
+        return out
     s = spec.strip()
     key = s.lower()
     if key in SUITES:
