@@ -28,6 +28,7 @@ from .config import GenerationConfig, SamplingConfig, validate_k
 from .drafters import Drafter, build_drafter
 from .engine import SpeculativeEngine
 from .errors import ConfigError
+from .metrics import Rates
 from .models import LoadedModel
 from .prompts import BUILTIN_PROMPTS, BenchPrompt
 
@@ -88,7 +89,7 @@ class PromptRecord:
 
 
 @dataclass
-class ConfigResult:
+class ConfigResult(Rates):
     """Totals of one configuration over a set of prompts."""
 
     name: str
@@ -110,22 +111,12 @@ class ConfigResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
-    def mat(self) -> float:
-        return self.tokens / self.rounds if self.rounds else 0.0
+    def token_count(self) -> int:
+        return self.tokens
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def discard_rate(self) -> float:
-        """SpecDec++ eq. (5.1): discarded drafts per generated token."""
-        return (self.drafted - self.accepted) / self.tokens if self.tokens else 0.0
-
-    @property
-    def verification_rate(self) -> float:
-        """SpecDec++ eq. (5.1): target forwards per generated token."""
-        return self.rounds / self.tokens if self.tokens else 0.0
+    def round_count(self) -> int:
+        return self.rounds
 
     @property
     def overhead_share(self) -> float:

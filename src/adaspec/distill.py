@@ -935,29 +935,24 @@ def distill_command(
     """Generate self-distillation data: the target's responses to a domain's prompts (resumable)."""
     from rich.console import Console
 
-    from .models import cache_dir, load_model
+    from .models import cache_dir, load_model, torch_threads
 
     err = Console(stderr=True)
-    before = torch.get_num_threads()
     try:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-        chosen = read_prompt_file(prompts) if prompts else domain_prompts(domain, n, seed)
-        folder = Path(out) if out else cache_dir() / "distill" / Path(model).name / domain
-        err.print(f"loading {model} ...")
-        target = load_model(model)
-        bar, report = rich_progress(err)
-        with bar:
-            run = distill_run(target, chosen, folder, domain=domain,
-                              temperatures=temperature or DEFAULT_TEMPERATURES, samples_per_temperature=samples,
-                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                              chat_template=not no_chat_template, progress=report)
+        with torch_threads(threads):
+            chosen = read_prompt_file(prompts) if prompts else domain_prompts(domain, n, seed)
+            folder = Path(out) if out else cache_dir() / "distill" / Path(model).name / domain
+            err.print(f"loading {model} ...")
+            target = load_model(model)
+            bar, report = rich_progress(err)
+            with bar:
+                run = distill_run(target, chosen, folder, domain=domain,
+                                  temperatures=temperature or DEFAULT_TEMPERATURES, samples_per_temperature=samples,
+                                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                                  chat_template=not no_chat_template, progress=report)
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    finally:
-        torch.set_num_threads(before)
     print(f"{run.path}: {run.n_samples} samples ({run.new_samples} new, {run.skipped} already there); "
           f"{run.new_tokens} tokens in {run.seconds:.1f} s ({run.tokens_per_s:.1f} tokens/s)")
 

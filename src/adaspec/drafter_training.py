@@ -38,7 +38,7 @@ from .drafters.feature_head import (DEFAULT_DRAFT_VOCAB, FeatureHead, TargetFeat
                                     _plain, causal_mask)
 from .drafters.tiny_lm import init_tiny_lm, save_tiny_lm
 from .errors import AdaspecError, ConfigError
-from .models import LoadedModel, target_fingerprint
+from .models import LoadedModel, target_fingerprint, torch_threads
 
 KINDS = ("feature-head", "tiny-lm")
 CKPT_FORMAT = "adaspec.drafter-checkpoint/1"
@@ -584,10 +584,7 @@ def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], ou
     if not data:
         raise ConfigError("train-drafter needs at least one distilled set: --data DIR (repeatable)")
     out = Path(out).expanduser()
-    before_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _train(kind, target, [Path(d).expanduser() for d in data], out, epochs=epochs, lr=float(lr),
                       batch_tokens=batch_tokens, vocab_size=vocab_size, heldout_fraction=heldout_fraction,
                       seed=seed, checkpoint_every=checkpoint_every, max_minutes=max_minutes,
@@ -596,8 +593,6 @@ def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], ou
                       kl_weight=kl_weight, feature_noise=feature_noise, prompt_loss=prompt_loss,
                       train_embeddings=train_embeddings, init_from_target=init_from_target,
                       keep_checkpoint=keep_checkpoint, t_start=t_start)
-    finally:
-        torch.set_num_threads(before_threads)
 
 
 def _train(kind: str, target: LoadedModel, data: list[Path], out: Path, *, epochs: int, lr: float,

@@ -63,6 +63,20 @@ class _Timer:
         return time.perf_counter()
 
 
+def cut_at_stops(emitted: list[int], remaining: int, eos: set[int],
+                 hits_stop: Callable[[list[int]], bool] | None = None) -> tuple[list[int], str]:
+    """Cut a round's tokens at EOS, a stop string (``hits_stop(prefix)``) or the token budget,
+    exactly where plain decoding would have stopped; returns the kept tokens and the reason."""
+    for j, t in enumerate(emitted):
+        if t in eos:
+            return emitted[: j + 1], "eos"
+        if hits_stop is not None and hits_stop(emitted[: j + 1]):
+            return emitted[: j + 1], "stop_string"
+        if j + 1 >= remaining:
+            return emitted[: j + 1], "max_new_tokens"
+    return emitted, ""
+
+
 class SpeculativeEngine:
     """Lossless speculative decoding over a Hugging Face causal LM with pluggable drafters.
 
@@ -405,16 +419,11 @@ class SpeculativeEngine:
 
     def _apply_stops(self, emitted: list[int], tokens: list[int], n_prompt: int, remaining: int,
                      cfg: GenerationConfig, stop_max: int, eos: set[int]) -> tuple[list[int], str]:
-        """Cut the round's tokens at EOS, a stop string or the token budget, exactly where
-        plain decoding would have stopped."""
-        for j, t in enumerate(emitted):
-            if cfg.stop_on_eos and t in eos:
-                return emitted[: j + 1], "eos"
-            if cfg.stop and self._hits_stop(tokens, n_prompt, emitted[: j + 1], cfg.stop, stop_max):
-                return emitted[: j + 1], "stop_string"
-            if j + 1 >= remaining:
-                return emitted[: j + 1], "max_new_tokens"
-        return emitted, ""
+        hits = None
+        if cfg.stop:
+            def hits(new: list[int]) -> bool:
+                return self._hits_stop(tokens, n_prompt, new, cfg.stop, stop_max)
+        return cut_at_stops(emitted, remaining, eos if cfg.stop_on_eos else set(), hits)
 
     def _hits_stop(self, tokens: list[int], n_prompt: int, new: list[int], stops: Sequence[str],
                    stop_max: int) -> bool:

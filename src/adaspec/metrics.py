@@ -37,8 +37,57 @@ class RoundRecord:
                    - self.policy_s - self.eval_s - self.drafter_prefill_s)
 
 
+class Rates:
+    """MAT, acceptance, discard and verification rates (SpecDec++ eq. 5.1) from four counts:
+    a class provides ``token_count`` (generated tokens), ``round_count`` (target forwards in
+    decoding), ``drafted`` and ``accepted``."""
+
+    token_count: int
+    round_count: int
+    drafted: int
+    accepted: int
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per target forward (bonus included)."""
+        return self.token_count / self.round_count if self.round_count else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def discard_rate(self) -> float:
+        """Discarded drafts per generated token."""
+        return (self.drafted - self.accepted) / self.token_count if self.token_count else 0.0
+
+    @property
+    def verification_rate(self) -> float:
+        """Target forwards per generated token."""
+        return self.round_count / self.token_count if self.token_count else 0.0
+
+
+class RoundRates(Rates):
+    """``Rates`` whose drafted, accepted and round counts come from a list of per-round records
+    (``self.rounds``, each with ``drafted`` and ``accepted``)."""
+
+    rounds: list
+
+    @property
+    def round_count(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+
 @dataclass
-class RequestStats:
+class RequestStats(RoundRates):
     """Statistics of one generate call."""
 
     prompt_tokens: int = 0
@@ -55,33 +104,12 @@ class RequestStats:
         return len(self.rounds)
 
     @property
-    def drafted(self) -> int:
-        return sum(r.drafted for r in self.rounds)
-
-    @property
-    def accepted(self) -> int:
-        return sum(r.accepted for r in self.rounds)
-
-    @property
     def drafter_prefill_s(self) -> float:
         return self._sum("drafter_prefill_s")
 
     @property
-    def mat(self) -> float:
-        """Mean accepted tokens per target forward (bonus included)."""
-        return self.new_tokens / self.n_rounds if self.rounds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def discard_rate(self) -> float:
-        return (self.drafted - self.accepted) / self.new_tokens if self.new_tokens else 0.0
-
-    @property
-    def verification_rate(self) -> float:
-        return self.n_rounds / self.new_tokens if self.new_tokens else 0.0
+    def token_count(self) -> int:
+        return self.new_tokens
 
     @property
     def tokens_per_s(self) -> float:

@@ -14,13 +14,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
+from .errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,20 @@ def check_fingerprint(expected: dict[str, Any], target: LoadedModel, what: str) 
             f"{what} was built for target {expected.get('name')!r} but the loaded target "
             f"{target.name!r} differs in {', '.join(diff)}: load it with the target it was "
             "trained on, or retrain it for this one")
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run a block with ``n`` torch threads (None: unchanged) and restore the previous count."""
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ConfigError(f"threads must be an integer >= 1, got {n!r}")
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def cache_dir() -> Path:

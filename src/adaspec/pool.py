@@ -406,48 +406,43 @@ def pool_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .models import load_model
+    from .models import load_model, torch_threads
 
     err = Console(stderr=True)
-    before = torch.get_num_threads()
     try:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-        kind_list = _split_list(kinds) or ["feature-head"]
-        if kind_list == ["none"]:
-            kind_list = []
-        train_opts: dict[str, Any] = dict(QUICK["train_opts"]) if quick else {}  # type: ignore[arg-type]
-        if epochs is not None:
-            train_opts["epochs"] = epochs
-        err.print(f"loading {model} ...")
-        target = load_model(model)
-        root = Path(out) if out else default_pool_root(target, quick=quick)
-        bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True)
-        tasks: dict[str, Any] = {}
+        with torch_threads(threads):
+            kind_list = _split_list(kinds) or ["feature-head"]
+            if kind_list == ["none"]:
+                kind_list = []
+            train_opts: dict[str, Any] = dict(QUICK["train_opts"]) if quick else {}  # type: ignore[arg-type]
+            if epochs is not None:
+                train_opts["epochs"] = epochs
+            err.print(f"loading {model} ...")
+            target = load_model(model)
+            root = Path(out) if out else default_pool_root(target, quick=quick)
+            bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True)
+            tasks: dict[str, Any] = {}
 
-        def report(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done, total=total)
-            if done >= total:  # finished stages leave the display
-                bar.remove_task(tasks.pop(stage))
+            def report(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+                if done >= total:  # finished stages leave the display
+                    bar.remove_task(tasks.pop(stage))
 
-        with bar:
-            manifest = build_pool(
-                target, root, domains=_split_list(domains) or DOMAINS,
-                n_prompts=n_prompts or (QUICK["n_prompts"] if quick else DEFAULT_POOL_PROMPTS),  # type: ignore[arg-type]
-                kinds=kind_list, generalist=not no_generalist,
-                temperatures=temperature or (QUICK["temperatures"] if quick else DEFAULT_POOL_TEMPERATURES),  # type: ignore[arg-type]
-                max_new_tokens=max_new_tokens or (QUICK["max_new_tokens"] if quick else DEFAULT_POOL_TOKENS),  # type: ignore[arg-type]
-                batch_size=batch_size, seed=seed, train_opts=train_opts, retrain=retrain, progress=report,
-                on_stage=lambda msg: err.print(f"[dim]{msg}[/]"))
+            with bar:
+                manifest = build_pool(
+                    target, root, domains=_split_list(domains) or DOMAINS,
+                    n_prompts=n_prompts or (QUICK["n_prompts"] if quick else DEFAULT_POOL_PROMPTS),  # type: ignore[arg-type]
+                    kinds=kind_list, generalist=not no_generalist,
+                    temperatures=temperature or (QUICK["temperatures"] if quick else DEFAULT_POOL_TEMPERATURES),  # type: ignore[arg-type]
+                    max_new_tokens=max_new_tokens or (QUICK["max_new_tokens"] if quick else DEFAULT_POOL_TOKENS),  # type: ignore[arg-type]
+                    batch_size=batch_size, seed=seed, train_opts=train_opts, retrain=retrain, progress=report,
+                    on_stage=lambda msg: err.print(f"[dim]{msg}[/]"))
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    finally:
-        torch.set_num_threads(before)
     table = Table("entry", "samples", "output tokens", "distill s", "datastore s", "train s", "drafters")
     for name, e in manifest.entries.items():
         train_s = sum(v for k, v in e.times.items() if k.startswith("train_"))

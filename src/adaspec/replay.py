@@ -44,6 +44,8 @@ from .costs import CostModel
 from .drafters.base import Decision, Draft, DraftStep, StepStats
 from .errors import AdaspecError, ConfigError
 from .feedback import RoundFeedback
+from .engine import cut_at_stops
+from .metrics import RoundRates
 from .length import LengthPolicy, build_length
 from .selection import DrafterPolicy, build_selector
 from .trace import PromptTrace, Trace
@@ -102,7 +104,7 @@ class PromptReplay:
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(RoundRates):
     """A replayed run: per-prompt, per-round records and totals."""
 
     selector: str
@@ -127,14 +129,6 @@ class ReplayResult:
         return sum(p.new_tokens for p in self.prompts)
 
     @property
-    def drafted(self) -> int:
-        return sum(r.drafted for r in self.rounds)
-
-    @property
-    def accepted(self) -> int:
-        return sum(r.accepted for r in self.rounds)
-
-    @property
     def clipped_rounds(self) -> int:
         return sum(r.clipped for r in self.rounds)
 
@@ -145,12 +139,8 @@ class ReplayResult:
         return not self.time_dependent and self.clipped_rounds == 0
 
     @property
-    def mat(self) -> float:
-        return self.tokens / self.n_rounds if self.n_rounds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def token_count(self) -> int:
+        return self.tokens
 
     @property
     def seconds(self) -> float:
@@ -364,7 +354,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
                     break
         kd = len(tokens)
         n = min(views[src].accepted[x], kd) if kd else 0
-        emitted, reason = _apply_stops(path[t: t + n + 1], remaining, eos)
+        emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
         m = len(emitted)
         draft_s = cost.draft_token_s * kd if cost is not None else 0.0
         verify_s = curve.cost(kd + 1) if curve is not None else 0.0
@@ -406,16 +396,6 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     ar = pt.prefill_s + new * curve.cost(1) if curve is not None else 0.0
     total = pt.prefill_s + sum(r.seconds for r in rounds) if curve is not None else 0.0
     return PromptReplay(p, new, reason, total, ar, rounds)
-
-
-def _apply_stops(emitted: list[int], remaining: int, eos: set[int]) -> tuple[list[int], str]:
-    """``SpeculativeEngine._apply_stops`` without stop strings: cut at EOS or the budget."""
-    for j, tok in enumerate(emitted):
-        if tok in eos:
-            return emitted[: j + 1], "eos"
-        if j + 1 >= remaining:
-            return emitted[: j + 1], "max_new_tokens"
-    return emitted, ""
 
 
 # -- oracle bounds ------------------------------------------------------------------------------

@@ -74,6 +74,13 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @classmethod
+    def from_rows(cls, tokens: list[int], rows: list[torch.Tensor], greedy: bool) -> Draft:
+        """A model drafter's block: its per-token rows are raw logits under greedy decoding and
+        processed q under sampling."""
+        stacked = torch.stack(rows) if rows else None
+        return cls(tokens, logits=stacked) if greedy else cls(tokens, probs=stacked)
+
 
 @dataclass
 class Proposals:

@@ -442,10 +442,7 @@ class FeatureHeadDrafter(Drafter):
                 break
             last = self._run(last[None], [tok], pos)[-1]
             pos += 1
-        stacked = torch.stack(rows) if rows else None
-        if sampling.greedy:
-            return Draft(tokens=tokens, probs=None, logits=stacked)
-        return Draft(tokens=tokens, probs=stacked, logits=None)
+        return Draft.from_rows(tokens, rows, sampling.greedy)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:

@@ -175,10 +175,7 @@ class ModelDrafter(Drafter):
                 self._unfed = (len(self._fed), tok)
                 break
             logits, hidden = self._forward([tok], hidden=want_hidden)
-        stacked = torch.stack(rows) if rows else None
-        if sampling.greedy:
-            return Draft(tokens=tokens, probs=None, logits=stacked)
-        return Draft(tokens=tokens, probs=stacked, logits=None)
+        return Draft.from_rows(tokens, rows, sampling.greedy)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
