@@ -89,7 +89,7 @@ def bench(
                                              help=DRAFTER_HELP + " [default: prompt-lookup, suffix]"),
     k: list[int] | None = typer.Option(None, "--k", "-k", help="draft length(s), repeatable [default: 5]"),
     selector: list[str] | None = typer.Option(
-        None, "--selector", "-s", help="drafter policy over all drafters, repeatable [default: hedgespec]"),
+        None, "--selector", "-s", help="drafter policy over all drafters, repeatable; 'none' for no selector [default: hedgespec]"),
     length: list[str] | None = typer.Option(None, "--length", "-l",
                                             help="length policy, run with each drafter, repeatable"),
     peer: list[str] | None = typer.Option(
@@ -141,6 +141,7 @@ def bench(
         if no_static:
             opt["static"] = False
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
+        opt["selectors"] = [x for x in opt["selectors"] if x != "none"]
         if opt["repeats"] < 1:
             raise AdaspecError("--repeats must be >= 1")
         if record and opt["temperature"] > 0:
