@@ -28,7 +28,7 @@ from .config import GenerationConfig, SamplingConfig, validate_k
 from .drafters import Drafter, build_drafter
 from .engine import SpeculativeEngine
 from .errors import ConfigError
-from .metrics import Rates
+from .metrics import Rates, RequestStats
 from .models import LoadedModel
 from .prompts import BUILTIN_PROMPTS, BenchPrompt
 
@@ -389,7 +389,7 @@ class _Runner:
 def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
     """Add one turn's measurements (engine stats or a peer run) to a prompt record."""
     rec.seconds += seconds
-    if hasattr(out, "rounds") and isinstance(out.rounds, list):  # RequestStats
+    if isinstance(out, RequestStats):
         rec.tokens += out.new_tokens
         rec.rounds += out.n_rounds
         rec.drafted += out.drafted
@@ -488,7 +488,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     offset = rec.tokens - len(outs[ci])  # tokens of earlier turns
                     rec.first_mismatch = offset + next(
                         (j for j, (a, b) in enumerate(zip(outs[ci], ref)) if a != b), min(len(outs[ci]), len(ref)))
-                per_round = last[ci].rounds if isinstance(last[ci].rounds, list) else []  # peers: a count
+                per_round = last[ci].rounds if isinstance(last[ci], RequestStats) else []  # peers: none
                 for j, rr in enumerate(per_round):
                     rounds.append({"config": configs[ci].name, "prompt_id": prompt.id,
                                    "category": prompt.category, "position": pos, "turn": turn, "round": j,

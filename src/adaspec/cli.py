@@ -89,7 +89,8 @@ def bench(
                                              help=DRAFTER_HELP + " [default: prompt-lookup, suffix]"),
     k: list[int] | None = typer.Option(None, "--k", "-k", help="draft length(s), repeatable [default: 5]"),
     selector: list[str] | None = typer.Option(
-        None, "--selector", "-s", help="drafter policy over all drafters, repeatable; 'none' for no selector [default: hedgespec]"),
+        None, "--selector", "-s",
+        help="drafter policy over all drafters, repeatable; 'none' for no selector [default: hedgespec]"),
     length: list[str] | None = typer.Option(None, "--length", "-l",
                                             help="length policy, run with each drafter, repeatable"),
     peer: list[str] | None = typer.Option(

@@ -262,11 +262,6 @@ class SpeculativeEngine:
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the context "
                 f"window ({window}): lower max_new_tokens to {window - n_prompt} or shorten the prompt")
 
-    @torch.inference_mode()
-    def _forward(self, cache: Any, ids: Sequence[int], keep: int) -> torch.Tensor:
-        x = torch.tensor([list(ids)], device=self.target.device)
-        out = self.target.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0]
 
     def _features_for(self, drafters: Sequence[Drafter]) -> FeatureBuffer | None:
         """A fresh per-request buffer of target features, bound to every drafter that drafts from
@@ -283,12 +278,16 @@ class SpeculativeEngine:
         return buffer
 
     @torch.inference_mode()
-    def _forward_features(self, cache: Any, ids: Sequence[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Like ``_forward`` (identical logits) and also the final hidden state of every input."""
-        assert self._feature_forward is not None
+    def _forward(self, cache: Any, ids: Sequence[int], keep: int,
+                 features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target logits of the last ``keep`` inputs; with ``features`` also the final hidden
+        state of every input (same logits, one pass), for drafters that draft from them."""
         x = torch.tensor([list(ids)], device=self.target.device)
-        logits, hidden = self._feature_forward(x, cache, keep)
-        return logits[0], hidden[0]
+        if features:
+            logits, hidden = self._feature_forward(x, cache, keep)
+            return logits[0], hidden[0]
+        out = self.target.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0], None
 
     def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generator[list[int], None, RequestStats]:
         """Generator over accepted-token chunks; its return value is the request's statistics."""
@@ -311,10 +310,9 @@ class SpeculativeEngine:
         # features[j] = the target's final hidden state at position j, for every token but the newest
         features = self._features_for(drafters)
         if len(tokens) > 1:  # the last prompt token is fed with the first round's drafts
-            if features is None:
-                self._forward(cache, tokens[:-1], keep=1)
-            else:
-                features.append(self._forward_features(cache, tokens[:-1], keep=1)[1])
+            _, hidden = self._forward(cache, tokens[:-1], keep=1, features=features is not None)
+            if features is not None:
+                features.append(hidden)
         stats.prefill_s = now() - t_start
 
         for d in drafters:
@@ -362,10 +360,8 @@ class SpeculativeEngine:
             t3 = now()
 
             k = len(draft.tokens)
-            if features is None:
-                logits = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1)
-            else:
-                logits, hidden = self._forward_features(cache, [tokens[-1], *draft.tokens], keep=k + 1)
+            logits, hidden = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1,
+                                           features=features is not None)
             if sampling.greedy:
                 verdict = verify_greedy(logits, draft.tokens)
             else:
