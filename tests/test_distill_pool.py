@@ -25,7 +25,8 @@ from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore
 from adaspec.drafters import SuffixDrafter, build_drafter
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError
 from adaspec.models import as_loaded, target_fingerprint
-from adaspec.pool import DEFAULT_POOL_TRAIN_OPTS, GENERALIST, build_pool, load_manifest, pool_command, pool_specs
+from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, build_pool, load_manifest,
+                          pool_command, pool_specs)
 from adaspec.prompts import BUILTIN_PROMPTS
 
 VOCAB = 32
@@ -94,8 +95,19 @@ def test_domain_prompts_share_no_8_word_run_with_the_bench_suites():
     bench_shingles = set().union(*map(_shingles, bench))
     assert len(bench_shingles) > 100
     for domain in DOMAINS:
-        for pid, text in domain_prompts(domain, 160):
+        for pid, text in domain_prompts(domain, 400):
             assert not (_shingles(text) & bench_shingles), (pid, text)
+
+
+def test_domain_prompts_mix_their_sources_in_proportion():
+    """Any prefix keeps the mix: e.g. translation draws ~45% into English, the rest from English."""
+    for n in (100, 400):
+        texts = [t for _, t in domain_prompts("translation", n)]
+        into = sum("English" in t.split("\n")[0] for t in texts) / n
+        assert 0.3 < into < 0.6, into
+    code = [t for _, t in domain_prompts("code", 400)]
+    edits = sum("\n" in t for t in code) / len(code)  # only code to edit spans several lines
+    assert 0.2 < edits < 0.5, edits
 
 
 def test_read_prompt_file_formats(tmp_path):
@@ -261,11 +273,15 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
     target, manifest = _pool(tmp_path, stub)
     root = (tmp_path / "pool").resolve()
     assert list(manifest.entries) == ["code", "math", GENERALIST]
+    # per kind: the generalist on the union first, then each domain fine-tuned from it
     assert [(k, d) for k, d, _, _ in stub.calls] == [
-        ("feature-head", ("code",)), ("tiny-lm", ("code",)), ("feature-head", ("math",)), ("tiny-lm", ("math",)),
-        ("feature-head", ("code", "math")), ("tiny-lm", ("code", "math"))]
-    assert stub.calls[0][3]["epochs"] == 3 and "layers" not in stub.calls[0][3]
-    assert stub.calls[1][3] == DEFAULT_POOL_TRAIN_OPTS | {"epochs": 3, "layers": 1, "progress": None}
+        ("feature-head", ("code", "math")), ("feature-head", ("code",)), ("feature-head", ("math",)),
+        ("tiny-lm", ("code", "math")), ("tiny-lm", ("code",)), ("tiny-lm", ("math",))]
+    assert stub.calls[0][3]["epochs"] == 3 and "layers" not in stub.calls[0][3] and "init_from" not in stub.calls[0][3]
+    assert stub.calls[3][3] == DEFAULT_POOL_TRAIN_OPTS | {"epochs": 3, "layers": 1, "progress": None}
+    assert stub.calls[1][3] == DEFAULT_POOL_TRAIN_OPTS | SPECIALIST_TRAIN_OPTS | {
+        "init_from": str(root / "drafters" / GENERALIST / "feature-head.pt"), "progress": None}
+    assert stub.calls[5][3]["init_from"] == str(root / "drafters" / GENERALIST / "tiny-lm")
     code = manifest.entries["code"]
     assert code.n_samples == 6 and code.specs == {
         "suffix": f"suffix:datastore={root / 'datastores' / 'code.jsonl'}",
@@ -294,6 +310,17 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
     stub3 = StubTrainer()
     _pool(tmp_path, stub3, retrain=True)
     assert len(stub3.calls) == 6
+    # a changed generalist retrains the specialists built on it; specialist options alone do not touch it
+    stub4 = StubTrainer()
+    _pool(tmp_path, stub4, train_opts={"epochs": 2, "tiny-lm": {"layers": 1}}, kinds=("feature-head",))
+    assert [d for _, d, _, _ in stub4.calls] == [("code", "math"), ("code",), ("math",)]
+    stub5 = StubTrainer()
+    _pool(tmp_path, stub5, train_opts={"epochs": 2, "tiny-lm": {"layers": 1}}, kinds=("feature-head",),
+          specialist_opts={"epochs": 5})
+    assert [(d, o["epochs"]) for _, d, _, o in stub5.calls] == [(("code",), 5), (("math",), 5)]
+    stub6 = StubTrainer()
+    _pool(tmp_path, stub6, train_opts={"epochs": 2}, kinds=("feature-head",), specialise=False)
+    assert all("init_from" not in o for *_, o in stub6.calls) and len(stub6.calls) == 2
     moved = tmp_path / "moved"
     shutil.copytree(root, moved)
     spec = pool_specs(moved, kinds=("suffix",), domains=("math",))[0]
@@ -325,6 +352,22 @@ def test_build_pool_with_the_real_trainer(tmp_path):
     assert [s.split(":")[0] for s in specs] == ["feature-head", "suffix"]
     assert manifest.entries["code"].reports["feature-head"]["kind"] == "feature-head"
     for spec in specs:
+        build_drafter(spec, target)
+
+
+def test_build_pool_fine_tunes_real_specialists_from_the_generalist(tmp_path):
+    target, manifest = _pool(tmp_path, None, n_prompts=3, max_new_tokens=6, temperatures=(0.0,),
+                             train_opts={"epochs": 1, "vocab_size": VOCAB, "heldout_fraction": 0.34,
+                                         "tiny-lm": {"layers": 1}}, specialist_opts={"epochs": 1})
+    root = (tmp_path / "pool").resolve()
+    for kind, leaf in (("feature-head", "feature-head.pt"), ("tiny-lm", "tiny-lm")):
+        general = manifest.entries[GENERALIST].reports[kind]["settings"]
+        assert general["init_from"] is None
+        for domain in ("code", "math"):
+            settings = manifest.entries[domain].reports[kind]["settings"]
+            assert settings["init_from"] == str(root / "drafters" / GENERALIST / leaf)
+            assert settings["epochs"] == 1 and settings["lr"] == SPECIALIST_TRAIN_OPTS["lr"]
+    for spec in manifest.specs():
         build_drafter(spec, target)
 
 

@@ -247,3 +247,32 @@ def test_import_does_not_load_matplotlib():
     code = "import sys, adaspec.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _pool_summary() -> dict:
+    """AR, a generalist head and two specialists on code and math prompts (one prompt each)."""
+    root = "/cache/pool/smollm2"
+    names = {"AR": [], "gen": [f"feature-head:path={root}/drafters/generalist/feature-head.pt"],
+             "code": [f"feature-head:path={root}/drafters/code/feature-head.pt"],
+             "math": [f"feature-head:path={root}/drafters/math/feature-head.pt"],
+             "mathstore": [f"suffix:datastore={root}/datastores/math.jsonl"]}
+    configs = [{"name": n, "kind": "ar" if n == "AR" else "static", "drafters": d} for n, d in names.items()]
+    # (rounds, seconds) for prompts in categories code and math; 60 tokens each
+    runs = {"AR": ((60, 6.0), (60, 6.0)), "gen": ((30, 4.0), (30, 4.0)), "code": ((20, 3.0), (40, 5.0)),
+            "math": ((40, 5.0), (24, 3.0)), "mathstore": ((30, 4.0), (30, 4.0))}
+    per_prompt = [{"config": n, "prompt_id": f"{cat}-1", "category": cat, "tokens": 60, "rounds": r, "seconds": s}
+                  for n, pair in runs.items() for cat, (r, s) in zip(("code", "math"), pair)]
+    return {"configs": configs, "per_prompt": per_prompt}
+
+
+def test_specialist_table_compares_each_specialist_with_the_generalist_in_and_out_of_domain():
+    from adaspec.report import specialist_table
+
+    table = specialist_table(_pool_summary())
+    lines = table.splitlines()
+    assert len(lines) == 4  # header, rule, code and math heads (the datastore has no generalist store)
+    code = next(ln for ln in lines if ln.startswith("| code/feature-head"))
+    # own (code prompt): specialist MAT 3.00, 2.00x; generalist 2.00, 1.50x; other (math prompt): 1.50 vs 2.00
+    assert "| 3.00 / 2.00x | 2.00 / 1.50x | 1.50 / 1.20x | 2.00 / 1.50x | yes | yes |" in code
+    assert "math/feature-head | math | 2.50 / 2.00x" in table
+    assert specialist_table({"configs": _pool_summary()["configs"][:3], "per_prompt": []}) is None

@@ -104,7 +104,10 @@ def test_draft_vocabulary_ranks_by_frequency_and_forces_eos():
     assert draft_vocabulary(seqs, 2, 16).tolist() == [2, 5]  # 5 (x3), 2 (x2), sorted by id
     assert draft_vocabulary(seqs, 2, 16, always=[15]).tolist() == [5, 15]  # forced first
     assert draft_vocabulary(seqs, 3, 16).tolist() == [2, 5, 7]  # 7 and 9 tie: lower id first
-    assert draft_vocabulary(seqs, 10, 16).tolist() == [2, 5, 7, 9]  # only tokens that occur
+    assert draft_vocabulary(seqs, 10, 16, fill=False).tolist() == [2, 5, 7, 9]  # only tokens that occur
+    # the fill: unseen ids in id (BPE merge) order after every seen one, up to the size
+    assert draft_vocabulary(seqs, 6, 16).tolist() == [0, 1, 2, 5, 7, 9]
+    assert draft_vocabulary(seqs, 6, 16, always=[15]).tolist() == [0, 2, 5, 7, 9, 15]
     assert draft_vocabulary(seqs, 16, 16).tolist() == list(range(16))  # V' >= V: everything
     with pytest.raises(ConfigError, match="draft vocabulary size"):
         draft_vocabulary(seqs, 0, 16)
@@ -477,3 +480,76 @@ def test_train_drafter_command(target, data, tmp_path):
     res = CliRunner().invoke(app, ["train-drafter", "--kind", "eagle", "--data", str(data), "--out", str(out),
                                    "--model", str(model_dir)])
     assert res.exit_code == 2 and "kind" in res.output
+
+
+# -- fine-tuning and the feature cache -------------------------------------------------------------
+def _weights(kind: str, path: Path, target) -> dict[str, torch.Tensor]:
+    if kind == "feature-head":
+        return FeatureHead.load(path, target).net.state_dict()
+    return TinyLMDrafter.load(path, target).model.state_dict()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_init_from_starts_from_a_trained_drafter(kind, target, data, trained, tmp_path):
+    out = tmp_path / ("ft.pt" if kind == "feature-head" else "ft")
+    report = train_drafter(kind, target, [data], out, epochs=1, lr=1e-9, batch_tokens=256, vocab_size=32,
+                           layers=1, init_from=trained[kind])
+    assert report.settings["init_from"] == str(trained[kind])
+    fresh = tmp_path / ("fresh.pt" if kind == "feature-head" else "fresh")
+    train_drafter(kind, target, [data], fresh, epochs=1, lr=1e-9, batch_tokens=256, vocab_size=32, layers=1)
+    start, tuned, scratch = (_weights(kind, p, target) for p in (trained[kind], out, fresh))
+    assert all(torch.allclose(tuned[k], start[k], atol=1e-6) for k in start)  # lr ~ 0: still the source
+    assert not all(torch.allclose(scratch[k], start[k], atol=1e-3) for k in start)
+
+
+def test_init_from_refuses_another_shape_or_target(target, data, trained, tmp_path):
+    with pytest.raises(ConfigError, match="another shape"):
+        train_drafter("tiny-lm", target, [data], tmp_path / "t2", epochs=1, layers=2, init_from=trained["tiny-lm"])
+    other = _target(3)
+    other_data = _write_distilled(tmp_path / "other", other, _prompts(4, seed=2))
+    with pytest.raises(ModelLoadError, match="trained for|another|target"):
+        train_drafter("feature-head", other, [other_data], tmp_path / "h.pt", epochs=1,
+                      init_from=trained["feature-head"])
+
+
+def test_target_features_are_computed_once_per_set(target, tmp_path, monkeypatch):
+    from adaspec.drafter_training import FEATURES_FILE
+
+    d = _write_distilled(tmp_path / "d", target, _prompts(6, seed=5))
+    train_drafter("feature-head", target, [d], tmp_path / "a.pt", epochs=2, batch_tokens=256, vocab_size=32)
+    assert (d / FEATURES_FILE).is_file()
+    calls: list[int] = []
+    real = TargetFeatureForward.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetFeatureForward, "__call__", counting)
+    train_drafter("feature-head", target, [d], tmp_path / "b.pt", epochs=2, batch_tokens=256, vocab_size=32)
+    assert calls == []  # every row came from the cache, and training is the same
+    a, b = (FeatureHead.load(tmp_path / n, target).net.state_dict() for n in ("a.pt", "b.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = _target(4)  # a cache made by another target is never used
+    other_d = _write_distilled(tmp_path / "o", other, _prompts(3, seed=6))
+    (other_d / FEATURES_FILE).write_bytes((d / FEATURES_FILE).read_bytes())
+    train_drafter("feature-head", other, [other_d], tmp_path / "c.pt", epochs=1, batch_tokens=256, vocab_size=32)
+    assert len(calls) == 3
+
+
+def test_heldout_split_is_per_domain_so_a_generalist_holds_out_what_each_specialist_does():
+    from adaspec.drafter_training import DistilledSample, _split
+
+    def samples(domain: str, n: int) -> list[DistilledSample]:
+        return [DistilledSample(f"{domain}-{i}", t, 0, [1], [2], domain) for i in range(n) for t in (0.0, 0.7)]
+
+    code, math = samples("code", 30), samples("math", 20)
+    union = code + math
+    _, held_union = _split(union, 0.1, seed=3)
+    _, held_code = _split(code, 0.1, seed=3)
+    _, held_math = _split(math, 0.1, seed=3)
+    ids = {(union[i].domain, union[i].prompt_id, union[i].temperature) for i in held_union}
+    assert ids == {(s.domain, s.prompt_id, s.temperature) for s in [code[i] for i in held_code] + [math[i] for i in
+                                                                                                  held_math]}
+    assert len({p for _, p, _ in ids}) == 5  # 3 of 30 code prompts, 2 of 20 math ones, both samples of each
+    assert _split(code, 0.1, seed=4)[1] != held_code

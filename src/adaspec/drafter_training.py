@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +59,11 @@ class DistilledSample:
     prompt_ids: list[int]
     output_ids: list[int]
     domain: str = ""
+    source: str = ""  # the distilled set's directory
+
+    @property
+    def key(self) -> str:
+        return f"{self.prompt_id}|{self.temperature}|{self.seed}|{len(self.prompt_ids)}|{len(self.output_ids)}"
 
 
 def _read_distilled(path: str | Path, target: LoadedModel | None = None) -> list[DistilledSample]:
@@ -66,15 +72,18 @@ def _read_distilled(path: str | Path, target: LoadedModel | None = None) -> list
     from .distill import load_distilled
 
     ds = load_distilled(path, target)
-    return [DistilledSample(s.prompt_id, s.temperature, s.seed, list(s.prompt_ids), list(s.output_ids), ds.domain)
-            for s in ds.samples]
+    return [DistilledSample(s.prompt_id, s.temperature, s.seed, list(s.prompt_ids), list(s.output_ids), ds.domain,
+                            str(Path(path).expanduser().resolve())) for s in ds.samples]
 
 
 def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: int,
-                     always: Sequence[int] = ()) -> torch.Tensor:
-    """FR-Spec style draft vocabulary: the ``size`` most frequent token ids of ``sequences``
-    (ties: lower id first) plus ``always`` (e.g. EOS), sorted; only tokens that occur (or are
-    forced) are kept, so it may be smaller than ``size``. ``size >= vocab_size``: every id."""
+                     always: Sequence[int] = (), fill: bool = True) -> torch.Tensor:
+    """FR-Spec style draft vocabulary of ``size`` ids, sorted: ``always`` (e.g. EOS), then the most
+    frequent ids of ``sequences`` (ties: lower id first), then, with ``fill``, unseen ids in id
+    order up to ``size``. Byte-level BPE ids follow the tokenizer's merge order, a frequency rank
+    over its own (general) training corpus, so the fill adds the commonest tokens the distilled
+    data happened to miss; a drafter can never propose a token outside its vocabulary. Without
+    ``fill`` only tokens that occur (or are forced) are kept. ``size >= vocab_size``: every id."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ConfigError(f"draft vocabulary size must be an integer >= 1, got {size!r}: e.g. 8192")
     if size >= vocab_size:
@@ -86,9 +95,9 @@ def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: 
     forced = sorted({int(t) for t in always if 0 <= int(t) < vocab_size})
     keys = counts.clone()
     keys[forced] = torch.iinfo(torch.long).max  # forced ids first
-    order = torch.sort(-keys, stable=True).indices
-    seen = int((keys > 0).sum())
-    return torch.sort(order[: min(size, seen)]).values
+    order = torch.sort(-keys, stable=True).indices  # by count, then by id (merge rank)
+    keep = size if fill else min(size, int((keys > 0).sum()))
+    return torch.sort(order[:keep]).values
 
 
 # -- precomputed sequences ----------------------------------------------------------------------
@@ -107,22 +116,77 @@ class _Seq:
 
 def _precompute(target: LoadedModel, samples: Sequence[DistilledSample], vocab: torch.Tensor, *,
                 features: bool, sub_logits: bool, progress: Progress | None, stage: str) -> list[_Seq]:
-    """One teacher-forced target forward per sequence: top-1 tokens, features, subset logits."""
+    """One teacher-forced target forward per sequence: top-1 tokens, features, subset logits.
+
+    Features alone (the feature head) go through a per-set cache file (``FEATURES_FILE`` in the
+    distilled set's directory, fp16), so a generalist and the specialists fine-tuned from it
+    run the target over each sample once; cached and fresh runs see the same fp16-rounded rows."""
+    if features and not sub_logits:
+        return _cached_features(target, samples, progress, stage)
     fwd = TargetFeatureForward(target.model)
-    window = target.context_window
     out: list[_Seq] = []
     for i, s in enumerate(samples):
-        ids = s.prompt_ids + s.output_ids
-        if window is not None and len(ids) > window:
-            raise AdaspecError(f"sample {s.prompt_id!r} of domain {s.domain!r} has {len(ids)} tokens, more "
-                               f"than the target's context window {window}: regenerate it shorter")
-        x = torch.tensor([ids], device=target.device)
+        x = _sample_ids(target, s)
         logits, hidden = fwd(x, None, keep=0)
         out.append(_Seq(ids=x[0].cpu(), n_prompt=len(s.prompt_ids), top1=logits[0].argmax(-1).cpu(),
                         feats=hidden[0].clone() if features else None,
                         sub_logits=logits[0][:, vocab.to(logits.device)].half().cpu() if sub_logits else None))
         if progress is not None:
             progress(stage, i + 1, len(samples))
+    return out
+
+
+def _sample_ids(target: LoadedModel, s: DistilledSample) -> torch.Tensor:
+    ids = s.prompt_ids + s.output_ids
+    window = target.context_window
+    if window is not None and len(ids) > window:
+        raise AdaspecError(f"sample {s.prompt_id!r} of domain {s.domain!r} has {len(ids)} tokens, more "
+                           f"than the target's context window {window}: regenerate it shorter")
+    return torch.tensor([ids], device=target.device)
+
+
+FEATURES_FILE = "target-features.pt"
+FEATURES_FORMAT = "adaspec.target-features/1"
+
+
+def _read_feature_cache(path: Path, fingerprint: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The cached rows of a set (empty when missing, unreadable or made by another target)."""
+    if not path.is_file():
+        return {}
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a damaged cache is recomputed, never trusted
+        return {}
+    if not isinstance(blob, dict) or blob.get("format") != FEATURES_FORMAT or blob.get("target") != fingerprint:
+        return {}
+    return dict(blob.get("rows", {}))
+
+
+def _cached_features(target: LoadedModel, samples: Sequence[DistilledSample], progress: Progress | None,
+                     stage: str) -> list[_Seq]:
+    fwd = TargetFeatureForward(target.model)
+    fingerprint = _plain(target_fingerprint(target))
+    caches: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    dirty: set[str] = set()
+    out: list[_Seq] = []
+    for i, s in enumerate(samples):
+        src = s.source or ""
+        if src not in caches:
+            caches[src] = _read_feature_cache(Path(src) / FEATURES_FILE, fingerprint) if src else {}
+        rows = caches[src]
+        if s.key not in rows:
+            logits, hidden = fwd(_sample_ids(target, s), None, keep=0)
+            rows[s.key] = (logits[0].argmax(-1).cpu(), hidden[0].to(device="cpu", dtype=torch.float16))
+            dirty.add(src)
+        top1, feats = rows[s.key]
+        out.append(_Seq(ids=torch.tensor(s.prompt_ids + s.output_ids), n_prompt=len(s.prompt_ids), top1=top1,
+                        feats=feats.to(device=target.device, dtype=target.dtype)))
+        if progress is not None:
+            progress(stage, i + 1, len(samples))
+    for src in dirty:
+        if src:
+            _atomic_save({"format": FEATURES_FORMAT, "target": fingerprint, "rows": caches[src]},
+                         Path(src) / FEATURES_FILE)
     return out
 
 
@@ -193,11 +257,13 @@ class _FeatureHeadTrainer:
     kind = "feature-head"
 
     def __init__(self, target: LoadedModel, vocab: torch.Tensor, seed: int, ce_weight: float,
-                 feature_noise: float, prompt_loss: bool, init_from_target: bool):
+                 feature_noise: float, prompt_loss: bool, init_from_target: bool, init_from: Path | None = None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.head = FeatureHead(target, vocab)
-        if init_from_target:  # start the decoder layer from the target's last one
+        if init_from is not None:  # fine-tune a trained head (vocabularies may differ: the LM head is the target's)
+            self.head.net.load_state_dict(FeatureHead.load(init_from, target).net.state_dict())
+        elif init_from_target:  # start the decoder layer from the target's last one
             last = target.model.base_model.layers[-1]
             self.head.net.layer.load_state_dict(last.state_dict())
         self.index = _subset_index(vocab, target.vocab_size).to(target.device)
@@ -327,9 +393,18 @@ class _TinyLMTrainer:
     kind = "tiny-lm"
 
     def __init__(self, target: LoadedModel, vocab: torch.Tensor, seed: int, layers: int,
-                 kl_weight: float, prompt_loss: bool, train_embeddings: bool):
+                 kl_weight: float, prompt_loss: bool, train_embeddings: bool, init_from: Path | None = None):
         self.target = target
         self.model = init_tiny_lm(target, layers=layers, seed=seed)
+        if init_from is not None:  # fine-tune a trained tiny LM of the same depth
+            from .drafters.tiny_lm import TinyLMDrafter
+
+            trained = TinyLMDrafter.load(init_from, target).model
+            try:
+                self.model.load_state_dict(trained.state_dict())
+            except RuntimeError as exc:
+                raise ConfigError(f"cannot start from the tiny LM {init_from}: it has another shape ({exc}); "
+                                  f"train with --layers {trained.config.num_hidden_layers}") from exc
         self.model.train()
         self.model.get_input_embeddings().weight.requires_grad_(train_embeddings)
         self.vocab = vocab.to(target.device)
@@ -508,14 +583,23 @@ def _fmt(v: float | None, spec: str = ".4f") -> str:
 
 # -- training -----------------------------------------------------------------------------------
 def _split(samples: Sequence[DistilledSample], fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Train / held-out sample indices, split by prompt (all samples of a prompt on one side)."""
-    keys = sorted({(s.domain, s.prompt_id) for s in samples})
-    n_held = 0
-    if fraction > 0 and len(keys) >= 2:
-        n_held = min(len(keys) - 1, max(1, round(fraction * len(keys))))
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(keys), generator=gen).tolist()
-    held = {keys[i] for i in perm[:n_held]}
+    """Train / held-out sample indices, split by prompt (all samples of a prompt on one side) and
+    within each domain on its own, so a generalist trained on several domains holds out exactly
+    the prompts each specialist holds out: fine-tuning it never sees a specialist's held-out set."""
+    by_domain: dict[str, list[str]] = {}
+    for s in samples:
+        by_domain.setdefault(s.domain, [])
+        if s.prompt_id not in by_domain[s.domain]:
+            by_domain[s.domain].append(s.prompt_id)
+    held: set[tuple[str, str]] = set()
+    for domain, ids in by_domain.items():
+        keys = sorted(ids)
+        n_held = 0
+        if fraction > 0 and len(keys) >= 2:
+            n_held = min(len(keys) - 1, max(1, round(fraction * len(keys))))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(domain.encode()))
+        perm = torch.randperm(len(keys), generator=gen).tolist()
+        held |= {(domain, keys[i]) for i in perm[:n_held]}
     train = [i for i, s in enumerate(samples) if (s.domain, s.prompt_id) not in held]
     heldout = [i for i, s in enumerate(samples) if (s.domain, s.prompt_id) in held]
     return train, heldout
@@ -548,7 +632,8 @@ def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], ou
                   progress: Progress | None = None, on_epoch: Callable[[EpochStats], None] | None = None,
                   layers: int = 2, ce_weight: float = 0.1,
                   kl_weight: float = 0.0, feature_noise: float = 0.0, prompt_loss: bool = False,
-                  train_embeddings: bool = False, init_from_target: bool = False, keep_checkpoint: bool = False,
+                  train_embeddings: bool = False, init_from_target: bool = False,
+                  init_from: str | Path | None = None, keep_checkpoint: bool = False,
                   threads: int | None = None) -> TrainReport:
     """Train a ``feature-head`` (written to the file ``out``) or a ``tiny-lm`` (the directory
     ``out``) for ``target`` on distilled sets ``data``.
@@ -556,7 +641,9 @@ def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], ou
     ``batch_tokens`` bounds the padded tokens per step; ``vocab_size`` is the draft vocabulary
     V'; ``layers`` the tiny LM's depth; ``ce_weight`` the feature head's token loss weight;
     ``kl_weight`` the tiny LM's KL term; ``feature_noise`` EAGLE's U(-a, a) input augmentation;
-    ``init_from_target`` starts the head's layer from the target's last decoder layer.
+    ``init_from_target`` starts the head's layer from the target's last decoder layer;
+    ``init_from`` starts from a trained drafter of the same kind (a head file or tiny-LM
+    directory for this target): fine-tuning a generalist on one domain gives a specialist.
     ``progress(stage, done, total)`` follows the target forwards and the steps of each epoch;
     ``on_epoch(stats)`` gets every epoch's losses and held-out estimates.
     A checkpoint (``out`` + ``.ckpt``) is written every ``checkpoint_every`` steps and at every
@@ -592,6 +679,7 @@ def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], ou
                       ce_weight=ce_weight,
                       kl_weight=kl_weight, feature_noise=feature_noise, prompt_loss=prompt_loss,
                       train_embeddings=train_embeddings, init_from_target=init_from_target,
+                      init_from=None if init_from is None else Path(init_from).expanduser(),
                       keep_checkpoint=keep_checkpoint, t_start=t_start)
 
 
@@ -600,7 +688,7 @@ def _train(kind: str, target: LoadedModel, data: list[Path], out: Path, *, epoch
            max_minutes: float | None, max_steps: int | None, progress: Progress | None,
            on_epoch: Callable[[EpochStats], None] | None, layers: int,
            ce_weight: float, kl_weight: float, feature_noise: float, prompt_loss: bool,
-           train_embeddings: bool, init_from_target: bool, keep_checkpoint: bool,
+           train_embeddings: bool, init_from_target: bool, init_from: Path | None, keep_checkpoint: bool,
            t_start: float) -> TrainReport:
     samples = [s for d in data for s in _read_distilled(d, target) if s.output_ids]
     if not samples:
@@ -617,7 +705,7 @@ def _train(kind: str, target: LoadedModel, data: list[Path], out: Path, *, epoch
                 "batch_tokens": batch_tokens, "lr": lr, "epochs": epochs, "layers": layers,
                 "ce_weight": ce_weight, "kl_weight": kl_weight, "feature_noise": feature_noise,
                 "prompt_loss": prompt_loss, "train_embeddings": train_embeddings,
-                "init_from_target": init_from_target}
+                "init_from_target": init_from_target, "init_from": None if init_from is None else str(init_from)}
 
     t0 = time.perf_counter()
     feats = kind == "feature-head"
@@ -630,9 +718,9 @@ def _train(kind: str, target: LoadedModel, data: list[Path], out: Path, *, epoch
 
     if kind == "feature-head":
         trainer: Any = _FeatureHeadTrainer(target, vocab, seed, ce_weight, feature_noise, prompt_loss,
-                                           init_from_target)
+                                           init_from_target, init_from)
     else:
-        trainer = _TinyLMTrainer(target, vocab, seed, layers, kl_weight, prompt_loss, train_embeddings)
+        trainer = _TinyLMTrainer(target, vocab, seed, layers, kl_weight, prompt_loss, train_embeddings, init_from)
     params = trainer.parameters()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     lengths = [s.length for s in train]
@@ -752,6 +840,8 @@ def train_drafter_command(
     ce_weight: float = typer.Option(0.1, "--ce-weight", help="feature-head: weight of the token loss (EAGLE 0.1)"),
     kl_weight: float = typer.Option(0.0, "--kl-weight", help="tiny-lm: weight of KL to the target's logits"),
     feature_noise: float = typer.Option(0.0, "--feature-noise", help="feature-head: U(-a, a) input noise"),
+    init_from: str | None = typer.Option(None, "--init-from", help="start from this trained drafter of the same "
+                                                                    "kind (fine-tune a generalist into a specialist)"),
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="steps between checkpoints"),
     max_minutes: float | None = typer.Option(None, "--max-minutes", help="stop after this much training time"),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's setting)"),
@@ -784,7 +874,8 @@ def train_drafter_command(
                                    vocab_size=vocab_size, heldout_fraction=heldout, seed=seed,
                                    checkpoint_every=checkpoint_every, max_minutes=max_minutes,
                                    progress=on_progress, on_epoch=show, layers=layers, ce_weight=ce_weight,
-                                   kl_weight=kl_weight, feature_noise=feature_noise, threads=threads)
+                                   kl_weight=kl_weight, feature_noise=feature_noise, init_from=init_from,
+                                   threads=threads)
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None

@@ -13,6 +13,7 @@ import csv
 import json
 import logging
 import math
+import re
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -253,6 +254,65 @@ def heterogeneity_matrix(summary: dict[str, Any]) -> str | None:
                  for j in range(len(cols))]
         rows.append([_cell(n), *cells])
     return _table(["static configuration", *map(_cell, cols)], ["---"] + ["---:"] * len(cols), rows)
+
+
+#: the bench categories each pool domain serves (adaspec.training_prompts.DOMAINS -> prompt categories)
+DOMAIN_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "code": ("code", "code-editing"), "math": ("math",), "chat": ("conversation", "qa"),
+    "summarization": ("summarization", "rag"), "translation": ("translation",)}
+_POOL_ARTIFACT = re.compile(r"/drafters/([^/]+)/(feature-head)\.pt$|/drafters/([^/]+)/(tiny-lm)/?$"
+                            r"|/datastores/([^/]+)\.(jsonl)$")
+
+
+def _pool_drafter(spec: str) -> tuple[str, str] | None:
+    """(kind, domain) of a pool artifact's spec (``feature-head:path=ROOT/drafters/code/feature-head.pt``)."""
+    m = _POOL_ARTIFACT.search(spec.split("=", 1)[-1])
+    if m is None:
+        return None
+    domain, kind = next((m.group(i), m.group(i + 1)) for i in (1, 3, 5) if m.group(i))
+    return ("suffix" if kind == "jsonl" else kind), domain
+
+
+def specialist_table(summary: dict[str, Any]) -> str | None:
+    """Each pool specialist against the pool's generalist of the same kind, on the prompts of the
+    specialist's own domain and on all other prompts (MetaSD 4.1 / Not-a-Bandit Table 1): cells
+    'MAT / speed-up' over those prompts. None without a generalist and a specialist in the run."""
+    static: dict[tuple[str, str], str] = {}
+    for c in summary["configs"]:
+        if c.get("kind") == "static" and len(c.get("drafters") or []) == 1:
+            found = _pool_drafter(c["drafters"][0])
+            if found is not None:
+                static.setdefault(found, c["name"])
+    per: dict[str, dict[str, dict[str, Any]]] = {}  # config -> prompt id -> record
+    for rec in summary.get("per_prompt") or []:
+        per.setdefault(rec["config"], {})[rec["prompt_id"]] = rec
+    ar = per.get(summary["configs"][0]["name"], {})
+
+    def cell(config: str, own: bool, domain: str) -> tuple[float | None, float | None]:
+        cats = DOMAIN_CATEGORIES.get(domain, (domain,))
+        recs = [r for r in per.get(config, {}).values() if (r["category"] in cats) == own]
+        rounds, tokens = sum(r["rounds"] for r in recs), sum(r["tokens"] for r in recs)
+        secs, base = sum(r["seconds"] for r in recs), sum(ar[r["prompt_id"]]["seconds"] for r in recs
+                                                          if r["prompt_id"] in ar)
+        return (tokens / rounds if rounds else None), (base / secs if secs and base else None)
+
+    rows = []
+    for (kind, domain), name in static.items():
+        general = static.get((kind, "generalist"))
+        if domain == "generalist" or general is None:
+            continue
+        values = [cell(n, own, domain) for own in (True, False) for n in (name, general)]
+        if values[0][0] is None or values[2][0] is None:
+            continue
+        wins = [values[0][0] > values[1][0], values[2][0] < values[3][0]]
+        text = [f"{_fmt(m, '.2f')} / {_fmt(x, '.2f', 'x')}" for m, x in values]
+        rows.append([_cell(f"{domain}/{kind}"), ", ".join(DOMAIN_CATEGORIES.get(domain, (domain,))), *text,
+                     "yes" if wins[0] else "no", "yes" if wins[1] else "no"])
+    if not rows:
+        return None
+    return _table(["specialist", "own categories", "specialist, own", "generalist, own", "specialist, other",
+                   "generalist, other", "beats it on own (MAT)", "loses elsewhere (MAT)"],
+                  ["---", "---"] + ["---:"] * 4 + ["---", "---"], rows)
 
 
 def drafter_usage_table(summary: dict[str, Any]) -> str | None:
@@ -601,6 +661,11 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
               "in bold (Not-a-Bandit Table 1 style): no single drafter winning every column is the case for "
               "choosing the drafter online.", "",
               hetero if hetero else "_No static single-drafter configuration in this run._", ""]
+    specialists = specialist_table(summary)
+    if specialists:
+        lines += ["## Specialists vs the generalist", "",
+                  "Each pool specialist and the pool's generalist of the same kind on the prompts of the "
+                  "specialist's own domain and on all other prompts, cells `MAT / speed-up`.", "", specialists, ""]
     usage = drafter_usage_table(summary)
     if usage:
         lines += ["## Drafter usage", "", "Share of rounds drafted by each drafter, per category.", "", usage, ""]

@@ -1,0 +1,149 @@
+"""Hand-written drafter training material (data/training/*.json): schema, minimum sizes, no duplicates,
+and no 8-word overlap with the benchmark prompt suites (so drafters are never trained on benchmark text)."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.resources import files
+from typing import Any
+
+import pytest
+
+SHINGLE = 8
+TRAINING = files("adaspec") / "data" / "training"
+PROMPTS = files("adaspec") / "data" / "prompts"
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((TRAINING / name).read_text(encoding="utf-8"))
+
+
+def _shingles(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i:i + SHINGLE]) for i in range(len(words) - SHINGLE + 1)}
+
+
+@pytest.fixture(scope="module")
+def benchmark_shingles() -> set[tuple[str, ...]]:
+    out: set[tuple[str, ...]] = set()
+    suites = [p for p in PROMPTS.iterdir() if p.name.endswith(".jsonl")]
+    assert len(suites) == 8
+    for suite in suites:
+        for line in suite.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                for turn in json.loads(line)["turns"]:
+                    out |= _shingles(turn)
+    assert out
+    return out
+
+
+def _assert_unique(items: list[Any], what: str) -> None:
+    keys = [json.dumps(x, sort_keys=True) for x in items]
+    dupes = {k for k in keys if keys.count(k) > 1}
+    assert not dupes, f"duplicate {what}: {sorted(dupes)[:3]}"
+
+
+def _assert_strings(items: list[Any], what: str, minimum: int) -> None:
+    assert isinstance(items, list) and len(items) >= minimum, f"{what}: {len(items)} < {minimum}"
+    assert all(isinstance(x, str) and x.strip() for x in items), what
+    _assert_unique(items, what)
+
+
+def _chat_texts(chat: dict[str, Any]) -> list[str]:
+    texts = [g["template"].format(x=s) for g in chat["groups"] for s in g["slots"]]
+    return texts + chat["questions"] + chat["texts_to_edit"]
+
+
+def test_chat_schema_and_counts() -> None:
+    chat = _load("chat.json")
+    groups = chat["groups"]
+    assert len(groups) >= 30
+    _assert_unique([g["template"] for g in groups], "chat template")
+    for g in groups:
+        t = g["template"]
+        assert t.count("{x}") == 1 and t.count("{") == 1 and t.count("}") == 1, t
+        assert 15 <= len(g["slots"]) <= 30, t
+        _assert_strings(g["slots"], f"slots of {t!r}", 15)
+    assert sum(len(g["slots"]) for g in groups) >= 600
+    _assert_strings(chat["questions"], "chat questions", 250)
+    _assert_strings(chat["texts_to_edit"], "texts_to_edit", 40)
+    for text in chat["texts_to_edit"]:
+        assert 40 <= len(text.split()) <= 90, text[:60]
+
+
+def test_translation_schema_and_counts() -> None:
+    tr = _load("translation.json")
+    _assert_strings(tr["sentences"], "sentences", 300)
+    _assert_strings(tr["paragraphs"], "paragraphs", 40)
+    for s in tr["sentences"]:
+        assert 6 <= len(s.split()) <= 30, s
+
+
+def test_summarization_schema_and_counts() -> None:
+    passages = _load("summarization.json")["passages"]
+    assert len(passages) >= 70
+    _assert_unique([p["text"] for p in passages], "passage")
+    for p in passages:
+        assert 90 <= len(p["text"].split()) <= 220, p["text"][:60]
+        assert 2 <= len(p["questions"]) <= 3, p["text"][:60]
+        _assert_strings(p["questions"], "passage questions", 2)
+
+
+def test_code_schema_and_counts() -> None:
+    code = _load("code.json")
+    tasks = code["tasks"]
+    assert len(tasks) >= 200
+    _assert_unique([t["name"] for t in tasks], "task name")
+    _assert_unique([t["desc"] for t in tasks], "task desc")
+    for t in tasks:
+        assert set(t) == {"name", "args", "desc"}, t
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", t["name"]), t["name"]
+        assert t["desc"] and t["desc"][0].islower() and not t["desc"].endswith("."), t["desc"]
+    snippets = code["snippets"]
+    assert len(snippets) >= 60
+    _assert_unique(snippets, "snippet")
+    for s in snippets:
+        assert s["lang"] in {"python", "javascript"} and "```" not in s["code"]
+        assert 5 <= s["code"].count("\n") <= 25, s["code"][:40]
+        if s["lang"] == "python":
+            compile(s["code"], "<snippet>", "exec")  # clumsy or buggy, but valid syntax
+    assert any(s["lang"] == "javascript" for s in snippets)
+    _assert_strings(code["edit_instructions"], "edit_instructions", 25)
+    _assert_strings(code["questions"], "code questions", 60)
+
+
+def _all_texts() -> list[tuple[str, str]]:
+    chat, tr, summ, code = (_load(n) for n in ("chat.json", "translation.json", "summarization.json", "code.json"))
+    out = [("chat", t) for t in _chat_texts(chat)]
+    out += [("translation", t) for t in tr["sentences"] + tr["paragraphs"]]
+    out += [("summarization", t) for p in summ["passages"] for t in [p["text"], *p["questions"]]]
+    out += [("code", f"Write a Python function `{t['name']}({t['args']})` that {t['desc']}.") for t in code["tasks"]]
+    out += [("code", t) for t in [s["code"] for s in code["snippets"]] + code["edit_instructions"] + code["questions"]]
+    return out
+
+
+def test_no_eight_word_overlap_with_benchmark(benchmark_shingles: set[tuple[str, ...]]) -> None:
+    texts = _all_texts()
+    assert len(texts) > 1900
+    hits = [(kind, text[:70], " ".join(sorted(_shingles(text) & benchmark_shingles)[0]))
+            for kind, text in texts if _shingles(text) & benchmark_shingles]
+    assert not hits, f"{len(hits)} entries share 8 words with a benchmark prompt, e.g. {hits[:3]}"
+
+
+def test_overlap_check_catches_a_copied_prompt(benchmark_shingles: set[tuple[str, ...]]) -> None:
+    first = json.loads((PROMPTS / "qa.jsonl").read_text(encoding="utf-8").splitlines()[0])["turns"][0]
+    assert _shingles("Please answer: " + first) & benchmark_shingles
+
+
+def test_translation_sources_schema_counts_and_no_benchmark_text(benchmark_shingles) -> None:
+    sources = _load("translation_sources.json")
+    assert set(sources) >= {"French", "Spanish", "German", "Italian", "Portuguese"}
+    texts: list[str] = []
+    for lang, block in sources.items():
+        _assert_strings(block["sentences"], f"{lang} sentences", 60)
+        _assert_strings(block["paragraphs"], f"{lang} paragraphs", 10)
+        texts += block["sentences"] + block["paragraphs"]
+    _assert_unique(texts, "translation sources")
+    for text in texts:
+        assert not (_shingles(text) & benchmark_shingles), text
