@@ -833,7 +833,7 @@ def train_drafter_command(
     lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, cosine decay)"),
     batch_tokens: int = typer.Option(2048, "--batch-tokens", help="padded tokens per optimisation step"),
     vocab_size: int = typer.Option(DEFAULT_DRAFT_VOCAB, "--vocab-size",
-                                   help="draft vocabulary V': the most frequent training tokens"),
+                                   help="draft vocabulary V': frequent training tokens, then BPE merge order"),
     heldout: float = typer.Option(0.1, "--heldout", help="share of prompts held out for the acceptance estimate"),
     seed: int = typer.Option(0, help="seed of the split, the initialisation and the batch order"),
     layers: int = typer.Option(2, help="tiny-lm: decoder layers"),
