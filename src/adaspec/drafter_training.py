@@ -37,7 +37,7 @@ import typer
 
 from .drafters.feature_head import (DEFAULT_DRAFT_VOCAB, FeatureHead, TargetFeatureForward, _atomic_save,
                                     _plain, causal_mask)
-from .drafters.tiny_lm import init_tiny_lm, save_tiny_lm
+from .drafters.tiny_lm import TinyLMDrafter, init_tiny_lm, save_tiny_lm
 from .errors import AdaspecError, ConfigError
 from .models import LoadedModel, target_fingerprint, torch_threads
 
@@ -397,8 +397,6 @@ class _TinyLMTrainer:
         self.target = target
         self.model = init_tiny_lm(target, layers=layers, seed=seed)
         if init_from is not None:  # fine-tune a trained tiny LM of the same depth
-            from .drafters.tiny_lm import TinyLMDrafter
-
             trained = TinyLMDrafter.load(init_from, target).model
             try:
                 self.model.load_state_dict(trained.state_dict())
@@ -586,11 +584,9 @@ def _split(samples: Sequence[DistilledSample], fraction: float, seed: int) -> tu
     """Train / held-out sample indices, split by prompt (all samples of a prompt on one side) and
     within each domain on its own, so a generalist trained on several domains holds out exactly
     the prompts each specialist holds out: fine-tuning it never sees a specialist's held-out set."""
-    by_domain: dict[str, list[str]] = {}
+    by_domain: dict[str, set[str]] = {}
     for s in samples:
-        by_domain.setdefault(s.domain, [])
-        if s.prompt_id not in by_domain[s.domain]:
-            by_domain[s.domain].append(s.prompt_id)
+        by_domain.setdefault(s.domain, set()).add(s.prompt_id)
     held: set[tuple[str, str]] = set()
     for domain, ids in by_domain.items():
         keys = sorted(ids)
