@@ -25,8 +25,8 @@ from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore
 from adaspec.drafters import SuffixDrafter, build_drafter
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError
 from adaspec.models import as_loaded, target_fingerprint
-from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, build_pool, load_manifest,
-                          pool_command, pool_specs)
+from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, build_pool, heldout_table,
+                          load_manifest, pool_command, pool_specs)
 from adaspec.prompts import BUILTIN_PROMPTS
 
 VOCAB = 32
@@ -260,10 +260,23 @@ class StubTrainer:
         return {"kind": kind, "train_sequences": n, "epochs": opts.get("epochs")}
 
 
+class StubEvaluator:
+    """Stands in for ``evaluate_drafters``: one row per drafter, MAT = 1 + its index."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, list[str], list[str], dict]] = []
+
+    def __call__(self, kind, target, paths, data, **kw):
+        self.calls.append((kind, [Path(p).parent.name for p in paths], [Path(d).name for d in data], kw))
+        return [{Path(d).name: {"mat_k5": 1.0 + i, "top1": 0.5, "sequences": 2} for d in data}
+                for i in range(len(paths))]
+
+
 def _pool(tmp_path, trainer, **kw):
     target = _target(0, tokenizer=word_tokenizer(WORDS))
     args = dict(domains=("code", "math"), n_prompts=3, kinds=("feature-head", "tiny-lm"), temperatures=(0.0, 0.7),
-                max_new_tokens=5, batch_size=4, train_opts={"epochs": 3, "tiny-lm": {"layers": 1}}, trainer=trainer)
+                max_new_tokens=5, batch_size=4, train_opts={"epochs": 3, "tiny-lm": {"layers": 1}}, trainer=trainer,
+                evaluator=StubEvaluator() if isinstance(trainer, StubTrainer) else None)
     args.update(kw)
     return target, build_pool(target, tmp_path / "pool", **args)
 
@@ -289,7 +302,16 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
         "tiny-lm": f"tiny-lm:path={root / 'drafters' / 'code' / 'tiny-lm'}"}
     assert manifest.entries[GENERALIST].n_samples == 12
     assert {"distill_s", "datastore_s", "train_feature-head_s", "train_tiny-lm_s"} <= set(code.times)
-    assert set(manifest.times) == {"distill_s", "datastore_s", "train_s", "total_s"}
+    assert set(manifest.times) == {"distill_s", "datastore_s", "train_s", "heldout_s", "total_s"}
+    # the held-out matrix: every drafter of a kind on every domain's data (not the generalist's union)
+    assert set(manifest.heldout) == {"feature-head", "tiny-lm"}
+    rows = manifest.heldout["feature-head"]["rows"]
+    assert list(rows) == ["code", "math", GENERALIST] and rows["math"]["code"]["mat_k5"] == 2.0
+    table = heldout_table(manifest, "feature-head")
+    assert table.splitlines()[0] == "| drafter | code | math |"
+    assert "| code/feature-head | **1.00 (0.50)** | 1.00 (0.50) |" in table
+    assert "| generalist/feature-head | 3.00 (0.50) | 3.00 (0.50) |" in table
+    assert heldout_table(manifest, "suffix") is None
 
     loaded = load_manifest(root / "pool.json")
     assert loaded.target == target_fingerprint(target)
@@ -307,13 +329,15 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
     stub2 = StubTrainer()
     _, again = _pool(tmp_path, stub2)
     assert stub2.calls == [] and again.entries["code"].reports["feature-head"]["reused"] is True
+    assert again.heldout == manifest.heldout  # unchanged drafters keep their matrix
     stub3 = StubTrainer()
     _pool(tmp_path, stub3, retrain=True)
     assert len(stub3.calls) == 6
     # a changed generalist retrains the specialists built on it; specialist options alone do not touch it
     stub4 = StubTrainer()
-    _pool(tmp_path, stub4, train_opts={"epochs": 2, "tiny-lm": {"layers": 1}}, kinds=("feature-head",))
+    _, changed = _pool(tmp_path, stub4, train_opts={"epochs": 2, "tiny-lm": {"layers": 1}}, kinds=("feature-head",))
     assert [d for _, d, _, _ in stub4.calls] == [("code", "math"), ("code",), ("math",)]
+    assert changed.heldout["feature-head"]["key"] != manifest.heldout["feature-head"]["key"]
     stub5 = StubTrainer()
     _pool(tmp_path, stub5, train_opts={"epochs": 2, "tiny-lm": {"layers": 1}}, kinds=("feature-head",),
           specialist_opts={"epochs": 5})
@@ -369,6 +393,15 @@ def test_build_pool_fine_tunes_real_specialists_from_the_generalist(tmp_path):
             assert settings["epochs"] == 1 and settings["lr"] == SPECIALIST_TRAIN_OPTS["lr"]
     for spec in manifest.specs():
         build_drafter(spec, target)
+    # the held-out matrix scores a specialist on its own domain exactly as its training did
+    for kind in ("feature-head", "tiny-lm"):
+        rows = manifest.heldout[kind]["rows"]
+        assert list(rows) == ["code", "math", GENERALIST] and all(set(r) == {"code", "math"} for r in rows.values())
+        for domain in ("code", "math"):
+            final = manifest.entries[domain].reports[kind]["epochs"][-1]
+            assert rows[domain][domain]["mat_k5"] == pytest.approx(final["val_mat_k5"], abs=1e-6)
+            assert rows[domain][domain]["top1"] == pytest.approx(final["val_top1"], abs=1e-6)
+            assert rows[domain][domain]["mat_k5"] >= 1.0 and rows[domain][domain]["sequences"] >= 1
 
 
 # -- commands ------------------------------------------------------------------------------------

@@ -818,6 +818,52 @@ def _train(kind: str, target: LoadedModel, data: list[Path], out: Path, *, epoch
     return report
 
 
+# -- held-out evaluation of trained drafters -----------------------------------------------------
+def _trainer_from_file(kind: str, target: LoadedModel, path: Path) -> Any:
+    """A trainer wrapping the trained drafter at ``path`` (its own draft vocabulary), for evaluation."""
+    if kind == "feature-head":
+        vocab = FeatureHead.load(path, target).vocab.cpu()
+        return _FeatureHeadTrainer(target, vocab, 0, 0.1, 0.0, False, False, init_from=path)
+    loaded = TinyLMDrafter.load(path, target)
+    return _TinyLMTrainer(target, loaded.vocab.cpu(), 0, loaded.model.config.num_hidden_layers, 0.0, False, False,
+                          init_from=path)
+
+
+def evaluate_drafters(kind: str, target: LoadedModel, paths: Sequence[str | Path], data: Sequence[str | Path], *,
+                      heldout_fraction: float = 0.1, seed: int = 0,
+                      progress: Progress | None = None) -> list[dict[str, dict[str, float]]]:
+    """Held-out acceptance of trained drafters of one ``kind`` on every domain of ``data``.
+
+    Each distilled set is split as ``train_drafter`` splits it (per domain, same fraction and seed),
+    so a drafter trained with those settings on any of these sets never saw the scored prompts; the
+    target runs once per held-out sample (features come from the set's cache). Returns, per path,
+    ``{domain: {"mat_k5", "top1", "loss", "sequences"}}``: the heterogeneity matrix of the pool on
+    held-out data, thousands of positions per cell where a benchmark has a few prompts."""
+    _check("kind", kind, kind in KINDS, f"use one of {', '.join(KINDS)}")
+    held: dict[str, list[_Seq]] = {}
+    for d in data:
+        samples = [s for s in _read_distilled(d, target) if s.output_ids]
+        _, idx = _split(samples, heldout_fraction, seed)
+        by_domain: dict[str, list[DistilledSample]] = {}
+        for i in idx:
+            by_domain.setdefault(samples[i].domain, []).append(samples[i])
+        for domain, rows in by_domain.items():
+            held[domain] = _precompute(target, rows, torch.empty(0, dtype=torch.long),
+                                       features=kind == "feature-head", sub_logits=False, progress=progress,
+                                       stage=f"held-out {domain}")
+    out: list[dict[str, dict[str, float]]] = []
+    for n, path in enumerate(paths):
+        trainer = _trainer_from_file(kind, target, Path(path).expanduser())
+        row = {}
+        for domain, seqs in held.items():
+            ev = trainer.evaluate(seqs, 1024)
+            row[domain] = {"mat_k5": ev.mat, "top1": ev.top1, "loss": ev.loss, "sequences": len(seqs)}
+        out.append(row)
+        if progress is not None:
+            progress("held-out evaluation", n + 1, len(paths))
+    return out
+
+
 # -- command --------------------------------------------------------------------------------------
 def train_drafter_command(
     kind: str = typer.Option(..., "--kind", "-k", help="feature-head (EAGLE head, a file) or tiny-lm (a directory)"),

@@ -49,18 +49,18 @@ POOL_FORMAT = "adaspec.pool/1"
 GENERALIST = "generalist"
 TRAINABLE_KINDS: tuple[str, ...] = ("feature-head", "tiny-lm")
 SPEC_KINDS: tuple[str, ...] = (*TRAINABLE_KINDS, "suffix")
-#: defaults of the full pool: 5 domains x 200 prompts, greedy responses of <= 128 tokens. The
+#: defaults of the full pool: 5 domains x 400 prompts, greedy responses of <= 128 tokens. The
 #: budget is set by CPU time (measured, see the README section): distillation runs at ~100
 #: tokens/s, the target features (cached per set, shared by the generalist and the specialists)
 #: at ~2 ms per token and head training at ~0.5 ms per token and epoch on a quiet 2-core
 #: machine. Greedy-only data match greedy decoding, and more prompts generalise better than more
 #: samples per prompt; add T = 0.7 (MetaSD F.1) with ``temperatures=(0.0, 0.7)`` at twice the cost.
-DEFAULT_POOL_PROMPTS = 200
+DEFAULT_POOL_PROMPTS = 400
 DEFAULT_POOL_TOKENS = 128
 DEFAULT_POOL_TEMPERATURES: tuple[float, ...] = (0.0,)
-#: training of the generalist (and of specialists trained from scratch): the union holds ~100k
+#: training of the generalist (and of specialists trained from scratch): the union holds ~200k
 #: response tokens, so a few epochs of 1024-token batches, capped in minutes
-DEFAULT_POOL_TRAIN_OPTS: dict[str, Any] = {"batch_tokens": 1024, "lr": 2e-3, "epochs": 6, "max_minutes": 12}
+DEFAULT_POOL_TRAIN_OPTS: dict[str, Any] = {"batch_tokens": 1024, "lr": 2e-3, "epochs": 6, "max_minutes": 25}
 #: specialists start from the generalist and fine-tune on their domain only: with a fifth of the
 #: data, a specialist trained from scratch lost to the generalist on 2 of 5 domains (measured)
 SPECIALIST_TRAIN_OPTS: dict[str, Any] = {"epochs": 3, "lr": 1e-3, "max_minutes": 4}
@@ -69,6 +69,9 @@ QUICK = {"n_prompts": 8, "max_new_tokens": 32, "temperatures": (0.0,), "train_op
          "specialist_opts": {"epochs": 1}}
 #: train_drafter(kind, target, data, out, **opts) -> TrainReport (adaspec.drafter_training)
 Trainer = Callable[..., Any]
+#: evaluate_drafters(kind, target, paths, data, heldout_fraction=, seed=, progress=) -> one
+#: {domain: {"mat_k5", "top1", ...}} per path (adaspec.drafter_training)
+Evaluator = Callable[..., list[dict[str, dict[str, float]]]]
 
 
 @dataclass
@@ -104,6 +107,8 @@ class PoolManifest:
     settings: dict[str, Any]
     entries: dict[str, PoolEntry] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
+    #: kind -> {"key", "seconds", "rows": {drafter entry: {domain: {"mat_k5", "top1", ...}}}}
+    heldout: dict[str, Any] = field(default_factory=dict)
     created: str = ""
     format: str = POOL_FORMAT
 
@@ -131,7 +136,7 @@ class PoolManifest:
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.format, "target": self.target, "root": str(self.root), "created": self.created,
-                "settings": self.settings, "times": self.times,
+                "settings": self.settings, "times": self.times, "heldout": self.heldout,
                 "domains": {k: asdict(v) for k, v in self.entries.items()}}
 
     def save(self) -> Path:
@@ -176,7 +181,7 @@ def load_manifest(path: str | Path) -> PoolManifest:
             entry.data = [_reroot(d, old_root, str(root)) for d in entry.data]
         entries[name] = entry
     return PoolManifest(root=root, target=raw["target"], settings=raw.get("settings", {}), entries=entries,
-                        times=raw.get("times", {}), created=raw.get("created", ""))
+                        times=raw.get("times", {}), heldout=raw.get("heldout", {}), created=raw.get("created", ""))
 
 
 def _reroot(text: str, old: str, new: str) -> str:
@@ -233,11 +238,15 @@ def _kind_opts(train_opts: Mapping[str, Any] | None, kind: str,
 
 
 def _default_trainer() -> Trainer:
-    try:
-        from .drafter_training import train_drafter
-    except ImportError as exc:  # pragma: no cover - only while the module is missing
-        raise ConfigError(f"training drafters needs adaspec.drafter_training ({exc})") from exc
+    from .drafter_training import train_drafter
+
     return train_drafter
+
+
+def _default_evaluator() -> Evaluator:
+    from .drafter_training import evaluate_drafters
+
+    return evaluate_drafters
 
 
 def _artifact(root: Path, domain: str, kind: str) -> Path:
@@ -251,8 +260,9 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
                datastores: bool = True, datastore_max_tokens: int = 1_000_000,
                train_opts: Mapping[str, Any] | None = None, specialise: bool = True,
                specialist_opts: Mapping[str, Any] | None = None, retrain: bool = False,
-               progress: Progress | None = None, on_stage: Callable[[str], None] | None = None,
-               trainer: Trainer | None = None) -> PoolManifest:
+               heldout: bool = True, progress: Progress | None = None,
+               on_stage: Callable[[str], None] | None = None, trainer: Trainer | None = None,
+               evaluator: Evaluator | None = None) -> PoolManifest:
     """Build (or finish, or refresh) the domain pool of ``target`` and return its manifest.
 
     Distillation resumes where a previous run stopped; datastores are rebuilt (seconds); a
@@ -261,9 +271,12 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
     go to ``train_drafter`` (``{"epochs": 10, "tiny-lm": {...}}``: common options, and per-kind
     ones under the kind's name). With ``specialise`` (and a generalist) every domain's drafter
     is the generalist fine-tuned on that domain, with ``SPECIALIST_TRAIN_OPTS`` updated by
-    ``specialist_opts``; otherwise each is trained from scratch. ``trainer`` replaces
-    ``train_drafter`` (tests). ``pool.json`` is rewritten after every stage, so an interrupted
-    build leaves a usable manifest of what is done. Stage times are recorded per entry.
+    ``specialist_opts``; otherwise each is trained from scratch. With ``heldout``, every drafter
+    of a kind is then scored on every domain's held-out prompts (``manifest.heldout``, the
+    pool's heterogeneity matrix on held-out data; kept while the drafters are unchanged).
+    ``trainer`` / ``evaluator`` replace ``train_drafter`` / ``evaluate_drafters`` (tests).
+    ``pool.json`` is rewritten after every stage, so an interrupted build leaves a usable
+    manifest of what is done. Stage times are recorded per entry.
     """
     t_all = time.perf_counter()
     domains = list(domains)
@@ -382,14 +395,62 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
                 entry.specs[kind] = f"{kind}:path={out}"
                 manifest.save()
 
+    # 4. the held-out matrix: each drafter of a kind on each domain's held-out prompts (the split
+    #    train_drafter made, so no drafter saw them; specialists share the generalist's split)
+    if kinds and heldout:
+        evaluate = evaluator or _default_evaluator()
+        domain_data = [d for name in domains for d in manifest.entries[name].data]
+        for kind in kinds:
+            names = [n for n, e in manifest.entries.items() if kind in e.specs]
+            opts = _kind_opts(train_opts, kind)
+            key = hashlib.sha256(json.dumps([[n, manifest.entries[n].train_keys[kind]] for n in names]
+                                            ).encode()).hexdigest()[:16]
+            prev = old.heldout.get(kind) if old is not None else None
+            if not retrain and isinstance(prev, dict) and prev.get("key") == key:
+                manifest.heldout[kind] = prev
+                say(f"held-out matrix ({kind}): drafters unchanged, kept")
+                continue
+            t0 = time.perf_counter()
+            rows = evaluate(kind, target, [_artifact(root, n, kind) for n in names], domain_data,
+                            heldout_fraction=opts.get("heldout_fraction", 0.1), seed=opts.get("seed", 0),
+                            progress=progress)
+            manifest.heldout[kind] = {"key": key, "seconds": time.perf_counter() - t0,
+                                      "rows": dict(zip(names, rows, strict=True))}
+            manifest.save()
+            say(f"held-out matrix ({kind}): {len(names)} drafters x {len(domains)} domains in "
+                f"{manifest.heldout[kind]['seconds']:.0f} s")
+
     stages: dict[str, float] = {}
     for entry in manifest.entries.values():
         for stage, secs in entry.times.items():
             group = "train_s" if stage.startswith("train_") else stage
             stages[group] = stages.get(group, 0.0) + secs
-    manifest.times = {**stages, "total_s": time.perf_counter() - t_all}
+    manifest.times = {**stages, **({"heldout_s": sum(h.get("seconds", 0.0) for h in manifest.heldout.values())}
+                                   if manifest.heldout else {}), "total_s": time.perf_counter() - t_all}
     manifest.save()
     return manifest
+
+
+def heldout_table(manifest: PoolManifest, kind: str) -> str | None:
+    """The held-out matrix of one kind as a Markdown table: rows = drafters, columns = domains,
+    cells = simulated MAT@5 (top-1 agreement); each specialist's own domain in bold."""
+    block = manifest.heldout.get(kind)
+    if not block or not block.get("rows"):
+        return None
+    rows: dict[str, dict[str, dict[str, float]]] = block["rows"]
+    domains = list(dict.fromkeys(d for row in rows.values() for d in row))
+    lines = ["| drafter | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    for name, row in rows.items():
+        cells = []
+        for d in domains:
+            v = row.get(d)
+            text = "" if v is None else f"{v['mat_k5']:.2f} ({v['top1']:.2f})"
+            cells.append(f"**{text}**" if d == name and text else text)
+        lines.append(f"| {name}/{kind} | " + " | ".join(cells) + " |")
+    n = {d: next(iter(rows.values())).get(d, {}).get("sequences") for d in domains}
+    lines += ["", "MAT@5 (top-1 agreement) on held-out prompts; held-out sequences per domain: "
+              + ", ".join(f"{d} {v}" for d, v in n.items())]
+    return "\n".join(lines)
 
 
 # -- command (registered by cli.py as `adaspec build-pool`) ---------------------------------------
@@ -423,6 +484,8 @@ def pool_command(
                                  f"each specialist (default {SPECIALIST_TRAIN_OPTS['epochs']})")] = None,
     retrain: Annotated[bool, typer.Option("--retrain", help="retrain drafters even if their data is unchanged")
                        ] = False,
+    no_heldout: Annotated[bool, typer.Option("--no-heldout", help="skip the held-out matrix (every drafter "
+                                             "scored on every domain's held-out prompts, ~3 min)")] = False,
     seed: Annotated[int, typer.Option(help="seed of prompts, sampling and training")] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", help="prompts per generate call")] = DEFAULT_BATCH_SIZE,
     threads: Annotated[int, typer.Option(help="torch threads (1 is fastest on a busy shared machine; try 2 "
@@ -469,7 +532,7 @@ def pool_command(
                     temperatures=temperature or (QUICK["temperatures"] if quick else DEFAULT_POOL_TEMPERATURES),  # type: ignore[arg-type]
                     max_new_tokens=max_new_tokens or (QUICK["max_new_tokens"] if quick else DEFAULT_POOL_TOKENS),  # type: ignore[arg-type]
                     batch_size=batch_size, seed=seed, train_opts=train_opts, specialise=not from_scratch,
-                    specialist_opts=specialist_opts, retrain=retrain, progress=report,
+                    specialist_opts=specialist_opts, retrain=retrain, heldout=not no_heldout, progress=report,
                     on_stage=lambda msg: err.print(f"[dim]{msg}[/]"))
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
@@ -480,5 +543,9 @@ def pool_command(
         table.add_row(name, str(e.n_samples), str(e.n_output_tokens), f"{e.times.get('distill_s', 0):.0f}",
                       f"{e.times.get('datastore_s', 0):.1f}", f"{train_s:.0f}", ", ".join(e.specs))
     Console().print(table)
+    for kind in manifest.heldout:
+        text = heldout_table(manifest, kind)
+        if text:
+            print(f"\nheld-out matrix, {kind}:\n{text}\n")
     print(f"total {manifest.times.get('total_s', 0):.0f} s; manifest: {manifest.path}")
     print("drafter specs: " + " ".join(f"-d {s}" for s in manifest.specs()))
