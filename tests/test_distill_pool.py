@@ -13,6 +13,7 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import typer
@@ -25,8 +26,8 @@ from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore
 from adaspec.drafters import SuffixDrafter, build_drafter
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError
 from adaspec.models import as_loaded, target_fingerprint
-from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, build_pool, heldout_table,
-                          load_manifest, pool_command, pool_specs)
+from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, PoolManifest, build_pool,
+                          heldout_table, load_manifest, pool_command, pool_specs, specialist_margins)
 from adaspec.prompts import BUILTIN_PROMPTS
 
 VOCAB = 32
@@ -268,8 +269,8 @@ class StubEvaluator:
 
     def __call__(self, kind, target, paths, data, **kw):
         self.calls.append((kind, [Path(p).parent.name for p in paths], [Path(d).name for d in data], kw))
-        return [{Path(d).name: {"mat_k5": 1.0 + i, "top1": 0.5, "sequences": 2} for d in data}
-                for i in range(len(paths))]
+        return [{Path(d).name: {"mat_k5": 1.0 + i, "top1": 0.5, "sequences": 2, "per_sequence": [[i, 1], [i, 1]]}
+                 for d in data} for i in range(len(paths))]
 
 
 def _pool(tmp_path, trainer, **kw):
@@ -311,6 +312,7 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
     assert table.splitlines()[0] == "| drafter | code | math |"
     assert "| code/feature-head | **1.00 (0.50)** | 1.00 (0.50) |" in table
     assert "| generalist/feature-head | 3.00 (0.50) | 3.00 (0.50) |" in table
+    assert "code -2.00 [-2.00, -2.00], math -1.00 [-1.00, -1.00]" in table  # specialist minus generalist
     assert heldout_table(manifest, "suffix") is None
 
     loaded = load_manifest(root / "pool.json")
@@ -350,6 +352,32 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
     spec = pool_specs(moved, kinds=("suffix",), domains=("math",))[0]
     assert spec == f"suffix:datastore={moved.resolve() / 'datastores' / 'math.jsonl'}"
     assert isinstance(build_drafter(spec, target), SuffixDrafter)
+
+
+def test_specialist_margins_pair_the_bootstrap_over_held_out_sequences():
+    """Paired percentile bootstrap at 95%, fixed seed: a specialist that accepts one more token on
+    every sequence wins with an interval above 0; noise without a shift gives an interval around 0."""
+    rng = np.random.default_rng(1)
+    base = np.stack([rng.integers(0, 40, 40), rng.integers(20, 30, 40)], axis=1)
+
+    def row(per):
+        per = np.asarray(per)
+        return {"mat_k5": 1.0 + per[:, 0].sum() / per[:, 1].sum(), "top1": 0.5, "sequences": len(per),
+                "per_sequence": per.tolist()}
+
+    better = base + np.array([10, 0])
+    noisy = np.stack([np.clip(base[:, 0] + rng.integers(-3, 4, 40), 0, None), base[:, 1]], axis=1)
+    manifest = PoolManifest(root=Path("."), target={}, settings={}, heldout={"feature-head": {"rows": {
+        "code": {"code": row(better), "math": row(base)},
+        "math": {"code": row(base), "math": row(noisy)},
+        GENERALIST: {"code": row(base), "math": row(base)}}}})
+    margins = specialist_margins(manifest, "feature-head")
+    code, math = margins["code"], margins["math"]
+    assert code["diff"] == pytest.approx(code["specialist"] - code["generalist"]) and code["lo"] > 0.2
+    assert code["lo"] <= code["diff"] <= code["hi"]
+    assert math["lo"] < 0 < math["hi"] and abs(math["diff"]) < 0.05
+    assert specialist_margins(manifest, "feature-head") == margins  # deterministic given the seed
+    assert specialist_margins(manifest, "tiny-lm") == {}
 
 
 def test_build_pool_refuses_another_target_and_a_shrunk_prompt_set(tmp_path):
@@ -402,6 +430,9 @@ def test_build_pool_fine_tunes_real_specialists_from_the_generalist(tmp_path):
             assert rows[domain][domain]["mat_k5"] == pytest.approx(final["val_mat_k5"], abs=1e-6)
             assert rows[domain][domain]["top1"] == pytest.approx(final["val_top1"], abs=1e-6)
             assert rows[domain][domain]["mat_k5"] >= 1.0 and rows[domain][domain]["sequences"] >= 1
+            per = np.asarray(rows[domain][domain]["per_sequence"])
+            assert len(per) == rows[domain][domain]["sequences"]
+            assert 1 + per[:, 0].sum() / per[:, 1].sum() == pytest.approx(rows[domain][domain]["mat_k5"])
 
 
 # -- commands ------------------------------------------------------------------------------------

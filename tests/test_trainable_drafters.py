@@ -18,8 +18,8 @@ from conftest import chisquare_gof, make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.config import SamplingConfig
-from adaspec.drafter_training import (_read_distilled, checkpoint_path, draft_vocabulary, iid_mat,
-                                      train_drafter)
+from adaspec.drafter_training import (EVAL_K, _decode_path, _precompute, _read_distilled, _trainer_from_file,
+                                      checkpoint_path, draft_vocabulary, iid_mat, train_drafter)
 from adaspec.drafters import Decision, FeatureHeadDrafter, TinyLMDrafter, build_drafter
 from adaspec.drafters.feature_head import FeatureBuffer, FeatureHead, TargetFeatureForward
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError
@@ -111,6 +111,33 @@ def test_draft_vocabulary_ranks_by_frequency_and_forces_eos():
     assert draft_vocabulary(seqs, 16, 16).tolist() == list(range(16))  # V' >= V: everything
     with pytest.raises(ConfigError, match="draft vocabulary size"):
         draft_vocabulary(seqs, 0, 16)
+
+
+def test_decode_path_walks_the_rounds_of_greedy_speculative_decoding():
+    # prompt of 3 tokens, 7 generated (ids 3..9): the first round drafts token 3
+    assert _decode_path({}, 3, 10, 5) == (0, 7)  # nothing accepted: one round per token, as AR
+    assert _decode_path({3: 5, 9: 5}, 3, 10, 5) == (5, 2)  # 3..7 accepted + the target's 8; then 9
+    assert _decode_path({3: 2, 6: 9}, 3, 10, 5) == (5, 2)  # 3,4 (+5); 6..8 capped to leave 9 to the target
+    assert _decode_path({3: 1, 4: 0, 5: 5}, 3, 10, 5) == (5, 2)  # no round starts at 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_held_out_estimate_equals_a_live_greedy_run(kind, target, trained, data):
+    """The training report's simulated MAT walks the engine's rounds: on the target's own greedy
+    text, each sequence's (accepted drafts, rounds) equals a live engine run at k = 5."""
+    trainer = _trainer_from_file(kind, target, Path(trained[kind]))
+    samples = _read_distilled(data, target)[:6]
+    seqs = _precompute(target, samples, trainer.vocab if kind == "tiny-lm" else trainer.head.vocab,
+                       features=kind == "feature-head", sub_logits=False, progress=None, stage="")
+    sim = trainer.evaluate(seqs, 256)
+    engine = SpeculativeEngine(target, [f"{kind}:path={trained[kind]}"], k=EVAL_K)
+    live = []
+    for s in samples:
+        res = engine.generate(s.prompt_ids, max_new_tokens=len(s.output_ids))
+        assert res.token_ids == s.output_ids
+        live.append((res.stats.accepted, len(res.stats.rounds)))
+    assert [tuple(p) for p in sim.per_sequence] == live
+    assert sum(a for a, _ in live) > 0
 
 
 def test_iid_mat():
