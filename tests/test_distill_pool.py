@@ -264,11 +264,7 @@ class StubTrainer:
 class StubEvaluator:
     """Stands in for ``evaluate_drafters``: one row per drafter, MAT = 1 + its index."""
 
-    def __init__(self):
-        self.calls: list[tuple[str, list[str], list[str], dict]] = []
-
     def __call__(self, kind, target, paths, data, **kw):
-        self.calls.append((kind, [Path(p).parent.name for p in paths], [Path(d).name for d in data], kw))
         return [{Path(d).name: {"mat_k5": 1.0 + i, "top1": 0.5, "sequences": 2, "per_sequence": [[i, 1], [i, 1]]}
                  for d in data} for i in range(len(paths))]
 

@@ -872,10 +872,10 @@ def evaluate_drafters(kind: str, target: LoadedModel, paths: Sequence[str | Path
         by_domain: dict[str, list[DistilledSample]] = {}
         for i in idx:
             by_domain.setdefault(samples[i].domain, []).append(samples[i])
-        for domain, rows in by_domain.items():
-            held[domain] = _precompute(target, rows, torch.empty(0, dtype=torch.long),
-                                       features=kind == "feature-head", sub_logits=False, progress=progress,
-                                       stage=f"held-out {domain}")
+        for domain, rows in by_domain.items():  # several sets of one domain pool their held-out prompts
+            held.setdefault(domain, []).extend(_precompute(
+                target, rows, torch.empty(0, dtype=torch.long), features=kind == "feature-head",
+                sub_logits=False, progress=progress, stage=f"held-out {domain}"))
     out: list[dict[str, dict[str, float]]] = []
     for n, path in enumerate(paths):
         trainer = _trainer_from_file(kind, target, Path(path).expanduser())
