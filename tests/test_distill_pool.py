@@ -24,11 +24,13 @@ from conftest import make_tiny_model, word_tokenizer
 from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore_command, distill,
                              distill_command, distill_run, domain_prompts, load_distilled, read_prompt_file)
 from adaspec.drafters import SuffixDrafter, build_drafter
-from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError
+from adaspec import pool as pool_module
+from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
 from adaspec.models import as_loaded, target_fingerprint
 from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, PoolManifest, build_pool,
                           heldout_table, load_manifest, pool_command, pool_specs, specialist_margins)
 from adaspec.prompts import BUILTIN_PROMPTS
+from adaspec.training_prompts import material
 
 VOCAB = 32
 WORDS = ["<unk>", "the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "to", "house", "big", "small",
@@ -109,6 +111,10 @@ def test_domain_prompts_mix_their_sources_in_proportion():
     code = [t for _, t in domain_prompts("code", 400)]
     edits = sum("\n" in t for t in code) / len(code)  # only code to edit spans several lines
     assert 0.2 < edits < 0.5, edits
+    written = set(material("math")["problems"])
+    math = [t for _, t in domain_prompts("math", 400)]
+    share = sum(t in written for t in math) / len(math)  # hand-written half, seeded arithmetic half
+    assert 0.4 < share < 0.6, share
 
 
 def test_read_prompt_file_formats(tmp_path):
@@ -376,7 +382,7 @@ def test_specialist_margins_pair_the_bootstrap_over_held_out_sequences():
     assert specialist_margins(manifest, "tiny-lm") == {}
 
 
-def test_build_pool_refuses_another_target_and_a_shrunk_prompt_set(tmp_path):
+def test_build_pool_refuses_another_target_a_shrunk_or_changed_prompt_set(tmp_path, monkeypatch):
     _pool(tmp_path, StubTrainer(), kinds=())
     other = _target(7, tokenizer=word_tokenizer(WORDS))
     with pytest.raises(ModelLoadError, match="was built for target"):
@@ -385,6 +391,12 @@ def test_build_pool_refuses_another_target_and_a_shrunk_prompt_set(tmp_path):
     with pytest.raises(ConfigError, match="outside this run's prompt set"):
         build_pool(target, tmp_path / "pool", domains=("code",), n_prompts=2, kinds=(), max_new_tokens=5,
                    temperatures=(0.0, 0.7))
+    changed = [(pid, text + " Answer in French.") for pid, text in domain_prompts("code", 3)]
+    monkeypatch.setattr(pool_module, "domain_prompts", lambda domain, n, seed: changed)
+    with pytest.raises(PromptSetChangedError, match=r"code training prompts changed .* delete .*data/code"):
+        build_pool(target, tmp_path / "pool", domains=("code",), n_prompts=3, kinds=(), max_new_tokens=5,
+                   temperatures=(0.0, 0.7))
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="distinct names among"):
         build_pool(target, tmp_path / "p2", domains=("poetry",))
     with pytest.raises(ConfigError, match="drafter kinds"):

@@ -113,6 +113,13 @@ def test_code_schema_and_counts() -> None:
     _assert_strings(code["questions"], "code questions", 60)
 
 
+def test_math_schema_and_counts() -> None:
+    problems = _load("math.json")["problems"]
+    _assert_strings(problems, "math problems", 300)
+    for p in problems:
+        assert 8 <= len(p.split()) <= 80, p[:60]
+
+
 def _all_texts() -> list[tuple[str, str]]:
     chat, tr, summ, code = (_load(n) for n in ("chat.json", "translation.json", "summarization.json", "code.json"))
     out = [("chat", t) for t in _chat_texts(chat)]
@@ -120,12 +127,13 @@ def _all_texts() -> list[tuple[str, str]]:
     out += [("summarization", t) for p in summ["passages"] for t in [p["text"], *p["questions"]]]
     out += [("code", f"Write a Python function `{t['name']}({t['args']})` that {t['desc']}.") for t in code["tasks"]]
     out += [("code", t) for t in [s["code"] for s in code["snippets"]] + code["edit_instructions"] + code["questions"]]
+    out += [("math", t) for t in _load("math.json")["problems"]]
     return out
 
 
 def test_no_eight_word_overlap_with_benchmark(benchmark_shingles: set[tuple[str, ...]]) -> None:
     texts = _all_texts()
-    assert len(texts) > 1900
+    assert len(texts) > 2200
     hits = [(kind, text[:70], " ".join(sorted(_shingles(text) & benchmark_shingles)[0]))
             for kind, text in texts if _shingles(text) & benchmark_shingles]
     assert not hits, f"{len(hits)} entries share 8 words with a benchmark prompt, e.g. {hits[:3]}"

@@ -35,7 +35,7 @@ from typing import Annotated, Any
 import torch
 import typer
 
-from .errors import AdaspecError, ConfigError, ModelLoadError, PromptError
+from .errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
 from .models import LoadedModel, check_fingerprint, target_fingerprint
 from .training_prompts import DOMAINS, domain_prompts
 
@@ -371,7 +371,7 @@ def distill_run(target: LoadedModel, prompts: Sequence[tuple[str, PromptInput]],
     done: set[tuple[str, float, int]] = set()
     for s in existing:
         if s.prompt_id in by_id and s.prompt_ids != by_id[s.prompt_id]:
-            raise ConfigError(f"{out}: prompt {s.prompt_id!r} encodes differently than when it was distilled "
+            raise PromptSetChangedError(f"{out}: prompt {s.prompt_id!r} encodes differently than when it was distilled "
                               "(the prompt set, tokenizer or chat-template setting changed): use another --out")
         done.add(s.key)
     meta["n_samples"] = len(existing)

@@ -11,6 +11,10 @@ class ConfigError(AdaspecError):
     """A generation or policy parameter is out of range."""
 
 
+class PromptSetChangedError(ConfigError):
+    """A distilled set holds responses to prompts whose text has changed since (new material)."""
+
+
 class PromptError(AdaspecError):
     """The prompt is empty or does not fit the model's context window."""
 

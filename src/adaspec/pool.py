@@ -43,7 +43,7 @@ import typer
 
 from .distill import (DEFAULT_BATCH_SIZE, DOMAINS, Progress, build_datastore_info,
                       distill_run, domain_prompts, load_distilled)
-from .errors import AdaspecError, ConfigError, ModelLoadError
+from .errors import AdaspecError, ConfigError, ModelLoadError, PromptSetChangedError
 from .models import LoadedModel, cache_dir, target_fingerprint
 
 POOL_FORMAT = "adaspec.pool/1"
@@ -324,8 +324,14 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
                 raise ConfigError(f"{data_dir} holds responses to {len(extra)} prompts outside this run's prompt "
                                   "set (it was built with more prompts or another seed): use the same "
                                   f"--n-prompts/--seed, another --out, or delete {data_dir}")
-        run = distill_run(target, prompts, data_dir, domain=domain, temperatures=temperatures,
-                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, progress=progress)
+        try:
+            run = distill_run(target, prompts, data_dir, domain=domain, temperatures=temperatures,
+                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, progress=progress)
+        except PromptSetChangedError as exc:
+            raise PromptSetChangedError(
+                f"the {domain} training prompts changed since {data_dir} was distilled (new training material in "
+                f"this adaspec version, or another tokenizer/chat template): delete {data_dir} and run build-pool "
+                f"again to distil the domain afresh ({exc})") from exc
         ds = load_distilled(run.path, target)
         entry = PoolEntry(domain=domain, data=[str(run.path)], n_samples=len(ds.samples),
                           n_output_tokens=ds.n_output_tokens)
