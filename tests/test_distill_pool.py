@@ -23,6 +23,7 @@ from conftest import make_tiny_model, word_tokenizer
 
 from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore_command, distill,
                              distill_command, distill_run, domain_prompts, load_distilled, read_prompt_file)
+from adaspec.drafter_training import evaluate_drafters
 from adaspec.drafters import SuffixDrafter, build_drafter
 from adaspec import pool as pool_module
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
@@ -441,6 +442,12 @@ def test_build_pool_fine_tunes_real_specialists_from_the_generalist(tmp_path):
             per = np.asarray(rows[domain][domain]["per_sequence"])
             assert len(per) == rows[domain][domain]["sequences"]
             assert 1 + per[:, 0].sum() / per[:, 1].sum() == pytest.approx(rows[domain][domain]["mat_k5"])
+    # heldout_fraction=None scores every sample of a set (a suite no drafter trained on), keyed by its folder
+    head = root / "drafters" / "code" / "feature-head.pt"
+    every = evaluate_drafters("feature-head", target, [head], [root / "data" / "math"], heldout_fraction=None)
+    assert list(every[0]) == ["math"] and every[0]["math"]["sequences"] == manifest.entries["math"].n_samples == 3
+    held = manifest.heldout["feature-head"]["rows"]["code"]["math"]["per_sequence"]
+    assert all(list(h) in every[0]["math"]["per_sequence"] for h in held)
 
 
 # -- commands ------------------------------------------------------------------------------------

@@ -853,7 +853,7 @@ def _trainer_from_file(kind: str, target: LoadedModel, path: Path) -> Any:
 
 
 def evaluate_drafters(kind: str, target: LoadedModel, paths: Sequence[str | Path], data: Sequence[str | Path], *,
-                      heldout_fraction: float = 0.1, seed: int = 0,
+                      heldout_fraction: float | None = 0.1, seed: int = 0,
                       progress: Progress | None = None) -> list[dict[str, dict[str, float]]]:
     """Held-out acceptance of trained drafters of one ``kind`` on every domain of ``data``.
 
@@ -863,15 +863,18 @@ def evaluate_drafters(kind: str, target: LoadedModel, paths: Sequence[str | Path
     ``{domain: {"mat_k5", "top1", "loss", "sequences", "per_sequence"}}`` (``per_sequence``: each
     held-out sequence's accepted drafts and rounds, in the same order for every path, for paired
     comparisons): the pool's heterogeneity matrix on held-out data, thousands of positions per
-    cell where a benchmark has a few prompts."""
+    cell where a benchmark has a few prompts. ``heldout_fraction=None`` scores every sample of
+    sets no drafter trained on (a benchmark suite's prompts), keyed by the set's directory name."""
     _check("kind", kind, kind in KINDS, f"use one of {', '.join(KINDS)}")
     held: dict[str, list[_Seq]] = {}
     for d in data:
         samples = [s for s in _read_distilled(d, target) if s.output_ids]
-        _, idx = _split(samples, heldout_fraction, seed)
         by_domain: dict[str, list[DistilledSample]] = {}
-        for i in idx:
-            by_domain.setdefault(samples[i].domain, []).append(samples[i])
+        if heldout_fraction is None:
+            by_domain[Path(d).name] = samples
+        else:
+            for i in _split(samples, heldout_fraction, seed)[1]:
+                by_domain.setdefault(samples[i].domain, []).append(samples[i])
         for domain, rows in by_domain.items():  # several sets of one domain pool their held-out prompts
             held.setdefault(domain, []).extend(_precompute(
                 target, rows, torch.empty(0, dtype=torch.long), features=kind == "feature-head",
