@@ -23,10 +23,7 @@ from adaspec.drafter_training import evaluate_drafters
 from adaspec.models import load_model
 from adaspec.pool import GENERALIST, default_pool_root, load_manifest
 from adaspec.prompts import load_suite
-
-#: the benchmark categories each pool domain covers (as in the bench's specialists table)
-OWN = {"code": {"code", "code-editing"}, "math": {"math"}, "chat": {"conversation", "qa"},
-       "summarization": {"summarization", "rag"}, "translation": {"translation"}}
+from adaspec.report import DOMAIN_CATEGORIES
 
 
 def main() -> None:
@@ -58,7 +55,7 @@ def main() -> None:
     print("| head | " + " | ".join(cats) + " |")
     print("|---|" + "---:|" * len(cats))
     for name, row in zip(heads, rows):
-        own = OWN.get(name, set()) if name != GENERALIST else set()
+        own = DOMAIN_CATEGORIES.get(name, ()) if name != GENERALIST else ()
         cells = [f"**{row[c]['mat_k5']:.2f}**" if c in own else f"{row[c]['mat_k5']:.2f}" for c in cats]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
