@@ -104,11 +104,12 @@ def test_domain_prompts_share_no_8_word_run_with_the_bench_suites():
 
 
 def test_domain_prompts_mix_their_sources_in_proportion():
-    """Any prefix keeps the mix: e.g. translation draws ~45% into English, the rest from English."""
+    """Any prefix keeps the mix: e.g. a quarter of translation prompts are structured requests."""
+    structured = [x["text"] for x in material("translation")["structured"]]
     for n in (100, 400):
         texts = [t for _, t in domain_prompts("translation", n)]
-        into = sum("English" in t.split("\n")[0] for t in texts) / n
-        assert 0.3 < into < 0.6, into
+        share = sum(any(t.endswith("\n\n" + x) for x in structured) for t in texts) / n
+        assert 0.12 < share < 0.4, share
     code = [t for _, t in domain_prompts("code", 400)]
     edits = sum("\n" in t for t in code) / len(code)  # only code to edit spans several lines
     assert 0.2 < edits < 0.5, edits
@@ -116,6 +117,9 @@ def test_domain_prompts_mix_their_sources_in_proportion():
     math = [t for _, t in domain_prompts("math", 400)]
     share = sum(t in written for t in math) / len(math)  # hand-written half, seeded arithmetic half
     assert 0.4 < share < 0.6, share
+    summ = [t for _, t in domain_prompts("summarization", 400)]
+    rag = sum("Passage: " in t or "Passage 1: " in t for t in summ) / len(summ)
+    assert 0.15 < rag < 0.4, rag  # multi-passage retrieval questions, a quarter
 
 
 def test_read_prompt_file_formats(tmp_path):

@@ -78,16 +78,48 @@ def test_translation_schema_and_counts() -> None:
     _assert_strings(tr["paragraphs"], "paragraphs", 40)
     for s in tr["sentences"]:
         assert 6 <= len(s.split()) <= 30, s
+    structured = tr["structured"]
+    assert len(structured) >= 80
+    _assert_unique([x["text"] for x in structured], "structured translation text")
+    for x in structured:
+        assert set(x) == {"instruction", "text"}, x
+        ins = x["instruction"]
+        # {lang} (filled with each target language) is the instruction's only placeholder
+        assert ins.count("{lang}") <= 1 and ins.replace("{lang}", "").count("{") == 0 and "}" not in \
+            ins.replace("{lang}", ""), ins
+        assert 5 <= len(x["text"].split()) <= 150, x["text"][:60]
+    into_english = [x for x in structured if "{lang}" not in x["instruction"]]
+    assert 15 <= len(into_english) <= len(structured) // 2
+    assert all("English" in x["instruction"] for x in into_english)
 
 
 def test_summarization_schema_and_counts() -> None:
-    passages = _load("summarization.json")["passages"]
+    summ = _load("summarization.json")
+    passages = summ["passages"]
     assert len(passages) >= 70
     _assert_unique([p["text"] for p in passages], "passage")
     for p in passages:
         assert 90 <= len(p["text"].split()) <= 220, p["text"][:60]
         assert 2 <= len(p["questions"]) <= 3, p["text"][:60]
         _assert_strings(p["questions"], "passage questions", 2)
+    documents = summ["documents"]
+    assert len(documents) >= 120
+    assert len({d["kind"] for d in documents}) >= 12  # many genres, not one template
+    _assert_unique([d["text"] for d in documents], "document")
+    for d in documents:
+        assert set(d) == {"kind", "text", "tasks", "questions"}, sorted(d)
+        assert 80 <= len(d["text"].split()) <= 220, d["text"][:60]
+        _assert_strings(d["tasks"], "document tasks", 2)
+        _assert_strings(d["questions"], "document questions", 2)
+        assert len(d["tasks"]) <= 4 and len(d["questions"]) <= 3, d["text"][:60]
+    rag = summ["rag"]
+    assert len(rag) >= 100
+    _assert_unique([[r["passages"], r["question"]] for r in rag], "rag item")
+    for r in rag:
+        assert set(r) == {"instruction", "passages", "question"}, sorted(r)
+        _assert_strings(r["passages"], "rag passages", 1)
+        assert len(r["passages"]) <= 3 and 40 <= sum(len(t.split()) for t in r["passages"]) <= 180, r["question"]
+        assert r["instruction"].strip() and r["question"].strip()
 
 
 def test_code_schema_and_counts() -> None:
@@ -124,7 +156,10 @@ def _all_texts() -> list[tuple[str, str]]:
     chat, tr, summ, code = (_load(n) for n in ("chat.json", "translation.json", "summarization.json", "code.json"))
     out = [("chat", t) for t in _chat_texts(chat)]
     out += [("translation", t) for t in tr["sentences"] + tr["paragraphs"]]
+    out += [("translation", t) for x in tr["structured"] for t in (x["instruction"], x["text"])]
     out += [("summarization", t) for p in summ["passages"] for t in [p["text"], *p["questions"]]]
+    out += [("summarization", t) for d in summ["documents"] for t in [d["text"], *d["tasks"], *d["questions"]]]
+    out += [("summarization", t) for r in summ["rag"] for t in [r["instruction"], *r["passages"], r["question"]]]
     out += [("code", f"Write a Python function `{t['name']}({t['args']})` that {t['desc']}.") for t in code["tasks"]]
     out += [("code", t) for t in [s["code"] for s in code["snippets"]] + code["edit_instructions"] + code["questions"]]
     out += [("math", t) for t in _load("math.json")["problems"]]
@@ -150,7 +185,7 @@ def test_translation_sources_schema_counts_and_no_benchmark_text(benchmark_shing
     texts: list[str] = []
     for lang, block in sources.items():
         _assert_strings(block["sentences"], f"{lang} sentences", 60)
-        _assert_strings(block["paragraphs"], f"{lang} paragraphs", 10)
+        _assert_strings(block["paragraphs"], f"{lang} paragraphs", 20)
         texts += block["sentences"] + block["paragraphs"]
     _assert_unique(texts, "translation sources")
     for text in texts:
