@@ -84,9 +84,8 @@ def test_translation_schema_and_counts() -> None:
     for x in structured:
         assert set(x) == {"instruction", "text"}, x
         ins = x["instruction"]
-        # {lang} (filled with each target language) is the instruction's only placeholder
-        assert ins.count("{lang}") <= 1 and ins.replace("{lang}", "").count("{") == 0 and "}" not in \
-            ins.replace("{lang}", ""), ins
+        rest = ins.replace("{lang}", "")  # {lang} (each target language) is the only placeholder
+        assert ins.count("{lang}") <= 1 and "{" not in rest and "}" not in rest, ins
         assert 5 <= len(x["text"].split()) <= 150, x["text"][:60]
     into_english = [x for x in structured if "{lang}" not in x["instruction"]]
     assert 15 <= len(into_english) <= len(structured) // 2

@@ -10,6 +10,7 @@ so evaluating drafters on those suites is held out.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -456,12 +457,7 @@ def _math_sources(rng: random.Random) -> list[tuple[float, list[str]]]:
     questions) half of the time, seeded arithmetic problems the other half: seeded problems
     alone made a math head that learnt their few answer shapes and lost to the generalist on
     hand-written problems (bench ``math``: 1.73 against 1.77 MAT@5)."""
-    seeded: list[str] = []
-    for text in _random_prompts("math", rng):
-        seeded.append(text)
-        if len(seeded) == 1000:
-            break
-    return [(0.5, list(material("math")["problems"])), (0.5, seeded)]
+    return [(0.5, list(material("math")["problems"])), (0.5, _seeded("math", rng))]
 
 
 def _rag_prompt(item: dict[str, Any], form: str) -> str:
@@ -485,13 +481,8 @@ def _summarization_sources(rng: random.Random) -> list[tuple[float, list[str]]]:
     doc_questions = [form.format(text=d["text"], q=q) for d in documents for q in d["questions"]
                      for form in _QA_FORMS]
     rag = [_rag_prompt(item, form) for item in m["rag"] for form in _RAG_FORMS]
-    synthetic: list[str] = []
-    for text in _random_prompts("summarization", rng):
-        synthetic.append(text)
-        if len(synthetic) == 1000:
-            break
     return [(0.15, summaries), (0.1, questions), (0.3, doc_tasks), (0.1, doc_questions), (0.25, rag),
-            (0.1, synthetic)]
+            (0.1, _seeded("summarization", rng))]
 
 
 def _mix(sources: list[tuple[float, list[str]]], rng: random.Random) -> list[str]:
@@ -518,6 +509,11 @@ def _mix(sources: list[tuple[float, list[str]]], rng: random.Random) -> list[str
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(w.capitalize() for w in rest)
+
+
+def _seeded(domain: str, rng: random.Random, n: int = 1000) -> list[str]:
+    """The first ``n`` distinct generated prompts of a domain (math problems or passages)."""
+    return list(itertools.islice(_random_prompts(domain, rng), n))
 
 
 def _random_prompts(domain: str, rng: random.Random) -> Iterator[str]:
