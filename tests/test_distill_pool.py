@@ -28,8 +28,9 @@ from adaspec.drafters import SuffixDrafter, build_drafter
 from adaspec import pool as pool_module
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
 from adaspec.models import as_loaded, target_fingerprint
-from adaspec.pool import (DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS, PoolManifest, build_pool,
-                          heldout_table, load_manifest, pool_command, pool_specs, specialist_margins)
+from adaspec.pool import (DEFAULT_POOL_PROMPTS, DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS,
+                          PoolManifest, build_pool, heldout_table, load_manifest, parse_prompt_counts, pool_command,
+                          pool_specs, prompt_counts, specialist_margins)
 from adaspec.prompts import BUILTIN_PROMPTS
 from adaspec.training_prompts import material
 
@@ -387,6 +388,29 @@ def test_specialist_margins_pair_the_bootstrap_over_held_out_sequences():
     assert specialist_margins(manifest, "tiny-lm") == {}
 
 
+def test_prompt_counts_take_one_count_or_one_per_domain():
+    assert prompt_counts(3, ["code", "math"]) == {"code": 3, "math": 3}
+    assert prompt_counts({"code": 2, "math": 5, "chat": 9}, ["code", "math"]) == {"code": 2, "math": 5}
+    with pytest.raises(ConfigError, match="no prompt count for domain.*math"):
+        prompt_counts({"code": 2}, ["code", "math"])
+    with pytest.raises(ConfigError, match="integers >= 1"):
+        prompt_counts({"code": 0}, ["code"])
+    assert parse_prompt_counts("300", DEFAULT_POOL_PROMPTS) == 300
+    assert parse_prompt_counts("translation=900", DEFAULT_POOL_PROMPTS) == DEFAULT_POOL_PROMPTS | {"translation": 900}
+    assert parse_prompt_counts("100, chat=7", DEFAULT_POOL_PROMPTS) == dict.fromkeys(DEFAULT_POOL_PROMPTS, 100) | {
+        "chat": 7}
+    with pytest.raises(ConfigError, match="not a count.*DOMAIN=N"):
+        parse_prompt_counts("chat=many", 4)
+    with pytest.raises(ConfigError, match="unknown domain 'poetry'"):
+        parse_prompt_counts("poetry=3", 4)
+
+
+def test_build_pool_takes_a_prompt_count_per_domain(tmp_path):
+    _, manifest = _pool(tmp_path, StubTrainer(), kinds=(), n_prompts={"code": 2, "math": 3})
+    assert manifest.settings["n_prompts"] == {"code": 2, "math": 3}
+    assert [manifest.entries[d].n_samples for d in ("code", "math", GENERALIST)] == [4, 6, 10]  # two temperatures
+
+
 def test_build_pool_refuses_another_target_a_shrunk_or_changed_prompt_set(tmp_path, monkeypatch):
     _pool(tmp_path, StubTrainer(), kinds=())
     other = _target(7, tokenizer=word_tokenizer(WORDS))
@@ -478,11 +502,16 @@ def test_commands(tmp_path):
     assert "2 samples (2 new, 0 already there)" in res.output
     res = runner.invoke(app, ["build-datastore", str(tmp_path / "d"), "--out", str(tmp_path / "ds.jsonl")])
     assert res.exit_code == 0 and "2 documents" in res.output, res.output
-    res = runner.invoke(app, ["build-pool", "--domains", "code,math", "--n-prompts", "2", "--kinds", "none",
+    res = runner.invoke(app, ["build-pool", "--domains", "code,math", "--n-prompts", "2,math=3", "--kinds", "none",
                               "--model", str(model), "--out", str(tmp_path / "pool"), "--max-new-tokens", "3",
                               "-t", "0"])
     assert res.exit_code == 0, res.output
     assert len(pool_specs(tmp_path / "pool")) == 3  # suffix for code, math, generalist
+    manifest = load_manifest(tmp_path / "pool")
+    assert manifest.settings["n_prompts"] == {"code": 2, "math": 3}
+    assert [manifest.entries[d].n_samples for d in ("code", "math")] == [2, 3]
+    res = runner.invoke(app, ["build-pool", "--n-prompts", "poetry=3", "--model", str(model)])
+    assert res.exit_code == 2 and "unknown domain 'poetry'" in res.output
     res = runner.invoke(app, ["distill", "--domain", "poetry", "--model", str(model)])
     assert res.exit_code == 2 and "unknown training domain" in res.output
 

@@ -50,18 +50,22 @@ POOL_FORMAT = "adaspec.pool/1"
 GENERALIST = "generalist"
 TRAINABLE_KINDS: tuple[str, ...] = ("feature-head", "tiny-lm")
 SPEC_KINDS: tuple[str, ...] = (*TRAINABLE_KINDS, "suffix")
-#: defaults of the full pool: 5 domains x 400 prompts, greedy responses of <= 128 tokens. The
-#: budget is set by CPU time (measured, see the README section): distillation runs at ~100
+#: defaults of the full pool: training prompts per domain, greedy responses of <= 128 tokens.
+#: The budget is set by CPU time (measured, see the README section): distillation runs at ~100
 #: tokens/s, the target features (cached per set, shared by the generalist and the specialists)
-#: at ~2 ms per token and head training at ~0.5 ms per token and epoch on a quiet 2-core
+#: at ~5 ms per token and head training at ~0.5 ms per token and epoch on a quiet 2-core
 #: machine. Greedy-only data match greedy decoding, and more prompts generalise better than more
 #: samples per prompt; add T = 0.7 (MetaSD F.1) with ``temperatures=(0.0, 0.7)`` at twice the cost.
-DEFAULT_POOL_PROMPTS = 400
+#: The prose domains get twice the prompts: with 400 their specialists did not beat the
+#: generalist (fine-tuning on the prompts the generalist had already fit overfitted from the
+#: first epoch: translation held-out MAT 1.433, 1.426, 1.413 at lr 3e-4, generalist 1.43).
+DEFAULT_POOL_PROMPTS: dict[str, int] = {"code": 400, "math": 400, "chat": 800, "summarization": 800,
+                                        "translation": 800}
 DEFAULT_POOL_TOKENS = 128
 DEFAULT_POOL_TEMPERATURES: tuple[float, ...] = (0.0,)
-#: training of the generalist (and of specialists trained from scratch): the union holds ~200k
+#: training of the generalist (and of specialists trained from scratch): the union holds ~310k
 #: response tokens, so a few epochs of 1024-token batches, capped in minutes
-DEFAULT_POOL_TRAIN_OPTS: dict[str, Any] = {"batch_tokens": 1024, "lr": 2e-3, "epochs": 6, "max_minutes": 25}
+DEFAULT_POOL_TRAIN_OPTS: dict[str, Any] = {"batch_tokens": 1024, "lr": 2e-3, "epochs": 6, "max_minutes": 40}
 #: specialists start from the generalist and fine-tune on their domain only: with a fifth of the
 #: data, a specialist trained from scratch lost to the generalist on 2 of 5 domains (measured)
 SPECIALIST_TRAIN_OPTS: dict[str, Any] = {"epochs": 3, "lr": 1e-3, "max_minutes": 4}
@@ -209,6 +213,45 @@ def default_pool_root(target: LoadedModel | str, quick: bool = False) -> Path:
     return cache_dir() / "pool" / (f"{safe}-quick" if quick else safe)
 
 
+def prompt_counts(n_prompts: int | Mapping[str, int], domains: Sequence[str]) -> dict[str, int]:
+    """Training prompts per domain from one count for all or a ``{domain: count}`` mapping."""
+    if isinstance(n_prompts, Mapping):
+        missing = [d for d in domains if d not in n_prompts]
+        if missing:
+            raise ConfigError(f"no prompt count for domain(s) {', '.join(missing)}: give every pool domain a "
+                              "count, or one count for all")
+        counts = {d: n_prompts[d] for d in domains}
+    else:
+        counts = dict.fromkeys(domains, n_prompts)
+    bad = {d: n for d, n in counts.items() if isinstance(n, bool) or not isinstance(n, int) or n < 1}
+    if bad:
+        raise ConfigError(f"prompt counts must be integers >= 1, got {bad}")
+    return counts
+
+
+def parse_prompt_counts(text: str, default: int | Mapping[str, int]) -> int | dict[str, int]:
+    """``--n-prompts``: ``N`` (every domain), ``domain=N,...`` (overrides of ``default``) or both."""
+    base: int | dict[str, int] = default if isinstance(default, int) else dict(default)
+    overrides: dict[str, int] = {}
+    for item in _split_list([text]):
+        name, sep, value = item.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            raise ConfigError(f"--n-prompts: {item!r} is not a count: use N (every domain) or DOMAIN=N, e.g. "
+                              "'400' or 'translation=800,chat=600'") from None
+        if not sep:
+            base = n
+        elif name.strip() not in DOMAINS:
+            raise ConfigError(f"--n-prompts: unknown domain {name.strip()!r}: use one of {', '.join(DOMAINS)}")
+        else:
+            overrides[name.strip()] = n
+    if not overrides:
+        return base
+    full = dict.fromkeys(DOMAINS, base) if isinstance(base, int) else dict(base)
+    return full | overrides
+
+
 def _data_key(dirs: Sequence[str | Path], opts: Mapping[str, Any]) -> str:
     """Identity of a training run's inputs: the data files' sizes and sample counts, the options."""
     parts = []
@@ -257,7 +300,7 @@ def _artifact(root: Path, domain: str, kind: str) -> Path:
 
 
 def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domains: Sequence[str] = DOMAINS,
-               n_prompts: int = DEFAULT_POOL_PROMPTS, kinds: Sequence[str] = ("feature-head",),
+               n_prompts: int | Mapping[str, int] = DEFAULT_POOL_PROMPTS, kinds: Sequence[str] = ("feature-head",),
                generalist: bool = True, temperatures: Sequence[float] = DEFAULT_POOL_TEMPERATURES,
                max_new_tokens: int = DEFAULT_POOL_TOKENS, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
                datastores: bool = True, datastore_max_tokens: int = 1_000_000,
@@ -277,6 +320,7 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
     ``specialist_opts``; otherwise each is trained from scratch. With ``heldout``, every drafter
     of a kind is then scored on every domain's held-out prompts (``manifest.heldout``, the
     pool's heterogeneity matrix on held-out data; kept while the drafters are unchanged).
+    ``n_prompts`` is one count for every domain or a ``{domain: count}`` mapping covering them.
     ``trainer`` / ``evaluator`` replace ``train_drafter`` / ``evaluate_drafters`` (tests).
     ``pool.json`` is rewritten after every stage, so an interrupted build leaves a usable
     manifest of what is done. Stage times are recorded per entry.
@@ -295,6 +339,7 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
                           f"got {kinds}")
     if not kinds and not datastores:
         raise ConfigError("build_pool: nothing to build (no drafter kinds and no datastores)")
+    counts = prompt_counts(n_prompts, domains)
     root = Path(out_root).expanduser() if out_root is not None else default_pool_root(target)
     root = root.resolve()
     fingerprint = target_fingerprint(target)
@@ -305,7 +350,7 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
         if any(old.target.get(k) != fingerprint.get(k) for k in keys):
             raise ModelLoadError(f"the pool in {root} was built for target {old.target.get('name')!r}, not "
                                  f"{target.name!r}: use another --out, or delete {root}")
-    settings = {"domains": domains, "n_prompts": n_prompts, "kinds": kinds, "generalist": generalist,
+    settings = {"domains": domains, "n_prompts": counts, "kinds": kinds, "generalist": generalist,
                 "temperatures": [float(t) for t in temperatures], "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "seed": seed, "datastores": datastores,
                 "datastore_max_tokens": datastore_max_tokens, "train_opts": dict(train_opts or {}),
@@ -316,7 +361,7 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
 
     # 1. distillation, every domain first: the generalist needs all of it, and training is resumable
     for domain in domains:
-        prompts = domain_prompts(domain, n_prompts, seed)
+        prompts = domain_prompts(domain, counts[domain], seed)
         data_dir = root / "data" / domain
         if (data_dir / "meta.json").is_file():
             extra = {s.prompt_id for s in load_distilled(data_dir).samples} - {p for p, _ in prompts}
@@ -507,8 +552,10 @@ def _split_list(values: Sequence[str] | None) -> list[str]:
 def pool_command(
     domains: Annotated[list[str] | None, typer.Option("--domains", help="domains, comma-separated or repeated "
                        f"(default: all of {', '.join(DOMAINS)})")] = None,
-    n_prompts: Annotated[int | None, typer.Option("--n-prompts", help="training prompts per domain "
-                         f"(default {DEFAULT_POOL_PROMPTS}; --quick: {QUICK['n_prompts']})")] = None,
+    n_prompts: Annotated[str | None, typer.Option("--n-prompts", help="training prompts per domain: N for every "
+                         "domain and/or DOMAIN=N overrides, comma-separated (default "
+                         + ", ".join(f"{d} {n}" for d, n in DEFAULT_POOL_PROMPTS.items())
+                         + f"; --quick: {QUICK['n_prompts']})")] = None,
     kinds: Annotated[list[str] | None, typer.Option("--kinds", help="drafter kinds to train, comma-separated: "
                      "feature-head, tiny-lm (default feature-head; 'none' = datastores only)")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="minutes-scale smoke version: 8 prompts, 32 tokens, "
@@ -556,6 +603,8 @@ def pool_command(
             specialist_opts: dict[str, Any] = dict(QUICK["specialist_opts"]) if quick else {}  # type: ignore[arg-type]
             if specialist_epochs is not None:
                 specialist_opts["epochs"] = specialist_epochs
+            default_counts = QUICK["n_prompts"] if quick else DEFAULT_POOL_PROMPTS
+            counts = parse_prompt_counts(n_prompts, default_counts) if n_prompts else default_counts  # type: ignore[arg-type]
             err.print(f"loading {model} ...")
             target = load_model(model)
             root = Path(out) if out else default_pool_root(target, quick=quick)
@@ -573,7 +622,7 @@ def pool_command(
             with bar:
                 manifest = build_pool(
                     target, root, domains=_split_list(domains) or DOMAINS,
-                    n_prompts=n_prompts or (QUICK["n_prompts"] if quick else DEFAULT_POOL_PROMPTS),  # type: ignore[arg-type]
+                    n_prompts=counts,  # type: ignore[arg-type]
                     kinds=kind_list, generalist=not no_generalist,
                     temperatures=temperature or (QUICK["temperatures"] if quick else DEFAULT_POOL_TEMPERATURES),  # type: ignore[arg-type]
                     max_new_tokens=max_new_tokens or (QUICK["max_new_tokens"] if quick else DEFAULT_POOL_TOKENS),  # type: ignore[arg-type]
