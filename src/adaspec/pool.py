@@ -231,10 +231,11 @@ def prompt_counts(n_prompts: int | Mapping[str, int], domains: Sequence[str]) ->
 
 def parse_prompt_counts(text: str, default: int | Mapping[str, int]) -> int | dict[str, int]:
     """``--n-prompts``: ``N`` (every domain), ``domain=N,...`` (overrides of ``default``) or both."""
-    base: int | dict[str, int] = default if isinstance(default, int) else dict(default)
+    base = default
     overrides: dict[str, int] = {}
     for item in _split_list([text]):
         name, sep, value = item.rpartition("=")
+        name = name.strip()
         try:
             n = int(value)
         except ValueError:
@@ -242,14 +243,13 @@ def parse_prompt_counts(text: str, default: int | Mapping[str, int]) -> int | di
                               "'400' or 'translation=800,chat=600'") from None
         if not sep:
             base = n
-        elif name.strip() not in DOMAINS:
-            raise ConfigError(f"--n-prompts: unknown domain {name.strip()!r}: use one of {', '.join(DOMAINS)}")
+        elif name not in DOMAINS:
+            raise ConfigError(f"--n-prompts: unknown domain {name!r}: use one of {', '.join(DOMAINS)}")
         else:
-            overrides[name.strip()] = n
+            overrides[name] = n
     if not overrides:
-        return base
-    full = dict.fromkeys(DOMAINS, base) if isinstance(base, int) else dict(base)
-    return full | overrides
+        return base if isinstance(base, int) else dict(base)
+    return (dict.fromkeys(DOMAINS, base) if isinstance(base, int) else dict(base)) | overrides
 
 
 def _data_key(dirs: Sequence[str | Path], opts: Mapping[str, Any]) -> str:
