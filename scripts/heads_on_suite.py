@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from adaspec.distill import distill_run
-from adaspec.drafter_training import evaluate_drafters
+from adaspec.training.distill import distill_run
+from adaspec.training.drafters import evaluate_drafters
 from adaspec.models import load_model
-from adaspec.pool import GENERALIST, default_pool_root, load_manifest
-from adaspec.prompts import load_suite
-from adaspec.report import DOMAIN_CATEGORIES
+from adaspec.training.pool import GENERALIST, default_pool_root, load_manifest
+from adaspec.bench.workloads import load_suite
+from adaspec.bench.report import DOMAIN_CATEGORIES
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from adaspec.models import load_model
-from adaspec.prompts import load_workload
-from adaspec.replay import replay
-from adaspec.trace import Trace, record
+from adaspec.bench.workloads import load_workload
+from adaspec.bench.replay import replay
+from adaspec.bench.trace import Trace, record
 
 
 def main() -> None:

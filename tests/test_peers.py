@@ -11,7 +11,7 @@ from conftest import make_tiny_model
 from adaspec import SpeculativeEngine
 from adaspec.errors import ConfigError, PromptError, VocabularyMismatchError
 from adaspec.models import as_loaded
-from adaspec.peers import HFPeer, PeerSpec, build_peers, is_peer_spec, parse_peer
+from adaspec.bench.peers import HFPeer, PeerSpec, build_peers, is_peer_spec, parse_peer
 
 VOCAB = 64
 PROMPTS = [

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from adaspec.errors import AdaspecError, ConfigError, PromptError
-from adaspec.prompts import (BUILTIN_PROMPTS, CATEGORIES, BenchPrompt, load_humaneval, load_jsonl, load_suite,
+from adaspec.bench.workloads import (BUILTIN_PROMPTS, CATEGORIES, BenchPrompt, load_humaneval, load_jsonl, load_suite,
                              load_text, load_workload, save_jsonl, take_per_category)
 
 
@@ -200,7 +200,7 @@ def test_every_builtin_prompt_fits_smollm2():
 
 
 def test_workloads_join_with_plus():
-    from adaspec.prompts import load_workload
+    from adaspec.bench.workloads import load_workload
 
     both = load_workload("code+code-editing", per_category=2)
     assert [p.category for p in both] == ["code", "code", "code-editing", "code-editing"]

@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from adaspec.report import (PLOT_FILES, REPORT_FILE, SCHEMA_ID, SummarySchemaError, category_table,
+from adaspec.bench.report import (PLOT_FILES, REPORT_FILE, SCHEMA_ID, SummarySchemaError, category_table,
                             heterogeneity_matrix, load_summary, markdown_tables, read_rounds, report_command,
                             write_report)
 
@@ -244,7 +244,7 @@ def test_report_command_regenerates_from_directory(bench_dir: Path):
 
 
 def test_import_does_not_load_matplotlib():
-    code = "import sys, adaspec.report; print('matplotlib' in sys.modules)"
+    code = "import sys, adaspec.bench.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -266,7 +266,7 @@ def _pool_summary() -> dict:
 
 
 def test_specialist_table_compares_each_specialist_with_the_generalist_in_and_out_of_domain():
-    from adaspec.report import specialist_table
+    from adaspec.bench.report import specialist_table
 
     table = specialist_table(_pool_summary())
     lines = table.splitlines()

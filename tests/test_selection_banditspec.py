@@ -22,7 +22,7 @@ from adaspec.selection import parse_number
 from adaspec.selection.banditspec import EXP3Spec, UCBSpec, confidence_radius
 from adaspec.selection.baselines import RoundRobinPolicy, UniformRandomPolicy
 from adaspec.selection.cost_aware import CostAwareEXP3, CostAwareUCB
-from adaspec.simulation import GeometricArm, SimResult, SyntheticEnv, TVArm
+from adaspec.bench.simulation import GeometricArm, SimResult, SyntheticEnv, TVArm
 
 L = 5
 LENGTHS = [250, 500, 1000, 2000, 4000]

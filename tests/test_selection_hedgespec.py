@@ -24,7 +24,7 @@ from adaspec.selection import parse_number
 from adaspec.selection.hedgespec import (AdaNormalHedge, BaseLearner, CostAwareHedgeSpec, Hedge,
                                          HedgeSpec, NormalHedge, corrected_accept_length,
                                          counterfactual_accept_length, normalhedge_scale)
-from adaspec.simulation import SyntheticEnv, TVArm
+from adaspec.bench.simulation import SyntheticEnv, TVArm
 
 Z_MAX = 4.0  # |z| bound for "agrees" (two-sided alpha ~ 6.3e-5)
 Z_BIASED = 6.0  # z bound for "differs"

@@ -1,7 +1,7 @@
 """MetaSD drafter-selection policies (src/adaspec/selection/metasd.py) on synthetic arms.
 
 No models: rewards come from hand-made ``RoundFeedback`` objects or from
-``adaspec.simulation.SyntheticEnv`` (``TVArm``: gamma ~ Beta(a, b) per position;
+``adaspec.bench.simulation.SyntheticEnv`` (``TVArm``: gamma ~ Beta(a, b) per position;
 ``GeometricArm``: gamma fixed). Every run uses fixed seeds, so the suite is deterministic;
 where a check is statistical, the comment states the threshold's significance level or the
 margin to the values observed when the test was written.
@@ -35,7 +35,7 @@ from adaspec.selection.metasd import (
     block_reward,
     resolve_n_max,
 )
-from adaspec.simulation import GeometricArm, SyntheticEnv, TVArm
+from adaspec.bench.simulation import GeometricArm, SyntheticEnv, TVArm
 
 ALL = [MetaSDUCB, MetaSDEXP3, SequentialHalving, PETC, DiscountedUCB, SlidingWindowUCB,
        ThompsonSampling]

@@ -14,7 +14,7 @@ from adaspec import SpeculativeEngine
 from adaspec.config import SamplingConfig
 from adaspec.drafters import Decision, DraftStep, ModelDrafter
 from adaspec.errors import AdaspecError, ConfigError
-from adaspec.headtrain import (HeadTrainConfig, acceptance_targets, bernoulli_kl, mix_tokens,
+from adaspec.training.specdecpp_head import (HeadTrainConfig, acceptance_targets, bernoulli_kl, mix_tokens,
                                split_prompts, train_head, weighted_bce)
 from adaspec.length import LENGTH_POLICIES, build_length
 from adaspec.length.specdecpp import (AcceptanceHead, SpecDecPPPolicy, drafter_info,

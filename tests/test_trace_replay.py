@@ -22,8 +22,8 @@ from adaspec.length import LengthPolicy
 from adaspec.length.rules import (AdaEDL, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy,
                                   stats_of, step_confidence)
 from adaspec.models import as_loaded
-from adaspec.replay import oracle_bounds, replay, replay_command
-from adaspec.trace import Trace, TraceRecorder, record, record_trace
+from adaspec.bench.replay import oracle_bounds, replay, replay_command
+from adaspec.bench.trace import Trace, TraceRecorder, record, record_trace
 
 V = 48
 N = 40

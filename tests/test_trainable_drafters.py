@@ -18,7 +18,7 @@ from conftest import chisquare_gof, make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.config import SamplingConfig
-from adaspec.drafter_training import (EVAL_K, _decode_path, _precompute, _read_distilled, _trainer_from_file,
+from adaspec.training.drafters import (EVAL_K, _decode_path, _precompute, _read_distilled, _trainer_from_file,
                                       checkpoint_path, draft_vocabulary, iid_mat, train_drafter)
 from adaspec.drafters import Decision, FeatureHeadDrafter, TinyLMDrafter, build_drafter
 from adaspec.drafters.feature_head import FeatureBuffer, FeatureHead, TargetFeatureForward
@@ -489,7 +489,7 @@ def test_train_drafter_command(target, data, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from adaspec.drafter_training import train_drafter_command
+    from adaspec.training.drafters import train_drafter_command
 
     model_dir = tmp_path / "target"
     target.model.save_pretrained(model_dir)
@@ -540,7 +540,7 @@ def test_init_from_refuses_another_shape_or_target(target, data, trained, tmp_pa
 
 
 def test_target_features_are_computed_once_per_set(target, tmp_path, monkeypatch):
-    from adaspec.drafter_training import FEATURES_FILE
+    from adaspec.training.drafters import FEATURES_FILE
 
     d = _write_distilled(tmp_path / "d", target, _prompts(6, seed=5))
     train_drafter("feature-head", target, [d], tmp_path / "a.pt", epochs=2, batch_tokens=256, vocab_size=32)
@@ -565,7 +565,7 @@ def test_target_features_are_computed_once_per_set(target, tmp_path, monkeypatch
 
 
 def test_heldout_split_is_per_domain_so_a_generalist_holds_out_what_each_specialist_does():
-    from adaspec.drafter_training import DistilledSample, _split
+    from adaspec.training.drafters import DistilledSample, _split
 
     def samples(domain: str, n: int) -> list[DistilledSample]:
         return [DistilledSample(f"{domain}-{i}", t, 0, [1], [2], domain) for i in range(n) for t in (0.0, 0.7)]

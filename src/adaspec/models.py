@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -100,11 +101,6 @@ def torch_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def cache_dir() -> Path:
-    """Where adaspec keeps converted models and measured cost curves."""
-    return Path(os.environ.get("ADASPEC_CACHE", Path.home() / ".cache" / "adaspec"))
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -193,9 +189,6 @@ def load_model(
     Hugging Face cache, or downloaded when the hub is reachable).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # imported here because fetch imports this module
-    from .fetch import ARTIFACTS, fetched_gguf
 
     torch_dtype = resolve_dtype(dtype)
     if not spec or not str(spec).strip():

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from .drafters import check_same_vocabulary, parse_params
-from .errors import AdaspecError, ConfigError, PromptError
-from .models import LoadedModel, load_model
+from ..drafters import check_same_vocabulary, parse_params
+from ..errors import AdaspecError, ConfigError, PromptError
+from ..models import LoadedModel, load_model
 
 PEER_NAMES = ("hf-greedy", "hf-pld[:k=10,max_ngram=2]",
               "hf-assisted:model=REF[,k=20,schedule=constant,confidence=0.4]")

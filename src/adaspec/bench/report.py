@@ -22,7 +22,7 @@ from typing import Any
 
 import typer
 
-from .errors import AdaspecError
+from ..errors import AdaspecError
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ import typer
 
 from .distill import (DEFAULT_BATCH_SIZE, DOMAINS, Progress, build_datastore_info,
                       distill_run, domain_prompts, load_distilled)
-from .errors import AdaspecError, ConfigError, ModelLoadError, PromptSetChangedError
-from .models import LoadedModel, cache_dir, target_fingerprint
+from ..errors import AdaspecError, ConfigError, ModelLoadError, PromptSetChangedError
+from ..models import LoadedModel, cache_dir, target_fingerprint
 
 POOL_FORMAT = "adaspec.pool/1"
 GENERALIST = "generalist"
@@ -284,13 +284,13 @@ def _kind_opts(train_opts: Mapping[str, Any] | None, kind: str,
 
 
 def _default_trainer() -> Trainer:
-    from .drafter_training import train_drafter
+    from .drafters import train_drafter
 
     return train_drafter
 
 
 def _default_evaluator() -> Evaluator:
-    from .drafter_training import evaluate_drafters
+    from .drafters import evaluate_drafters
 
     return evaluate_drafters
 
@@ -586,10 +586,10 @@ def pool_command(
 ) -> None:
     """Build the domain drafter pool: distil and index every domain, train a generalist, specialise it per domain."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .models import load_model, torch_threads
+    from ..models import load_model, torch_threads
+    from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
     try:
@@ -608,18 +608,7 @@ def pool_command(
             err.print(f"loading {model} ...")
             target = load_model(model)
             root = Path(out) if out else default_pool_root(target, quick=quick)
-            bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True)
-            tasks: dict[str, Any] = {}
-
-            def report(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done, total=total)
-                if done >= total:  # finished stages leave the display
-                    bar.remove_task(tasks.pop(stage))
-
-            with bar:
+            with StageProgress(err, remove_finished=True) as report:
                 manifest = build_pool(
                     target, root, domains=_split_list(domains) or DOMAINS,
                     n_prompts=counts,  # type: ignore[arg-type]
@@ -628,7 +617,7 @@ def pool_command(
                     max_new_tokens=max_new_tokens or (QUICK["max_new_tokens"] if quick else DEFAULT_POOL_TOKENS),  # type: ignore[arg-type]
                     batch_size=batch_size, seed=seed, train_opts=train_opts, specialise=not from_scratch,
                     specialist_opts=specialist_opts, retrain=retrain, heldout=not no_heldout, progress=report,
-                    on_stage=lambda msg: err.print(f"[dim]{msg}[/]"))
+                    on_stage=report.message)
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import AdaspecError
+from ..errors import AdaspecError
+from .progress import StageProgress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="adaspec: adaptive, lossless speculative decoding.")
@@ -52,8 +53,8 @@ def generate(
     rounds: bool = typer.Option(False, help="with --json: include per-round records"),
 ) -> None:
     """Generate an answer, streaming it as tokens are accepted."""
-    from .config import GenerationConfig, SamplingConfig
-    from .engine import SpeculativeEngine
+    from ..config import GenerationConfig, SamplingConfig
+    from ..engine import SpeculativeEngine
 
     try:
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
@@ -125,11 +126,9 @@ def bench(
     Writes report.md, summary.json, rounds.csv and plots."""
     import datetime as dt
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .bench import default_configs, explicit_configs, load_bench_file, run_bench
-    from .models import load_model
-    from .prompts import load_workload
+    from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench
+    from ..models import load_model
+    from ..bench.workloads import load_workload
 
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
@@ -150,7 +149,7 @@ def bench(
         if opt["temperature"] > 0 and opt["peers"]:
             raise AdaspecError("Hugging Face peers run greedy only: add --peer none for a sampling bench")
         if pool:
-            from .pool import default_pool_root, pool_specs
+            from ..training.pool import default_pool_root, pool_specs
 
             root = default_pool_root(opt["model"]) if pool == "auto" else Path(pool)
             kinds = [x.strip() for x in pool_kinds.split(",")] if pool_kinds else None
@@ -164,23 +163,21 @@ def bench(
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"])
         turns = sum(len(p.turns) for p in work)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err, transient=True) as bar:
-            task = bar.add_task("bench", total=turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0))
-
+        total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
+        with StageProgress(err) as bar:
             def step(msg: str) -> None:
-                bar.update(task, description=escape(msg[:60]), advance=1)
+                bar.step("bench", msg, total=total)
 
             run = run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"],
                             measure_costs=opt["costs"], progress=step, temperature=opt["temperature"],
                             seed=opt["seed"], suite=opt["suite"], device=opt["device"], dtype=opt["dtype"])
             if record:
-                from .trace import record as record_trace
+                from ..bench.trace import record as record_trace
 
                 t0 = time.perf_counter()
                 record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
-                             progress=lambda m: bar.update(task, description=escape("trace: " + m[:52])))
-                err.print(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
+                             progress=lambda m: bar.step("trace", m, total=turns))
+                bar.message(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         written = run.save(out_dir, plots=plots)
     except AdaspecError as exc:
@@ -243,8 +240,8 @@ def costs(
     refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
 ) -> None:
     """Measure (or show the cached) verify-cost curve of a target."""
-    from .costs import load_or_measure
-    from .models import load_model
+    from ..costs import load_or_measure
+    from ..models import load_model
 
     try:
         curve = load_or_measure(load_model(model, device=device, dtype=dtype), refresh=refresh)
@@ -284,11 +281,10 @@ def train_head_cmd(
     import time as _time
     from pathlib import Path
 
-    from rich.progress import Progress
 
-    from .headtrain import HeadTrainConfig, train_head
-    from .models import load_model
-    from .prompts import BUILTIN_PROMPTS
+    from ..training.specdecpp_head import HeadTrainConfig, train_head
+    from ..models import load_model
+    from ..bench.workloads import BUILTIN_PROMPTS
 
     try:
         if prompts is not None:
@@ -314,25 +310,20 @@ def train_head_cmd(
             err.print("[yellow]note:[/] drafter 'self' is the target itself, so every draft is "
                       "accepted (P = 1): the head is only a smoke test of the pipeline")
         elif kind == "early-exit":
-            from .drafters import early_exit_model, parse_params
+            from ..drafters import early_exit_model, parse_params
 
             params = parse_params(ref, f"drafter {spec!r}")
             if set(params) != {"layers"} or not params["layers"].isdigit():
                 raise AdaspecError(f"--drafter {spec!r}: write early-exit:layers=N")
             draft_model = early_exit_model(target, int(params["layers"]))
         else:
-            from .drafters import check_same_vocabulary
+            from ..drafters import check_same_vocabulary
 
             draft_model = load_model(ref.strip(), device=device, dtype=dtype)
             check_same_vocabulary(target, draft_model)
         start = _time.perf_counter()
-        with Progress(console=err, transient=True) as bar:
-            tasks: dict[str, int] = {}
-
-            def progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done)
+        with StageProgress(err) as bar:
+            progress = bar
 
             def on_epoch(s) -> None:
                 err.print(f"epoch {s.epoch:3d}: train loss {s.train_loss:.4f}  held-out loss "
@@ -358,12 +349,12 @@ def train_head_cmd(
 
 def _register() -> None:
     """Commands whose code lives in their own modules."""
-    from .distill import datastore_command, distill_command
-    from .drafter_training import train_drafter_command
-    from .fetch import fetch_command
-    from .pool import pool_command
-    from .replay import replay_command
-    from .report import report_command
+    from ..training.distill import datastore_command, distill_command
+    from ..training.drafters import train_drafter_command
+    from ..training.fetch import fetch_command
+    from ..training.pool import pool_command
+    from ..bench.replay import replay_command
+    from ..bench.report import report_command
 
     app.command("report")(report_command)
     app.command("distill")(distill_command)

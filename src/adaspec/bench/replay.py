@@ -39,15 +39,15 @@ from typing import Any
 
 import typer
 
-from .config import SamplingConfig, validate_k
-from .costs import CostModel
-from .drafters.base import Decision, Draft, DraftStep, StepStats
-from .errors import AdaspecError, ConfigError
-from .feedback import RoundFeedback
-from .engine import cut_at_stops
-from .metrics import RoundRates
-from .length import LengthPolicy, build_length
-from .selection import DrafterPolicy, build_selector
+from ..config import SamplingConfig, validate_k
+from ..costs import CostModel
+from ..drafters.base import Decision, Draft, DraftStep, StepStats
+from ..errors import AdaspecError, ConfigError
+from ..feedback import RoundFeedback
+from ..engine import cut_at_stops
+from ..metrics import RoundRates
+from ..length import LengthPolicy, build_length
+from ..selection import DrafterPolicy, build_selector
 from .trace import PromptTrace, Trace
 
 GREEDY = SamplingConfig()

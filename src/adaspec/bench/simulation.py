@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import SamplingConfig
-from .drafters.base import Draft
-from .feedback import RoundFeedback
+from ..config import SamplingConfig
+from ..drafters.base import Draft
+from ..feedback import RoundFeedback
 
 _SAMPLING = SamplingConfig(temperature=1.0)
 

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, PromptError
+from ..errors import ConfigError, PromptError
 
 CATEGORIES: tuple[str, ...] = ("conversation", "translation", "summarization", "qa", "math", "rag", "code",
                                "code-editing")

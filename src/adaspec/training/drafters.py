@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 import typer
 
-from .drafters.feature_head import (DEFAULT_DRAFT_VOCAB, FeatureHead, TargetFeatureForward, _atomic_save,
+from ..drafters.feature_head import (DEFAULT_DRAFT_VOCAB, FeatureHead, TargetFeatureForward, _atomic_save,
                                     _plain, causal_mask)
-from .drafters.tiny_lm import TinyLMDrafter, init_tiny_lm, save_tiny_lm
-from .errors import AdaspecError, ConfigError
-from .models import LoadedModel, target_fingerprint, torch_threads
+from ..drafters.tiny_lm import TinyLMDrafter, init_tiny_lm, save_tiny_lm
+from ..errors import AdaspecError, ConfigError
+from ..models import LoadedModel, target_fingerprint, torch_threads
 
 KINDS = ("feature-head", "tiny-lm")
 CKPT_FORMAT = "adaspec.drafter-checkpoint/1"
@@ -920,26 +920,20 @@ def train_drafter_command(
 ) -> None:
     """Train a feature-head or tiny-lm drafter on distilled data (use it with -d KIND:path=OUT)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .models import load_model
+    from ..models import load_model
+    from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
     try:
         err.print(f"loading {model} ...")
         target = load_model(model)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as bar:
-            tasks: dict[str, Any] = {}
-
+        with StageProgress(err) as bar:
             def on_progress(stage: str, done: int, total: int) -> None:
-                key = "train" if stage.startswith("epoch") else stage
-                if key not in tasks:
-                    tasks[key] = bar.add_task(stage, total=total)
-                bar.update(tasks[key], description=stage, completed=done, total=total)
+                bar("train" if stage.startswith("epoch") else stage, done, total,
+                    stage if stage.startswith("epoch") else "")
 
             def show(e: EpochStats) -> None:
-                bar.console.print(_epoch_line(e))
+                bar.message(_epoch_line(e))
 
             report = train_drafter(kind, target, data, out, epochs=epochs, lr=lr, batch_tokens=batch_tokens,
                                    vocab_size=vocab_size, heldout_fraction=heldout, seed=seed,

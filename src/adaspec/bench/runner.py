@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import GenerationConfig, SamplingConfig, validate_k
-from .drafters import Drafter, build_drafter
-from .engine import SpeculativeEngine
-from .errors import ConfigError
-from .metrics import Rates, RequestStats
-from .models import LoadedModel
-from .prompts import BUILTIN_PROMPTS, BenchPrompt
+from ..config import GenerationConfig, SamplingConfig, validate_k
+from ..drafters import Drafter, build_drafter
+from ..engine import SpeculativeEngine
+from ..errors import ConfigError
+from ..metrics import Rates, RequestStats
+from ..models import LoadedModel
+from .workloads import BUILTIN_PROMPTS, BenchPrompt
 
 SCHEMA = "adaspec.bench/1"
 AR_NAME = "AR (no drafter)"
@@ -269,7 +269,7 @@ class BenchRun:
 
     def summary(self) -> dict[str, Any]:
         """The ``summary.json`` document (schema ``adaspec.bench/1``)."""
-        from . import __version__
+        from .. import __version__
 
         regret = {}
         for c in self.configs:

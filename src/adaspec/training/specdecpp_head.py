@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .config import SamplingConfig
-from .errors import ConfigError
-from .length.specdecpp import AcceptanceHead, drafter_info, save_head
-from .models import LoadedModel
-from .sampling import process_logits
+from ..config import SamplingConfig
+from ..errors import ConfigError
+from ..length.specdecpp import AcceptanceHead, drafter_info, save_head
+from ..models import LoadedModel
+from ..sampling import process_logits
 
 Progress = Callable[[str, int, int], None]
 
@@ -190,8 +190,8 @@ def mix_tokens(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, r: float
 def encode_prompts(target: LoadedModel, prompts: Sequence[Any],
                    chat_template: bool = True) -> list[list[int]]:
     """Token ids of each prompt, encoded exactly as ``SpeculativeEngine.generate`` would."""
-    from .engine import SpeculativeEngine
-    from .prompts import BenchPrompt
+    from ..engine import SpeculativeEngine
+    from ..bench.workloads import BenchPrompt
 
     engine = SpeculativeEngine(target, ["none"])
     return [engine.encode_prompt(p.text if isinstance(p, BenchPrompt) else p, chat_template)
@@ -199,7 +199,7 @@ def encode_prompts(target: LoadedModel, prompts: Sequence[Any],
 
 
 def eos_ids_of(target: LoadedModel) -> set[int]:
-    from .engine import SpeculativeEngine
+    from ..engine import SpeculativeEngine
 
     return SpeculativeEngine(target, ["none"]).eos_ids()
 
@@ -426,8 +426,8 @@ def train_head(target: LoadedModel, drafter: LoadedModel, cfg: HeadTrainConfig,
     the head file. ``progress(stage, done, total)`` and ``on_epoch(stats)`` report progress."""
     if not cfg.prompts:
         raise ConfigError("head training needs prompts: pass a list of prompts (e.g. "
-                          "adaspec.prompts.BUILTIN_PROMPTS)")
-    from .drafters.model import check_same_vocabulary
+                          "adaspec.bench.workloads.BUILTIN_PROMPTS)")
+    from ..drafters.model import check_same_vocabulary
 
     check_same_vocabulary(target, drafter)
     prompt_ids = encode_prompts(target, cfg.prompts, cfg.chat_template)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DOMAINS: tuple[str, ...] = ("code", "math", "chat", "summarization", "translation")
 

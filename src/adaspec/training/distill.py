@@ -35,9 +35,9 @@ from typing import Annotated, Any
 import torch
 import typer
 
-from .errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
-from .models import LoadedModel, check_fingerprint, target_fingerprint
-from .training_prompts import DOMAINS, domain_prompts
+from ..errors import AdaspecError, ConfigError, ModelLoadError, PromptError, PromptSetChangedError
+from ..models import LoadedModel, check_fingerprint, target_fingerprint
+from .prompts import DOMAINS, domain_prompts
 
 log = logging.getLogger(__name__)
 
@@ -245,13 +245,13 @@ class DistillRun:
 
 
 def _eos_ids(target: LoadedModel) -> set[int]:
-    from .engine import SpeculativeEngine
+    from ..engine import SpeculativeEngine
 
     return SpeculativeEngine(target, ["none"]).eos_ids()
 
 
 def _encode(target: LoadedModel, prompts: Sequence[tuple[str, PromptInput]], chat_template: bool) -> list[list[int]]:
-    from .engine import SpeculativeEngine
+    from ..engine import SpeculativeEngine
 
     engine = SpeculativeEngine(target, ["none"])
     out = []
@@ -460,7 +460,7 @@ def build_datastore(distilled_dirs: Sequence[str | Path], out_file: str | Path, 
 def build_datastore_info(distilled_dirs: Sequence[str | Path], out_file: str | Path, max_tokens: int = 1_000_000,
                          *, min_match: int = 2, target: LoadedModel | None = None) -> DatastoreInfo:
     """``build_datastore`` returning the document and token counts as well."""
-    from .drafters.suffix import SuffixDatastore
+    from ..drafters.suffix import SuffixDatastore
 
     if not distilled_dirs:
         raise ConfigError("build_datastore needs at least one distilled set")
@@ -496,23 +496,6 @@ def build_datastore_info(distilled_dirs: Sequence[str | Path], out_file: str | P
 # =============================================================================================
 # Commands (registered by cli.py)
 # =============================================================================================
-def rich_progress(console: Any) -> tuple[Any, Progress]:
-    """A rich progress display and a ``progress(stage, done, total)`` callback feeding it."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-    from rich.progress import TimeRemainingColumn
-
-    bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-              TimeRemainingColumn(), console=console, transient=True)
-    tasks: dict[str, Any] = {}
-
-    def report(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, total=total)
-
-    return bar, report
-
-
 def distill_command(
     domain: Annotated[str, typer.Option("--domain", help=f"training domain: {', '.join(DOMAINS)} (or a "
                                         "name for --prompts)")] = "code",
@@ -534,7 +517,8 @@ def distill_command(
     """Generate self-distillation data: the target's responses to a domain's prompts (resumable)."""
     from rich.console import Console
 
-    from .models import cache_dir, load_model, torch_threads
+    from ..cli.progress import StageProgress
+    from ..models import cache_dir, load_model, torch_threads
 
     err = Console(stderr=True)
     try:
@@ -543,8 +527,7 @@ def distill_command(
             folder = Path(out) if out else cache_dir() / "distill" / Path(model).name / domain
             err.print(f"loading {model} ...")
             target = load_model(model)
-            bar, report = rich_progress(err)
-            with bar:
+            with StageProgress(err) as report:
                 run = distill_run(target, chosen, folder, domain=domain,
                                   temperatures=temperature or DEFAULT_TEMPERATURES, samples_per_temperature=samples,
                                   max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,

@@ -47,12 +47,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import GenerationConfig, SamplingConfig
-from .costs import VerifyCostCurve, load_or_measure
-from .drafters import Decision, Drafter, DraftStep, build_drafter
-from .errors import AdaspecError, ConfigError
-from .length.rules import drafter_probs, stats_of
-from .models import LoadedModel, as_loaded, check_fingerprint, target_fingerprint
+from ..config import GenerationConfig, SamplingConfig
+from ..costs import VerifyCostCurve, load_or_measure
+from ..drafters import Decision, Drafter, DraftStep, build_drafter
+from ..errors import AdaspecError, ConfigError
+from ..length.rules import drafter_probs, stats_of
+from ..models import LoadedModel, as_loaded, check_fingerprint, target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class TraceRecorder:
                  tree: bool | None = None):
         """``tree``: score off-path branches with tree attention (True), one by one (False), or
         tree attention once it has been checked against one-by-one scoring (None)."""
-        from .engine import SpeculativeEngine
+        from ..engine import SpeculativeEngine
 
         if not drafters:
             raise ConfigError("record at least one drafter: e.g. drafters=['prompt-lookup', 'suffix']")
@@ -532,7 +532,7 @@ class TraceRecorder:
     def _features(self, path: list[int]) -> Any:
         """A FeatureBuffer with the target's final hidden state at every path position, for
         drafters that draft from target features (they read only rows of the current prefix)."""
-        from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
+        from ..drafters.feature_head import FeatureBuffer, TargetFeatureForward
 
         if self._feature_forward is None:
             self._feature_forward = TargetFeatureForward(self.loaded.model)
@@ -546,8 +546,8 @@ class TraceRecorder:
     def calibrate(self) -> list[DrafterCosts]:
         """Per-drafter costs from one live round-robin run over the drafters and ``none`` on the
         first prompt (so every drafter drafts, prefills and catches up as in the engine)."""
-        from .engine import SpeculativeEngine
-        from .selection.baselines import RoundRobinPolicy
+        from ..engine import SpeculativeEngine
+        from ..selection.baselines import RoundRobinPolicy
 
         if not self.prompts:
             return [DrafterCosts() for _ in self.drafters]
@@ -589,7 +589,7 @@ class TraceRecorder:
             "describe": [d.describe() for d in self.drafters],
         }
         try:
-            from . import __version__
+            from .. import __version__
             info["adaspec_version"] = __version__
         except ImportError:  # pragma: no cover
             pass
@@ -644,7 +644,7 @@ def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any
         if turns is None:
             rec.add(p)
             continue
-        from .bench import _turn_prompt
+        from .runner import _turn_prompt
 
         answers: list[str] = []
         for j in range(len(turns)):
