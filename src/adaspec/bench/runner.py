@@ -9,7 +9,7 @@ answer, so every configuration sees the same context.
 
 The result is a ``BenchRun``: one ``PromptRecord`` per (configuration, prompt), the per-round
 records, and ``summary()``, the ``summary.json`` document (schema ``adaspec.bench/1``,
-docs/summary-schema.md) from which ``adaspec.report`` writes report.md and the plots.
+docs/summary-schema.md) from which ``adaspec.bench.report`` writes report.md and the plots.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ class BenchRun:
         return "\n".join(lines)
 
     def save(self, out_dir: str | Path, plots: bool = True) -> list[Path]:
-        """Write summary.json, rounds.csv and (via ``adaspec.report``) report.md and plots."""
+        """Write summary.json, rounds.csv and (via ``adaspec.bench.report``) report.md and plots."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         summary = self.summary()

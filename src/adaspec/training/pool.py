@@ -51,7 +51,7 @@ GENERALIST = "generalist"
 TRAINABLE_KINDS: tuple[str, ...] = ("feature-head", "tiny-lm")
 SPEC_KINDS: tuple[str, ...] = (*TRAINABLE_KINDS, "suffix")
 #: defaults of the full pool: training prompts per domain, greedy responses of <= 128 tokens.
-#: The budget is set by CPU time (measured, see the README section): distillation runs at ~100
+#: The budget is set by CPU time (measured, see docs/training.md, "How long it takes"): distillation runs at ~100
 #: tokens/s, the target features (cached per set, shared by the generalist and the specialists)
 #: at ~5 ms per token and head training at ~0.5 ms per token and epoch on a quiet 2-core
 #: machine. Greedy-only data match greedy decoding, and more prompts generalise better than more
