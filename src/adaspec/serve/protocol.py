@@ -139,6 +139,12 @@ class CompletionRequest(_Common):
         return out
 
 
+def _is_type_tag(part: str | int) -> bool:
+    """Union members in pydantic error locations ('str', 'list[int]', 'TextPart'), not fields."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none", "dict"}
+                                      or "[" in part or part[:1].isupper())
+
+
 def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     """Parse and validate a JSON body; every problem becomes a 400 naming the parameter."""
     try:
@@ -151,7 +157,7 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
         req = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
         msg = first["msg"]
         if first["type"] == "missing":
             msg = f"'{param}' is required"

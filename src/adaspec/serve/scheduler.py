@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +82,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    on_cancel: Callable[[Job], None] | None = None  # set by the scheduler while the job waits
 
     def emit(self, event: Event) -> None:
         """Thread-safe: deliver an event to the handler's loop."""
@@ -92,6 +93,8 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
 
 class QueueFull(Exception):
@@ -197,20 +200,24 @@ class EngineExecutor:
 
 
 class Scheduler:
-    """A bounded FIFO of jobs in front of one worker thread that runs ``execute``."""
+    """A bounded FIFO of jobs in front of one worker thread that runs ``execute``. A job whose
+    client leaves while it waits is taken out of the queue at once (its place is free)."""
 
     def __init__(self, execute: Callable[[Job], str], max_queue: int, metrics: ServerMetrics):
         self._execute = execute
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._max = max_queue
+        self._jobs: deque[Job] = deque()
+        self._cond = threading.Condition()
         self._metrics = metrics
         self._thread: threading.Thread | None = None
         self._mean_s = 1.0  # running mean of service time, for Retry-After
+        self._stop = False
         self.closing = False
         self.running = 0
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return len(self._jobs)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="adaspec-engine", daemon=True)
@@ -221,18 +228,33 @@ class Scheduler:
         if self.closing:
             raise APIError(503, "the server is shutting down: retry on another instance",
                            type="server_error", code="shutting_down")
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(max(1, round(self._mean_s * self.waiting))) from None
-        self._metrics.queue_length.set(self.waiting)
+        with self._cond:
+            if len(self._jobs) >= self._max:
+                raise QueueFull(max(1, round(self._mean_s * (len(self._jobs) + 1))))
+            self._jobs.append(job)
+            job.on_cancel = self._discard
+            self._metrics.queue_length.set(len(self._jobs))
+            self._cond.notify()
+
+    def _discard(self, job: Job) -> None:
+        with self._cond:
+            if job in self._jobs:
+                self._jobs.remove(job)
+                self._metrics.queue_length.set(len(self._jobs))
+                self._metrics.requests.labels(job.plan.endpoint, "cancelled").inc()
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while not self._jobs and not self._stop:
+                self._cond.wait()
+            if not self._jobs:
+                return None
+            job = self._jobs.popleft()
+            self._metrics.queue_length.set(len(self._jobs))
+            return job
 
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            self._metrics.queue_length.set(self.waiting)
-            if job is None:
-                return
+        while (job := self._next()) is not None:
             if self.closing:
                 job.emit(Failed(APIError(503, "the server shut down before serving this request",
                                          type="server_error", code="shutting_down")))
@@ -256,11 +278,8 @@ class Scheduler:
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new jobs, end queued ones with 503, let the running one finish, join."""
         self.closing = True
-        if self._thread is None:
-            return
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            log.warning("the engine worker did not drain its queue in %ss", timeout)
-            return
-        self._thread.join(timeout)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
