@@ -73,7 +73,7 @@ def start_cli_server(model_dir: str, port: int, state_file: Path, *extra: str,
     cmd = [sys.executable, "-c", "import sys; from adaspec.cli import main; sys.argv=['adaspec', "
            "*sys.argv[1:]]; main()", "serve", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--threads", "1", "--state-file", str(state_file),
-           "--log-level", "warning", *extra]
+           "--log-level", "warning", "--served-model-name", "tiny", *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
