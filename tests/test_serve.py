@@ -285,6 +285,25 @@ def test_a_client_leaving_mid_stream_cancels_its_generation(live, client, refere
     assert resp.choices[0].message.content == expected(reference, CHAT, 8).text
 
 
+def test_requests_past_the_timeout_get_504(model_dir):
+    app = make_app(model_dir, timeout_s=0.5)
+    gate = Gate(app)
+    body = _msgs(max_tokens=4, temperature=0)
+
+    async def scenario(base):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            first = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            await asyncio.to_thread(wait_for, lambda: gate.started, 30, "the first job to start")
+            late = await http.post("/v1/chat/completions", json={**body, "stream": True})  # queued
+            gate.event.set()
+            return await first, late
+
+    with serve_in_thread(app) as base:
+        first, late = asyncio.run(scenario(base))
+    for resp in (first, late):
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+
+
 class _InlineLoop:
     """Stands in for the event loop: delivers a job's events at once, then calls ``after``."""
 
@@ -424,3 +443,16 @@ def test_text_assembler_holds_back_possible_stops_and_broken_utf8():
 def test_api_error_body_shape():
     assert APIError(429, "slow down", type="rate_limit_error", code="queue_full").body() == {
         "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
+
+
+def test_bench_serve_drives_a_live_server(live):
+    from adaspec.bench.serve_load import markdown, percentile, run_level
+    from adaspec.bench.workloads import BenchPrompt
+
+    prompts = [BenchPrompt.single("copy", "w01 w02 w03 w01 w02"), BenchPrompt.single("other", "w09 w04")]
+    result = asyncio.run(run_level(f"{live[0]}/v1", MODEL, prompts, concurrency=2, requests=4, max_tokens=6))
+    assert result.requests == 4 and result.tokens == 24 and result.tokens_per_s > 0
+    assert 0 <= result.ttft_p50 <= result.ttft_p95 and 0 <= result.itl_p50 <= result.itl_p95
+    assert result.mat is not None and result.mat >= 1
+    assert markdown("tiny", [result]).count("\n") == 2
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0 and percentile([4.0], 95) == 4.0

@@ -413,6 +413,7 @@ def _register() -> None:
     from ..training.pool import pool_command
     from ..bench.replay import replay_command
     from ..bench.report import report_command
+    from ..bench.serve_load import bench_serve_command
 
     app.command("report")(report_command)
     app.command("distill")(distill_command)
@@ -421,6 +422,7 @@ def _register() -> None:
     app.command("fetch")(fetch_command)
     app.command("replay")(replay_command)
     app.command("train-drafter")(train_drafter_command)
+    app.command("bench-serve")(bench_serve_command)
 
 
 _register()

@@ -32,7 +32,8 @@ from ..selection import build_selector
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, AdaspecOptions, bad_request,
                        chunk_body, completion_body, new_id, parse_body, usage)
-from .scheduler import Delta, EngineExecutor, Event, Failed, Finished, Job, Plan, QueueFull, Scheduler
+from .scheduler import (Delta, EngineExecutor, Event, Failed, Finished, Job, Plan, QueueFull, Scheduler,
+                        timeout_error)
 from .state import LearntState
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,8 @@ class Server:
                                             self._stats(job.plan, event)))
 
     async def _next(self, job: Job, request: Request) -> Event | None:
-        """The job's next event; None (and the job cancelled) if the client disconnects first."""
+        """The job's next event; None (and the job cancelled) if the client disconnects first,
+        a timeout failure if the deadline passes first (e.g. still queued behind a long job)."""
         while True:
             try:
                 return await asyncio.wait_for(job.events.get(), 0.25)
@@ -234,6 +236,9 @@ class Server:
                 if await request.is_disconnected():
                     job.cancel()
                     return None
+                if time.monotonic() > job.deadline + 1.0:  # the worker reports it itself if it can
+                    job.cancel()
+                    return Failed(timeout_error(self.config.timeout_s))
 
     async def _events(self, job: Job, first: Event, kind: Kind, rid: str,
                       include_usage: bool) -> AsyncIterator[dict[str, str]]:
