@@ -3,6 +3,7 @@
 # autoregressive: -d none; default: prompt-lookup + suffix, cost-ucb, cost-model), drive each with
 # `adaspec bench-serve` at concurrency 1, 4 and 16, print both tables. Usage:
 #   scripts/bench_serve.sh [MODEL] [OUT_DIR]      (defaults: smollm2, bench-serve/)
+# Environment: SERVE_ARGS (e.g. "--threads 1"), BENCH_ARGS (e.g. "--max-tokens 32 --requests 8"), PORT.
 set -euo pipefail
 MODEL=${MODEL:-${1:-smollm2}}
 OUT=${2:-bench-serve}
@@ -12,7 +13,7 @@ mkdir -p "$OUT"
 
 run() {  # run LABEL [serve options...]
   local label=$1; shift
-  $ADASPEC serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --no-state --log-level warning "$@" \
+  $ADASPEC serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --no-state --log-level warning ${SERVE_ARGS:-} "$@" \
     > "$OUT/$label.server.log" 2>&1 &
   local pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT

@@ -231,37 +231,51 @@ class Gate:
         self.event.wait(60)
         return self.inner(job)
 
+    async def hold(self, http, body):
+        """Send a request and wait until it holds the worker; returns its task."""
+        task = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+        await asyncio.to_thread(wait_for, lambda: self.started, 30, "the first job to start")
+        return task
 
-def test_full_queue_answers_429_and_a_gone_client_frees_its_slot(model_dir, reference):
-    app = make_app(model_dir, max_queue=1)
+
+def run_gated(model_dir, scenario, **overrides):
+    """Run ``scenario(http, gate)`` against a live gated server; returns (app, its result)."""
+    app = make_app(model_dir, **overrides)
     gate = Gate(app)
-    body = _msgs(max_tokens=6, temperature=0)
 
-    async def scenario(base):
+    async def main(base):
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            first = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-            await asyncio.to_thread(wait_for, lambda: gate.started, 30, "the first job to start")
-            # the queue (1 place) takes a streaming request whose client then goes away
-            gone = asyncio.create_task(http.post("/v1/chat/completions", json={**body, "stream": True}))
-            await asyncio.to_thread(wait_for, lambda: gate.scheduler.waiting == 1, 30, "a queued job")
-            full = await http.post("/v1/chat/completions", json=body)
-            assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
-            assert full.json()["error"]["code"] == "queue_full"
-            queued = gate.scheduler._jobs[0]
-            gone.cancel()  # closes its connection
-            await asyncio.to_thread(wait_for, lambda: gate.scheduler.waiting == 0, 30,
-                                    "the disconnect to free the queue place")
-            assert queued.cancelled.is_set()
-            again = asyncio.create_task(http.post("/v1/chat/completions", json=body))  # takes the place
-            gate.event.set()
-            assert (await first).status_code == 200
-            nxt = await again
-            assert nxt.status_code == 200
-            assert nxt.json()["choices"][0]["message"]["content"] == expected(reference, body["messages"], 6).text
-            return queued
+            return await scenario(http, gate)
 
     with serve_in_thread(app) as base:
-        queued = asyncio.run(scenario(base))
+        return app, asyncio.run(main(base))
+
+
+def test_full_queue_answers_429_and_a_gone_client_frees_its_slot(model_dir, reference):
+    body = _msgs(max_tokens=6, temperature=0)
+
+    async def scenario(http, gate):
+        first = await gate.hold(http, body)
+        # the queue (1 place) takes a streaming request whose client then goes away
+        gone = asyncio.create_task(http.post("/v1/chat/completions", json={**body, "stream": True}))
+        await asyncio.to_thread(wait_for, lambda: gate.scheduler.waiting == 1, 30, "a queued job")
+        full = await http.post("/v1/chat/completions", json=body)
+        assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
+        assert full.json()["error"]["code"] == "queue_full"
+        queued = gate.scheduler._jobs[0]
+        gone.cancel()  # closes its connection
+        await asyncio.to_thread(wait_for, lambda: gate.scheduler.waiting == 0, 30,
+                                "the disconnect to free the queue place")
+        assert queued.cancelled.is_set()
+        again = asyncio.create_task(http.post("/v1/chat/completions", json=body))  # takes the place
+        gate.event.set()
+        assert (await first).status_code == 200
+        nxt = await again
+        assert nxt.status_code == 200
+        assert nxt.json()["choices"][0]["message"]["content"] == expected(reference, body["messages"], 6).text
+        return queued
+
+    app, queued = run_gated(model_dir, scenario, max_queue=1)
     assert queued.events.empty()  # skipped: never generated, nothing sent
     metrics = app.state.server.metrics.render().decode()
     assert 'adaspec_requests_total{endpoint="chat",status="cancelled"} 1.0' in metrics
@@ -286,20 +300,15 @@ def test_a_client_leaving_mid_stream_cancels_its_generation(live, client, refere
 
 
 def test_requests_past_the_timeout_get_504(model_dir):
-    app = make_app(model_dir, timeout_s=0.5)
-    gate = Gate(app)
     body = _msgs(max_tokens=4, temperature=0)
 
-    async def scenario(base):
-        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            first = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-            await asyncio.to_thread(wait_for, lambda: gate.started, 30, "the first job to start")
-            late = await http.post("/v1/chat/completions", json={**body, "stream": True})  # queued
-            gate.event.set()
-            return await first, late
+    async def scenario(http, gate):
+        first = await gate.hold(http, body)
+        late = await http.post("/v1/chat/completions", json={**body, "stream": True})  # queued
+        gate.event.set()
+        return await first, late
 
-    with serve_in_thread(app) as base:
-        first, late = asyncio.run(scenario(base))
+    _, (first, late) = run_gated(model_dir, scenario, timeout_s=0.5)
     for resp in (first, late):
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
 

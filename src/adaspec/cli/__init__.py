@@ -78,11 +78,12 @@ def generate(
 @app.command()
 def serve(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
-    drafter: list[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d", help=DRAFTER_HELP),
-    selector: str = typer.Option("cost-ucb:scope=global", "--selector", "-s",
-                                 help="drafter policy; scope=global keeps learning across requests"),
-    length: str = typer.Option("cost-model:scope=global", "--length", "-l",
-                               help="length policy, or 'static' for a fixed K (-k)"),
+    drafter: list[str] = typer.Option([], "--drafter", "-d",
+                                      help=DRAFTER_HELP + " (default: prompt-lookup and suffix)"),
+    selector: str | None = typer.Option(None, "--selector", "-s", help="drafter policy (default: "
+                                        "cost-ucb:scope=global, which keeps learning across requests)"),
+    length: str | None = typer.Option(None, "--length", "-l", help="length policy, or 'static' for a "
+                                      "fixed K (-k) (default: cost-model:scope=global)"),
     k: int = typer.Option(5, "--k", "-k", help="draft length of the static length policy"),
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(8000, help="port to listen on"),
@@ -108,9 +109,12 @@ def serve(
     from ..engine import SpeculativeEngine
 
     try:
-        from ..serve import ServeConfig, run_server
+        from ..serve import DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, run_server
     except ImportError as exc:
         _fail(AdaspecError(f"{exc}: install the server's dependencies with pip install 'adaspec[serve]'"))
+    drafter = drafter or list(DEFAULT_DRAFTERS)
+    selector = selector or DEFAULT_SELECTOR
+    length = length or DEFAULT_LENGTH
     if threads:
         import torch
 

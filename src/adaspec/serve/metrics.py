@@ -27,15 +27,15 @@ class ServerMetrics:
                                       ["drafter"], registry=r)
         self.queue_length = Gauge("adaspec_queue_length", "Requests waiting for the engine", registry=r)
         self.running = Gauge("adaspec_requests_running", "Requests being generated", registry=r)
-        self.queue_wait = Histogram("adaspec_queue_wait_seconds", "Time from arrival to the engine",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("adaspec_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("adaspec_request_latency_seconds", "Time from arrival to the last token",
-                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("adaspec_time_per_output_token_seconds",
-                              "Mean time between tokens after the first, per request",
-                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = self._latency("adaspec_queue_wait_seconds", "Time from arrival to the engine")
+        self.ttft = self._latency("adaspec_time_to_first_token_seconds", "Time from arrival to the first token")
+        self.latency = self._latency("adaspec_request_latency_seconds", "Time from arrival to the last token",
+                                     ["endpoint"])
+        self.tpot = self._latency("adaspec_time_per_output_token_seconds",
+                                  "Mean time between tokens after the first, per request")
+
+    def _latency(self, name: str, doc: str, labels: tuple[str, ...] | list[str] = ()) -> Histogram:
+        return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
