@@ -11,6 +11,7 @@ The output is the target's (greedy: token for token; sampling: in distribution).
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import time
@@ -102,10 +103,30 @@ class SpeculativeEngine:
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
         #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
         self.cost_model = CostModel()
+        self._attach_costs()
+
+    def _attach_costs(self) -> None:
         for policy in (self.selector, self.length):
             if getattr(policy, "wants_costs", False):
                 self.cost_model.curve = self.verify_costs()
                 policy.costs = self.cost_model
+
+    def with_policies(self, drafters: Sequence[int] | None = None, *,
+                      selector: str | DrafterPolicy | None = None,
+                      length: str | int | LengthPolicy | None = None, k: int = 5) -> SpeculativeEngine:
+        """A view that shares this engine's target, drafter instances and cost model but drafts
+        with the drafters at indices ``drafters`` (default: all) and its own policies (None:
+        static first drafter / static ``k``): per-request configurations in a server."""
+        view = copy.copy(self)
+        if drafters is not None:
+            if not drafters or any(not 0 <= i < len(self.drafters) for i in drafters):
+                raise ConfigError(f"drafter indices {list(drafters)} do not select from the "
+                                  f"{len(self.drafters)} loaded drafter(s)")
+            view.drafters = [self.drafters[i] for i in drafters]
+        view.selector = build_selector(selector)
+        view.length = build_length(length, k)
+        view._attach_costs()
+        return view
 
     @classmethod
     def from_pretrained(cls, model: str = DEFAULT_MODEL,

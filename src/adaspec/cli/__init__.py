@@ -75,6 +75,68 @@ def generate(
         _fail(exc)
 
 
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    drafter: list[str] = typer.Option([], "--drafter", "-d",
+                                      help=DRAFTER_HELP + " (default: prompt-lookup and suffix)"),
+    selector: str | None = typer.Option(None, "--selector", "-s", help="drafter policy (default: "
+                                        "cost-ucb:scope=global, which keeps learning across requests)"),
+    length: str | None = typer.Option(None, "--length", "-l", help="length policy, or 'static' for a "
+                                      "fixed K (-k) (default: cost-model:scope=global)"),
+    k: int = typer.Option(5, "--k", "-k", help="draft length of the static length policy"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8000, help="port to listen on"),
+    served_name: str | None = typer.Option(None, "--served-model-name",
+                                           help="model id clients send (default: --model)"),
+    max_queue: int = typer.Option(64, help="queued requests before answering 429"),
+    timeout: float = typer.Option(600.0, help="per-request timeout in seconds (queue included)"),
+    max_tokens: int = typer.Option(256, help="max_tokens when a request does not set it"),
+    state_file: Path | None = typer.Option(None, help="learnt-state file (default: in the adaspec "
+                                                      "cache, one per model and pool)"),
+    no_state: bool = typer.Option(False, help="neither restore nor save the learnt state"),
+    save_every: int = typer.Option(50, help="save the learnt state every N requests (and at exit)"),
+    grace: float = typer.Option(30.0, help="seconds in-flight requests get to finish at shutdown"),
+    threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)"),
+    device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda"),
+    dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16"),
+    log_level: str = typer.Option("info", help="uvicorn log level"),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
+    import hashlib
+
+    from ..artifacts import cache_dir
+    from ..engine import SpeculativeEngine
+
+    try:
+        from ..serve import DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, run_server
+    except ImportError as exc:
+        _fail(AdaspecError(f"{exc}: install the server's dependencies with pip install 'adaspec[serve]'"))
+    drafter = drafter or list(DEFAULT_DRAFTERS)
+    selector = selector or DEFAULT_SELECTOR
+    length = length or DEFAULT_LENGTH
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
+                                                   selector=selector, length=length, k=k)
+        if no_state:
+            state_file = None
+        elif state_file is None:
+            digest = hashlib.sha256(json.dumps([model, drafter]).encode()).hexdigest()[:12]
+            state_file = cache_dir() / "serve" / f"state-{digest}.json"
+        config = ServeConfig(model_id=served_name or model, selector=selector, length=length, k=k,
+                             max_queue=max_queue, timeout_s=timeout, state_file=state_file,
+                             save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace)
+    except AdaspecError as exc:
+        _fail(exc)
+    err.print(f"[dim]serving {config.model_id} on http://{host}:{port}/v1 with {engine.drafter_names}, "
+              f"selector {selector}, length {length}; state file: {state_file}[/]")
+    run_server(engine, config, host=host, port=port, log_level=log_level)
+
+
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": "float32", "suite": "mixed", "per_category": 2,
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["hedgespec"],
@@ -355,6 +417,7 @@ def _register() -> None:
     from ..training.pool import pool_command
     from ..bench.replay import replay_command
     from ..bench.report import report_command
+    from ..bench.serve_load import bench_serve_command
 
     app.command("report")(report_command)
     app.command("distill")(distill_command)
@@ -363,6 +426,7 @@ def _register() -> None:
     app.command("fetch")(fetch_command)
     app.command("replay")(replay_command)
     app.command("train-drafter")(train_drafter_command)
+    app.command("bench-serve")(bench_serve_command)
 
 
 _register()

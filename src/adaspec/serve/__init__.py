@@ -1,0 +1,10 @@
+"""``adaspec serve``: an OpenAI-compatible streaming server that learns from its traffic.
+
+app.py (FastAPI app factory and uvicorn runner), protocol.py (request / response shapes and
+OpenAI error JSON), scheduler.py (bounded queue and the engine worker), state.py (learnt state
+and its file), metrics.py (Prometheus), output.py (stop strings and streamed text).
+"""
+
+from .app import DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, create_app, run_server
+
+__all__ = ["DEFAULT_DRAFTERS", "DEFAULT_LENGTH", "DEFAULT_SELECTOR", "ServeConfig", "create_app", "run_server"]
