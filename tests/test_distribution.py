@@ -145,11 +145,10 @@ def _bonus_from_wrong_row(p, drafts, q, generator):
     return v
 
 
-class _NoCropCache(DynamicCache):
-    """BUG: the target's KV cache is not rolled back after a rejection."""
-
-    def crop(self, max_length: int) -> None:
-        pass
+def _no_crop(cache: DynamicCache, max_length: int) -> None:
+    """BUG: the target's KV cache is not rolled back after a rejection (DynamicCache.crop
+    does nothing; the class itself is patched: ``transformers`` may re-register its lazy
+    module, so patching the ``transformers.DynamicCache`` attribute is not reliable)."""
 
 
 class DenseQLookup(PromptLookupDrafter):
@@ -169,7 +168,7 @@ class DenseQLookup(PromptLookupDrafter):
 
 BUGS = {"residual-from-p": ("adaspec.engine.verify_sampling", _residual_from_p),
         "bonus-from-wrong-row": ("adaspec.engine.verify_sampling", _bonus_from_wrong_row),
-        "cache-not-rolled-back": ("transformers.DynamicCache", _NoCropCache)}
+        "cache-not-rolled-back": (DynamicCache, "crop", _no_crop)}
 
 
 def inject(bug: str | None, monkeypatch) -> None:
@@ -345,3 +344,33 @@ def test_adaptive_length_policies_keep_the_distribution(length, monkeypatch):
     exact = exact_distribution(target, PROMPT3, cfg, 3)
     runs = run_engine(engine, PROMPT3, 3, seed0=50_000, temperature=1.0)
     check_exact(runs, exact, f"3 tokens, length policy {length}")
+
+
+# -- longer outputs: drafter switching, catch-up and full-information evaluation ---------------
+V6 = 5
+N6 = 6  # generated tokens: 3-5 rounds per request, so switching and catch-up happen mid-request
+N_RUNS6 = 1500
+PROMPT6 = [1, 3, 2, 4, 1, 3, 2, 4, 1, 3]  # repeats: prompt lookup proposes from the first round
+
+
+@pytest.mark.parametrize("selector", ["round-robin", "hedgespec"], ids=["switching+catch-up", "full-information"])
+def test_six_tokens_with_switching_catch_up_and_full_information(selector):
+    """Two drafters (a bad model drafter with dense q, and prompt lookup with one-hot q) over
+    6 tokens (k=2, so 3+ rounds): round-robin switches drafter every round, so each drafter
+    catches up on the tokens the other produced; hedgespec (full information) scores every
+    other drafter on the verified tokens each round. The output distribution over all
+    V**6 = 15625 sequences must equal the target's: chi-square tests at alpha = 0.001 on the
+    joint distribution (sparse cells merged) and on each position's marginal (7 tests, so a
+    family-wise level of at most 0.007 by Bonferroni), over 1500 fixed seeds."""
+    target = make_tiny_model(seed=0, vocab=V6, init_std=0.3, lm_head_scale=2.0)
+    bad = make_tiny_model(seed=7, vocab=V6, init_std=0.3, lm_head_scale=3.0)
+    engine = SpeculativeEngine(target, [ModelDrafter(as_loaded(bad), V6), PromptLookupDrafter()],
+                               selector=selector, k=2)
+    exact = exact_distribution(target, PROMPT6, SamplingConfig(temperature=1.0), N6)
+    runs = run_engine(engine, PROMPT6, N6, n_runs=N_RUNS6, seed0=60_000, temperature=1.0)
+    check_exact(runs, exact, f"6 tokens, {selector}")
+    assert runs.rounds >= 3 * N_RUNS6  # several rounds per request: switching happened
+    for pos in range(N6):
+        axes = tuple(a for a in range(N6) if a != pos)
+        stat, pvalue, cells = chisquare_gof(runs.counts.sum(axis=axes), exact.sum(axis=axes))
+        assert pvalue > ALPHA, f"{selector}: marginal of token {pos}: chi-square {stat:.1f}, p = {pvalue:.2e}"

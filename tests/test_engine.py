@@ -23,11 +23,6 @@ PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 PROMPT2 = [7, 3, 9, 22, 14, 5, 30, 2, 11, 8]
 
 
-def _tiny_model(seed: int = 0, vocab: int = VOCAB, max_pos: int = 512) -> LlamaForCausalLM:
-    """A tiny randomly initialised Llama (deterministic for a given seed)."""
-    return make_tiny_model(seed, vocab, max_positions=max_pos)
-
-
 def _word_tokenizer(**special) -> PreTrainedTokenizerFast:
     return word_tokenizer(WORDS, **special)
 
@@ -39,13 +34,13 @@ def _hf_greedy(model, prompt, n, **kw) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    return _tiny_model(seed=0)
+def model(init_std) -> LlamaForCausalLM:
+    return make_tiny_model(0, VOCAB, init_std=init_std)
 
 
 @pytest.fixture(scope="module")
 def small_window() -> LlamaForCausalLM:
-    return _tiny_model(seed=0, max_pos=64)
+    return make_tiny_model(0, VOCAB, max_positions=64)
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +152,9 @@ def _pick_eos(ar: list[int]) -> tuple[int, int]:
 
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "self", "none"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_stops_at_eos_like_hf(ar, drafter, k):
+def test_stops_at_eos_like_hf(ar, init_std, drafter, k):
     eos, at = _pick_eos(ar)
-    model = _tiny_model(seed=0)  # own copy: its generation config is changed
+    model = make_tiny_model(0, VOCAB, init_std=init_std)  # own copy: its generation config is changed
     model.generation_config.eos_token_id = eos
     ref = _hf_greedy(model, PROMPT, 40)
     assert ref == ar[: at + 1] and ref[-1] == eos
