@@ -103,6 +103,23 @@ def test_cli_generate_json(model_dir):
     assert len(out["token_ids"]) == 6 and out["stats"]["new_tokens"] == 6
 
 
+def test_cli_generate_streams_plain_text(model_dir):
+    """Without --json: the streamed text and a newline on stdout, the statistics on stderr;
+    the text is what the library generates with the same options."""
+    from adaspec import SpeculativeEngine
+    from adaspec.models import load_model
+
+    prompt = "w01 w02 w03 w01 w02"
+    res = CliRunner().invoke(app, ["generate", prompt, "-m", model_dir, "-n", "7", "--no-chat-template",
+                                   "-d", "prompt-lookup", "-k", "3"])
+    assert res.exit_code == 0, res.output
+    expected = SpeculativeEngine(load_model(model_dir), ["prompt-lookup"], k=3).generate(
+        prompt, max_new_tokens=7, chat_template=False)
+    assert expected.text and res.stdout == expected.text + "\n"
+    summary = " ".join(res.stderr.split())
+    assert "7 tokens in" in summary and "MAT" in summary and "stop: max_new_tokens" in summary
+
+
 @pytest.mark.parametrize("args,needle", [
     (["-d", "nonsense"], "unknown drafter"),
     (["-k", "0"], "k must be"),
