@@ -158,3 +158,19 @@ def test_every_command_has_a_case():
     covered = {args[0] for args, _ in CASES}
     assert len(commands) >= 11
     assert commands == covered, f"commands without a bad-option case: {sorted(commands - covered)}"
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "hi", "-n", "2"], ["bench", "--no-costs"], ["costs"], ["train-head"], ["distill", "-n", "2"],
+    ["build-pool", "--quick"], ["fetch", "qwen2.5-coder-0.5b"], ["replay", "t.npz"],
+    ["build-datastore", "distilled", "-o", "ds.jsonl"],
+    ["train-drafter", "--kind", "feature-head", "--data", "distilled", "-o", "h.pt"],
+], ids=lambda a: a[0])
+def test_the_guard_stops_valid_commands(args, no_work, tmp_path, monkeypatch):
+    """Control of the structural proof: with valid options the same commands do reach a
+    guarded step, so a bad option that got past the checks could not pass unnoticed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "distilled").mkdir()
+    (tmp_path / "t.npz").write_bytes(b"never read")
+    res = CliRunner().invoke(app, args)
+    assert isinstance(res.exception, WorkStarted), (args, res.exit_code, res.output)
