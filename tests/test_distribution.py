@@ -349,7 +349,7 @@ def test_adaptive_length_policies_keep_the_distribution(length, monkeypatch):
 # -- longer outputs: drafter switching, catch-up and full-information evaluation ---------------
 V6 = 5
 N6 = 6  # generated tokens: 3-5 rounds per request, so switching and catch-up happen mid-request
-N_RUNS6 = 1500
+N_RUNS6 = 1000
 PROMPT6 = [1, 3, 2, 4, 1, 3, 2, 4, 1, 3]  # repeats: prompt lookup proposes from the first round
 
 
@@ -361,7 +361,7 @@ def test_six_tokens_with_switching_catch_up_and_full_information(selector):
     other drafter on the verified tokens each round. The output distribution over all
     V**6 = 15625 sequences must equal the target's: chi-square tests at alpha = 0.001 on the
     joint distribution (sparse cells merged) and on each position's marginal (7 tests, so a
-    family-wise level of at most 0.007 by Bonferroni), over 1500 fixed seeds."""
+    family-wise level of at most 0.007 by Bonferroni), over 1000 fixed seeds."""
     target = make_tiny_model(seed=0, vocab=V6, init_std=0.3, lm_head_scale=2.0)
     bad = make_tiny_model(seed=7, vocab=V6, init_std=0.3, lm_head_scale=3.0)
     engine = SpeculativeEngine(target, [ModelDrafter(as_loaded(bad), V6), PromptLookupDrafter()],
