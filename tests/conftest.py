@@ -73,6 +73,18 @@ def make_tiny_model(
     return model
 
 
+#: initialisation std of the tiny models of the greedy exactness matrices: HF's default (attention
+#: nearly uniform, weakly context-sensitive) and 0.3 (sharp attention: a wrong position id or a
+#: stale KV entry changes the argmax, so rollback and catch-up bugs show up)
+INIT_STDS = {"std0.02": 0.02, "std0.3": 0.3}
+
+
+@pytest.fixture(scope="module", params=list(INIT_STDS.values()), ids=list(INIT_STDS))
+def init_std(request) -> float:
+    """Runs a module's tests that use it on weakly and on strongly context-sensitive models."""
+    return request.param
+
+
 @pytest.fixture
 def tiny_model_factory():
     """The ``make_tiny_model`` factory: ``tiny_model_factory(seed=1, vocab=12, lm_head_scale=10)``."""

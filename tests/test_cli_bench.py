@@ -68,12 +68,56 @@ def test_run_bench_reports_a_mismatch(monkeypatch):
     assert "MISMATCH" in report.markdown()
 
 
+def test_run_bench_checks_every_repeat(monkeypatch):
+    """With --repeats 2 a configuration that is wrong only in its first repeat is still
+    reported: every repeat's output is compared with AR, not only the last one."""
+    import adaspec.bench.runner
+    from adaspec.engine import SpeculativeEngine
+
+    class WrongOnce(SpeculativeEngine):
+        calls = 0
+
+        def generate(self, prompt, config=None, **kw):
+            res = super().generate(prompt, config, **kw)
+            if self.drafter_names != ["none"] and config.max_new_tokens == 8:  # not the warm-up
+                WrongOnce.calls += 1
+                if WrongOnce.calls % 2 == 1:  # the first repeat of every prompt
+                    res.token_ids[2] = (res.token_ids[2] + 1) % 32
+            return res
+
+    monkeypatch.setattr(adaspec.bench.runner, "SpeculativeEngine", WrongOnce)
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    report = run_bench(target, default_configs(["prompt-lookup"], [3]), PROMPTS, max_new_tokens=8,
+                       repeats=2, measure_costs=False)
+    ar, sd = report.results
+    assert WrongOnce.calls == 2 * len(PROMPTS)
+    assert ar.identical == 2 and sd.identical == 0
+    assert "first difference at token 2" in sd.mismatches[0]
+
+
 def test_cli_generate_json(model_dir):
     res = CliRunner().invoke(app, ["generate", "w01 w02 w03 w01 w02", "-m", model_dir, "-n", "6",
                                    "--json", "--no-chat-template", "-d", "prompt-lookup"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 6 and out["stats"]["new_tokens"] == 6
+
+
+def test_cli_generate_streams_plain_text(model_dir):
+    """Without --json: the streamed text and a newline on stdout, the statistics on stderr;
+    the text is what the library generates with the same options."""
+    from adaspec import SpeculativeEngine
+    from adaspec.models import load_model
+
+    prompt = "w01 w02 w03 w01 w02"
+    res = CliRunner().invoke(app, ["generate", prompt, "-m", model_dir, "-n", "7", "--no-chat-template",
+                                   "-d", "prompt-lookup", "-k", "3"])
+    assert res.exit_code == 0, res.output
+    expected = SpeculativeEngine(load_model(model_dir), ["prompt-lookup"], k=3).generate(
+        prompt, max_new_tokens=7, chat_template=False)
+    assert expected.text and res.stdout == expected.text + "\n"
+    summary = " ".join(res.stderr.split())
+    assert "7 tokens in" in summary and "MAT" in summary and "stop: max_new_tokens" in summary
 
 
 @pytest.mark.parametrize("args,needle", [

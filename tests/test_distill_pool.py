@@ -433,7 +433,6 @@ def test_build_pool_refuses_another_target_a_shrunk_or_changed_prompt_set(tmp_pa
 
 
 def test_build_pool_with_the_real_trainer(tmp_path):
-    pytest.importorskip("adaspec.training.drafters")
     target, manifest = _pool(tmp_path, None, domains=("code",), n_prompts=4, kinds=("feature-head",),
                              generalist=False, max_new_tokens=6,
                              train_opts={"epochs": 1, "vocab_size": VOCAB, "heldout_fraction": 0.25})
@@ -524,7 +523,6 @@ def test_bench_runs_the_pool(tmp_path):
 
     from adaspec.cli import app
 
-    pytest.importorskip("adaspec.training.drafters")
     _, manifest = _pool(tmp_path, None, domains=("code",), n_prompts=4, kinds=("feature-head",), generalist=False,
                         max_new_tokens=6, train_opts={"epochs": 1, "vocab_size": VOCAB, "heldout_fraction": 0.25})
     folder = _saved_model(tmp_path)

@@ -361,3 +361,57 @@ class TestVerifySamplingDistribution:
         _assert_follows(first, P, "first emitted token")
         _assert_follows(second, P2, "second emitted token")
         _assert_rate(n_counts[2], N_TRIALS, float(P[1] * P2[3]), "both drafts accepted")
+
+
+# -- verify_sampling: q(y) = 0 and an all-zero residual ---------------------------------------------
+Q_ZERO = _dist(0.0, 0.45, 0.35, 0.0, 0.2, 0.0)  # a processed drafter q (e.g. top-k) with zeros where p > 0
+
+
+class TestVerifySamplingZeros:
+    """Edge cases of the rule. Chi-square tests at significance level ALPHA = 0.001."""
+
+    def test_q_with_zeros_still_gives_p(self):
+        """Drafts come from a q that is 0 on half the vocabulary (where p > 0): those tokens can
+        only come from the residual norm((p - q)+), and the output must still follow p."""
+        g = torch.Generator().manual_seed(11)
+        p = torch.stack([P, P_BONUS])
+        outputs, corrections = [], []
+        for _ in range(N_TRIALS // 2):
+            y = sample(Q_ZERO, g)
+            v = verify_sampling(p, [y], Q_ZERO[None], g)
+            outputs.append(y if v.n_accepted else v.next_token)
+            if not v.n_accepted:
+                corrections.append(v.next_token)
+        _assert_follows(outputs, P, "output with a q that has zeros")
+        residual = torch.clamp(P - Q_ZERO, min=0)
+        _assert_follows(corrections, residual / residual.sum(), "correction ~ norm((p - q)+)")
+        assert {0, 3, 5} <= set(corrections)  # the tokens q never proposes do appear
+
+    def test_draft_with_zero_q(self):
+        """A draft y with q(y) = 0 (which an exact drafter never proposes): with p(y) > 0 the ratio
+        is +inf and y is accepted (the limit of min(1, p/q)); with p(y) = 0 too the ratio is NaN
+        and y is rejected, the correction coming from the residual, never y itself."""
+        g = torch.Generator().manual_seed(12)
+        p = torch.stack([P, P_BONUS])
+        for _ in range(200):
+            assert verify_sampling(p, [0], Q_ZERO[None], g).n_accepted == 1
+        p_row = _dist(0.0, 0.5, 0.3, 0.2, 0.0, 0.0)
+        q_row = _dist(0.0, 0.2, 0.2, 0.2, 0.2, 0.2)
+        for _ in range(200):
+            v = verify_sampling(torch.stack([p_row, P_BONUS]), [0], q_row[None], g)
+            assert v.n_accepted == 0 and v.next_token in (1, 2, 3)
+
+    def test_all_zero_residual_falls_back_to_p(self):
+        """If p <= q everywhere at a rejected position (only possible through rounding, forced
+        here with a sub-normalised p = q / 2), the residual is all zero: the correction is drawn
+        from p renormalised, with no division by zero and no NaN."""
+        g = torch.Generator().manual_seed(13)
+        p = torch.stack([0.5 * Q, P_BONUS])
+        corrections = []
+        for _ in range(N_TRIALS // 2):
+            y = sample(Q, g)
+            v = verify_sampling(p, [y], Q[None], g)
+            if not v.n_accepted:
+                corrections.append(v.next_token)
+        assert len(corrections) > N_TRIALS // 8  # rejection probability 1/2
+        _assert_follows(corrections, Q, "fallback correction ~ norm(p)")

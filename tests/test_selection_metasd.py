@@ -4,13 +4,14 @@ No models: rewards come from hand-made ``RoundFeedback`` objects or from
 ``adaspec.bench.simulation.SyntheticEnv`` (``TVArm``: gamma ~ Beta(a, b) per position;
 ``GeometricArm``: gamma fixed). Every run uses fixed seeds, so the suite is deterministic;
 where a check is statistical, the comment states the threshold's significance level or the
-margin to the values observed when the test was written.
+margin to the values observed when the test was written. Per-round overhead is a wall-clock
+quantity, so it is measured by ``scripts/policy_overhead.py`` (every registered selector), not
+asserted here.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from itertools import pairwise
 
@@ -433,22 +434,6 @@ def test_deterministic_given_seed(cls):
     a = SyntheticEnv(TV_ARMS, L=5, seed=5).run(cls(seed=9), 400).choices
     b = SyntheticEnv(TV_ARMS, L=5, seed=5).run(cls(seed=9), 400).choices
     assert a == b
-
-
-@pytest.mark.parametrize("cls", ALL)
-def test_overhead_under_100us_for_8_arms(cls):
-    env = SyntheticEnv([TVArm(2 + i, 8 - 0.5 * i) for i in range(8)], L=5, seed=0)
-    fbs = [env.step(i % 8) for i in range(2000)]
-    for f in fbs:
-        _ = f.acceptance_probs  # computed by the engine, not the policy
-    p = cls(seed=0, period=20) if cls is SequentialHalving else cls(seed=0)
-    p.begin_request(names(8))
-    t0 = time.perf_counter()
-    for f in fbs:
-        f.drafter = p.select()
-        p.update(f)
-    per_round = (time.perf_counter() - t0) / len(fbs)
-    assert per_round < 100e-6, per_round  # observed 0.4-11 us
 
 
 # -- in the engine (tiny random models, real RoundFeedback with target logits) ---------------------

@@ -342,7 +342,8 @@ class SpeculativeEngine:
         length.begin_request()
         seen = [0] * len(drafters)  # context length each drafter has been brought up to
         n_prompt, remaining = len(prompt_ids), cfg.max_new_tokens
-        stop_max = max((len(s) for s in cfg.stop), default=0)
+        # tokens a stop string can span: at most its UTF-8 bytes (byte-fallback tokens are 1 byte)
+        stop_max = max((len(s.encode("utf-8")) for s in cfg.stop), default=0)
         policy_in_draft = 0.0
 
         def decide(step: DraftStep) -> Decision:

@@ -103,6 +103,28 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def check_device(device: str | torch.device, option: str = "device") -> torch.device:
+    """The torch device ``device`` names, if this machine and torch build have it; a clear
+    error otherwise (instead of torch's AssertionError deep inside ``model.to``)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{option} {device!r}: not a torch device: use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{option} {device}: this torch build has no CUDA (torch.cuda.is_available() "
+                              f"is False): use {option} cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s): "
+                              f"use {option} cuda:0")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{option} {device}: MPS is not available (torch.backends.mps.is_available() is "
+                          f"False): use {option} cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{option} {device}: device type {dev.type!r} is not supported: use cpu or cuda")
+    return dev
+
+
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if dtype is None:
         return torch.float32
@@ -174,6 +196,33 @@ def _load_gguf(path: Path, dtype: torch.dtype, convert_cache: bool) -> tuple[Any
     return tok, model.to(dtype)
 
 
+def locate_model(spec: str) -> Path | None:
+    """The GGUF file a model spec names, or None for a model directory or a Hugging Face id.
+
+    Checks everything that can be checked without loading (empty name, missing .gguf file,
+    model not fetched yet, a directory without config.json), so the CLI can reject a bad
+    ``--model`` before any work starts; ``load_model`` starts with it.
+    """
+    if not spec or not str(spec).strip():
+        raise ModelLoadError("model name is empty: pass 'smollm2', a .gguf file, a directory or a HF id")
+    spec = str(spec)
+    if spec in _EMBEDDED:
+        return embedded_gguf(spec)
+    if spec.lower() in ARTIFACTS:  # fetched by `adaspec fetch NAME` into cache_dir() / "gguf"
+        return fetched_gguf(spec)
+    path = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {spec}: check the path")
+        return path
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{spec} is not a model directory (no config.json): pass a directory written by "
+            "save_pretrained, a .gguf file, or a Hugging Face id"
+        )
+    return None
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     *,
@@ -191,25 +240,12 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
-    if not spec or not str(spec).strip():
-        raise ModelLoadError("model name is empty: pass 'smollm2', a .gguf file, a directory or a HF id")
+    check_device(device)
+    gguf = locate_model(spec)
     spec = str(spec)
-    if spec in _EMBEDDED:
-        tok, model = _load_gguf(embedded_gguf(spec), torch_dtype, convert_cache)
-    elif spec.lower() in ARTIFACTS:  # fetched by `adaspec fetch NAME` into cache_dir() / "gguf"
-        tok, model = _load_gguf(fetched_gguf(spec), torch_dtype, convert_cache)
-    elif spec.lower().endswith(".gguf"):
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {spec}: check the path")
-        tok, model = _load_gguf(path, torch_dtype, convert_cache)
+    if gguf is not None:
+        tok, model = _load_gguf(gguf, torch_dtype, convert_cache)
     else:
-        path = Path(spec).expanduser()
-        if path.exists() and not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"{spec} is not a model directory (no config.json): pass a directory written by "
-                "save_pretrained, a .gguf file, or a Hugging Face id"
-            )
         try:
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
         except (OSError, ValueError) as exc:

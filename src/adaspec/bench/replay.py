@@ -567,9 +567,13 @@ def replay_command(
 
     err = Console(stderr=True)
     try:
-        tr = Trace.load(trace)
         for kk in k:
             validate_k(kk)
+        for spec in selector:  # policy specs checked before the trace is read
+            build_selector(spec)
+        for spec in length:
+            build_length(spec)
+        tr = Trace.load(trace)
         results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"])
                    for c in _configs(tr, selector, length, k, drafter or None)]
         bounds = oracle_bounds(tr, k[0], drafter or None) if oracle else None

@@ -470,24 +470,26 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         answers: list[str] = []
         for turn in range(len(prompt.turns)):
             ids = _turn_prompt(prompt, turn, answers, ar_engine)
-            outs: list[list[int]] = [[] for _ in runners]
+            outs: list[list[list[int]]] = [[] for _ in runners]  # every repeat's output
             times: list[list[float]] = [[] for _ in runners]
             last: list[Any] = [None] * len(runners)
             for _ in range(repeats):
                 for ci, r in enumerate(runners):
                     if progress:
                         progress(f"{prompt.id} [{prompt.category}] {configs[ci].name}")
-                    outs[ci], secs, last[ci] = r.run(ids, gen, eos)
+                    out, secs, last[ci] = r.run(ids, gen, eos)
+                    outs[ci].append(out)
                     times[ci].append(secs)
-            answers.append(ar_engine.decode(outs[0]))
-            ref = outs[0]
+            ref = outs[0][0]
+            answers.append(ar_engine.decode(ref))
             for ci, rec in enumerate(recs):
                 _record_into(rec, last[ci], statistics.median(times[ci]))
-                if greedy and outs[ci] != ref and rec.identical:
+                wrong = next((o for o in outs[ci] if o != ref), None)  # every repeat is checked
+                if greedy and wrong is not None and rec.identical:
                     rec.identical = False
-                    offset = rec.tokens - len(outs[ci])  # tokens of earlier turns
+                    offset = rec.tokens - len(outs[ci][-1])  # tokens of earlier turns
                     rec.first_mismatch = offset + next(
-                        (j for j, (a, b) in enumerate(zip(outs[ci], ref)) if a != b), min(len(outs[ci]), len(ref)))
+                        (j for j, (a, b) in enumerate(zip(wrong, ref)) if a != b), min(len(wrong), len(ref)))
                 per_round = last[ci].rounds if isinstance(last[ci], RequestStats) else []  # peers: none
                 for j, rr in enumerate(per_round):
                     rounds.append({"config": configs[ci].name, "prompt_id": prompt.id,

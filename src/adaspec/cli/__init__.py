@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import AdaspecError
+from .options import check_drafters, check_number, check_path, check_policies, check_sampling, check_target
 from .progress import StageProgress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -60,6 +61,9 @@ def generate(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                chat_template=not no_chat_template,
                                sampling=SamplingConfig(temperature, top_k, top_p, seed))
+        check_target(model, device, dtype)
+        check_drafters(drafter)
+        check_policies([selector], [length], [k])
         engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
                                                    selector=selector, length=length, k=k)
         if as_json:
@@ -204,8 +208,13 @@ def bench(
             opt["static"] = False
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
         opt["selectors"] = [x for x in opt["selectors"] if x != "none"]
-        if opt["repeats"] < 1:
-            raise AdaspecError("--repeats must be >= 1")
+        check_number("--repeats", opt["repeats"], low=1, integer=True)
+        check_number("--max-new-tokens", opt["max_new_tokens"], low=1, integer=True)
+        check_number("--per-category", opt["per_category"], low=0, integer=True)
+        check_number("--prompts", prompts, low=0, integer=True)
+        check_sampling(opt["temperature"])
+        check_target(opt["model"], opt["device"], opt["dtype"])
+        check_policies(opt["selectors"], opt["lengths"], opt["ks"])
         if record and opt["temperature"] > 0:
             raise AdaspecError("--record needs greedy decoding (temperature 0): traces replay greedy runs")
         if opt["temperature"] > 0 and opt["peers"]:
@@ -216,6 +225,9 @@ def bench(
             root = default_pool_root(opt["model"]) if pool == "auto" else Path(pool)
             kinds = [x.strip() for x in pool_kinds.split(",")] if pool_kinds else None
             opt["drafters"] = list(opt["drafters"]) + pool_specs(root, kinds=kinds)
+        check_drafters(opt["drafters"])
+        if record:
+            _check_record(record, opt["drafters"])
         work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
         if prompts > 0:
             work = work[:prompts]
@@ -254,6 +266,18 @@ def bench(
                   + f" and {sum(p.suffix == '.png' for p in written)} plots")
     if any(r.mismatches for r in run.results):
         raise typer.Exit(1)
+
+
+def _check_record(path: str, drafters: list[str]) -> None:
+    """``bench --record FILE``: checked before the benchmark runs, not after it."""
+    if any(str(d).strip().partition(":")[0].lower() == "none" for d in drafters):
+        raise AdaspecError("--record: drafter 'none' cannot be recorded (replay always offers it): "
+                           "remove -d none, or drop --record")
+    if not str(path).endswith(".npz"):
+        raise AdaspecError(f"--record {path!r}: a trace is a .npz file: use e.g. --record trace.npz")
+    parent = Path(path).expanduser().parent
+    if not parent.is_dir():
+        raise AdaspecError(f"--record {path!r}: directory {str(parent)!r} does not exist: create it first")
 
 
 def _print_bench(run, opt: dict, n_prompts: int) -> None:
@@ -306,6 +330,7 @@ def costs(
     from ..models import load_model
 
     try:
+        check_target(model, device, dtype)
         curve = load_or_measure(load_model(model, device=device, dtype=dtype), refresh=refresh)
     except AdaspecError as exc:
         _fail(exc)
@@ -365,6 +390,8 @@ def train_head_cmd(
         if not (spec == "self" or (kind in ("model", "early-exit") and ref.strip())):
             raise AdaspecError(f"--drafter {drafter!r}: use model:REF (a model sharing the target's "
                                "tokenizer), early-exit:layers=N or self")
+        check_target(model, device, dtype)
+        check_drafters([spec])
         err.print(f"loading {model} ...")
         target = load_model(model, device=device, dtype=dtype)
         if spec == "self":
@@ -374,10 +401,7 @@ def train_head_cmd(
         elif kind == "early-exit":
             from ..drafters import early_exit_model, parse_params
 
-            params = parse_params(ref, f"drafter {spec!r}")
-            if set(params) != {"layers"} or not params["layers"].isdigit():
-                raise AdaspecError(f"--drafter {spec!r}: write early-exit:layers=N")
-            draft_model = early_exit_model(target, int(params["layers"]))
+            draft_model = early_exit_model(target, int(parse_params(ref, spec)["layers"]))
         else:
             from ..drafters import check_same_vocabulary
 

@@ -517,11 +517,19 @@ def distill_command(
     """Generate self-distillation data: the target's responses to a domain's prompts (resumable)."""
     from rich.console import Console
 
+    from ..cli.options import check_number, check_sampling, check_target
     from ..cli.progress import StageProgress
     from ..models import cache_dir, load_model, torch_threads
 
     err = Console(stderr=True)
     try:
+        check_number("--n", n, low=1, integer=True)
+        check_number("--max-new-tokens", max_new_tokens, low=1, integer=True)
+        check_number("--samples", samples, low=1, integer=True)
+        check_number("--batch-size", batch_size, low=1, integer=True)
+        check_number("--threads", threads, low=1, integer=True)
+        check_sampling(temperature or [])
+        check_target(model)
         with torch_threads(threads):
             chosen = read_prompt_file(prompts) if prompts else domain_prompts(domain, n, seed)
             folder = Path(out) if out else cache_dir() / "distill" / Path(model).name / domain
@@ -548,8 +556,14 @@ def datastore_command(
     """Build a suffix-drafter datastore from distilled sets (use it with -d suffix:datastore=FILE)."""
     from rich.console import Console
 
+    from ..cli.options import check_number, check_path
+
     err = Console(stderr=True)
     try:
+        check_number("--max-tokens", max_tokens, low=1, integer=True)
+        check_number("--min-match", min_match, low=1, integer=True)
+        for d in data:
+            check_path("DATA", d, "dir", "pass a directory written by `adaspec distill`")
         info = build_datastore_info(data, out, max_tokens, min_match=min_match)
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")

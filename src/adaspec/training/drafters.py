@@ -644,6 +644,30 @@ def checkpoint_path(out: str | Path) -> Path:
     return out.with_name(out.name + ".ckpt")
 
 
+def check_train_options(kind: str, data: Sequence[str | Path], *, epochs: int = 10, lr: float = 1e-3,
+                        batch_tokens: int = 2048, heldout_fraction: float = 0.1, checkpoint_every: int = 200,
+                        max_minutes: float | None = None, max_steps: int | None = None, ce_weight: float = 0.1,
+                        kl_weight: float = 0.0, feature_noise: float = 0.0, threads: int | None = None) -> None:
+    """Check ``train_drafter``'s options without a model (``adaspec train-drafter`` calls it
+    before loading the target)."""
+    _check("kind", kind, kind in KINDS, f"use one of {', '.join(KINDS)}")
+    _check("epochs", epochs, isinstance(epochs, int) and epochs >= 1, "use an integer >= 1")
+    _check("lr", lr, isinstance(lr, (int, float)) and lr > 0, "use a positive learning rate, e.g. 1e-3")
+    _check("batch_tokens", batch_tokens, isinstance(batch_tokens, int) and batch_tokens >= 1, "use e.g. 2048")
+    _check("heldout_fraction", heldout_fraction, 0 <= heldout_fraction < 1, "use a value in [0, 1), e.g. 0.1")
+    _check("checkpoint_every", checkpoint_every, isinstance(checkpoint_every, int) and checkpoint_every >= 1,
+           "use an integer >= 1 (steps)")
+    _check("max_minutes", max_minutes, max_minutes is None or max_minutes > 0, "use a positive number")
+    _check("max_steps", max_steps, max_steps is None or (isinstance(max_steps, int) and max_steps >= 1),
+           "use an integer >= 1")
+    _check("ce_weight", ce_weight, ce_weight >= 0, "use a weight >= 0 (EAGLE: 0.1)")
+    _check("kl_weight", kl_weight, kl_weight >= 0, "use a weight >= 0")
+    _check("feature_noise", feature_noise, feature_noise >= 0, "use an amplitude >= 0")
+    _check("threads", threads, threads is None or (isinstance(threads, int) and threads >= 1), "use >= 1")
+    if not data:
+        raise ConfigError("train-drafter needs at least one distilled set: --data DIR (repeatable)")
+
+
 def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], out: str | Path, *,
                   epochs: int = 10, lr: float = 1e-3, batch_tokens: int = 2048,
                   vocab_size: int = DEFAULT_DRAFT_VOCAB, heldout_fraction: float = 0.1, seed: int = 0,
@@ -673,22 +697,10 @@ def train_drafter(kind: str, target: LoadedModel, data: Sequence[str | Path], ou
     complete run unless ``keep_checkpoint``. ``threads`` sets torch's thread count for the run.
     """
     t_start = time.perf_counter()
-    _check("kind", kind, kind in KINDS, f"use one of {', '.join(KINDS)}")
-    _check("epochs", epochs, isinstance(epochs, int) and epochs >= 1, "use an integer >= 1")
-    _check("lr", lr, isinstance(lr, (int, float)) and lr > 0, "use a positive learning rate, e.g. 1e-3")
-    _check("batch_tokens", batch_tokens, isinstance(batch_tokens, int) and batch_tokens >= 1, "use e.g. 2048")
-    _check("heldout_fraction", heldout_fraction, 0 <= heldout_fraction < 1, "use a value in [0, 1), e.g. 0.1")
-    _check("checkpoint_every", checkpoint_every, isinstance(checkpoint_every, int) and checkpoint_every >= 1,
-           "use an integer >= 1 (steps)")
-    _check("max_minutes", max_minutes, max_minutes is None or max_minutes > 0, "use a positive number")
-    _check("max_steps", max_steps, max_steps is None or (isinstance(max_steps, int) and max_steps >= 1),
-           "use an integer >= 1")
-    _check("ce_weight", ce_weight, ce_weight >= 0, "use a weight >= 0 (EAGLE: 0.1)")
-    _check("kl_weight", kl_weight, kl_weight >= 0, "use a weight >= 0")
-    _check("feature_noise", feature_noise, feature_noise >= 0, "use an amplitude >= 0")
-    _check("threads", threads, threads is None or (isinstance(threads, int) and threads >= 1), "use >= 1")
-    if not data:
-        raise ConfigError("train-drafter needs at least one distilled set: --data DIR (repeatable)")
+    check_train_options(kind, data, epochs=epochs, lr=lr, batch_tokens=batch_tokens,
+                        heldout_fraction=heldout_fraction, checkpoint_every=checkpoint_every,
+                        max_minutes=max_minutes, max_steps=max_steps, ce_weight=ce_weight, kl_weight=kl_weight,
+                        feature_noise=feature_noise, threads=threads)
     out = Path(out).expanduser()
     with torch_threads(threads):
         return _train(kind, target, [Path(d).expanduser() for d in data], out, epochs=epochs, lr=float(lr),
@@ -921,10 +933,21 @@ def train_drafter_command(
     """Train a feature-head or tiny-lm drafter on distilled data (use it with -d KIND:path=OUT)."""
     from rich.console import Console
     from ..models import load_model
+    from ..cli.options import check_number, check_path, check_target
     from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
     try:
+        check_train_options(kind, data, epochs=epochs, lr=lr, batch_tokens=batch_tokens, heldout_fraction=heldout,
+                            checkpoint_every=checkpoint_every, max_minutes=max_minutes, ce_weight=ce_weight,
+                            kl_weight=kl_weight, feature_noise=feature_noise, threads=threads)
+        check_number("--vocab-size", vocab_size, low=1, integer=True)
+        check_number("--layers", layers, low=1, integer=True)
+        for d in data:
+            check_path("--data", d, "dir", "pass a directory written by `adaspec distill`")
+        check_path("--init-from", init_from, "file" if kind == "feature-head" else "dir",
+                   "pass a drafter trained with the same --kind")
+        check_target(model)
         err.print(f"loading {model} ...")
         target = load_model(model)
         with StageProgress(err) as bar:

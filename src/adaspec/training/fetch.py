@@ -223,9 +223,13 @@ def fetch_command(
         out.print(table)
         out.print(f"folder: {folder}")
         return
-    for name in names:
+    try:
+        arts = [get_artifact(name) for name in names]  # every name checked before any download
+    except AdaspecError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    for art in arts:
         try:
-            art = get_artifact(name)
             with StageProgress(err) as bar:
                 def report(stage: str, done: int, total: int, _bar: StageProgress = bar, _name: str = art.name) -> None:
                     amount = "" if stage == "download" else f"{done / 1e6:.0f}/{total / 1e6:.0f} MB"

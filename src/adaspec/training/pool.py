@@ -299,6 +299,25 @@ def _artifact(root: Path, domain: str, kind: str) -> Path:
     return root / "drafters" / domain / ("feature-head.pt" if kind == "feature-head" else "tiny-lm")
 
 
+def check_pool_options(domains: Sequence[str], kinds: Sequence[str], n_prompts: int | Mapping[str, int],
+                       datastores: bool = True) -> dict[str, int]:
+    """Check ``build_pool``'s choices without a model (``adaspec build-pool`` calls it before
+    loading the target); returns the prompt count of every domain."""
+    domains, kinds = list(domains), list(kinds)
+    if not domains:
+        raise ConfigError("build_pool needs at least one domain")
+    bad = [d for d in domains if d not in DOMAINS]
+    if bad or len(set(domains)) != len(domains):
+        raise ConfigError(f"pool domains must be distinct names among {', '.join(DOMAINS)}, got {domains}")
+    bad = [k for k in kinds if k not in TRAINABLE_KINDS]
+    if bad or len(set(kinds)) != len(kinds):
+        raise ConfigError(f"pool drafter kinds must be distinct names among {', '.join(TRAINABLE_KINDS)}, "
+                          f"got {kinds}")
+    if not kinds and not datastores:
+        raise ConfigError("build_pool: nothing to build (no drafter kinds and no datastores)")
+    return prompt_counts(n_prompts, domains)
+
+
 def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domains: Sequence[str] = DOMAINS,
                n_prompts: int | Mapping[str, int] = DEFAULT_POOL_PROMPTS, kinds: Sequence[str] = ("feature-head",),
                generalist: bool = True, temperatures: Sequence[float] = DEFAULT_POOL_TEMPERATURES,
@@ -328,18 +347,7 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
     t_all = time.perf_counter()
     domains = list(domains)
     kinds = list(kinds)
-    if not domains:
-        raise ConfigError("build_pool needs at least one domain")
-    bad = [d for d in domains if d not in DOMAINS]
-    if bad or len(set(domains)) != len(domains):
-        raise ConfigError(f"pool domains must be distinct names among {', '.join(DOMAINS)}, got {domains}")
-    bad = [k for k in kinds if k not in TRAINABLE_KINDS]
-    if bad or len(set(kinds)) != len(kinds):
-        raise ConfigError(f"pool drafter kinds must be distinct names among {', '.join(TRAINABLE_KINDS)}, "
-                          f"got {kinds}")
-    if not kinds and not datastores:
-        raise ConfigError("build_pool: nothing to build (no drafter kinds and no datastores)")
-    counts = prompt_counts(n_prompts, domains)
+    counts = check_pool_options(domains, kinds, n_prompts, datastores)
     root = Path(out_root).expanduser() if out_root is not None else default_pool_root(target)
     root = root.resolve()
     fingerprint = target_fingerprint(target)
@@ -589,10 +597,12 @@ def pool_command(
     from rich.table import Table
 
     from ..models import load_model, torch_threads
+    from ..cli.options import check_number, check_sampling, check_target
     from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
     try:
+        check_number("--threads", threads, low=1, integer=True)
         with torch_threads(threads):
             kind_list = _split_list(kinds) or ["feature-head"]
             if kind_list == ["none"]:
@@ -605,6 +615,12 @@ def pool_command(
                 specialist_opts["epochs"] = specialist_epochs
             default_counts = QUICK["n_prompts"] if quick else DEFAULT_POOL_PROMPTS
             counts = parse_prompt_counts(n_prompts, default_counts) if n_prompts else default_counts  # type: ignore[arg-type]
+            check_pool_options(_split_list(domains) or DOMAINS, kind_list, counts)
+            for option, value in (("--max-new-tokens", max_new_tokens), ("--epochs", epochs),
+                                  ("--specialist-epochs", specialist_epochs), ("--batch-size", batch_size)):
+                check_number(option, value, low=1, integer=True)
+            check_sampling(temperature or [])
+            check_target(model)
             err.print(f"loading {model} ...")
             target = load_model(model)
             root = Path(out) if out else default_pool_root(target, quick=quick)

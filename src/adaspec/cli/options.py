@@ -1,0 +1,115 @@
+"""Checks of command-line options, run by every command before it loads a model or starts work.
+
+A bad option must cost milliseconds, not a model load or a benchmark run that fails at its
+end. Each check raises ``AdaspecError`` naming the option, the problem and the fix; the
+commands call them first and print the message (exit code 2). Checks here never load weights:
+model specs are only located (``models.locate_model``) and drafter specs are parsed by the real
+factories against a placeholder target that stops them where they would need the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import AdaspecError
+
+
+class _NeedsTarget(Exception):
+    """Raised by ``_TargetProbe``: the spec is well-formed so far; the rest needs the model."""
+
+
+class _TargetProbe:
+    """Stands in for the loaded target while a drafter spec is checked: any use of it stops
+    the factory (everything before that, names, parameters and files, has been checked)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise _NeedsTarget(name)
+
+
+def check_target(model: str, device: str = "cpu", dtype: str | None = None) -> None:
+    """``--model``, ``--device`` and ``--dtype`` of a command that loads a target."""
+    from ..models import check_device, locate_model, resolve_dtype
+
+    locate_model(model)
+    check_device(device, "--device")
+    resolve_dtype(dtype)
+
+
+def check_drafters(specs: Iterable[str], option: str = "--drafter") -> None:
+    """Every drafter spec names a known drafter with valid parameters and existing files."""
+    from ..drafters import build_drafter
+    from ..models import locate_model
+
+    for spec in specs:
+        name, _, rest = str(spec).strip().partition(":")
+        try:
+            if name.strip().lower() == "model" and rest.strip():
+                locate_model(rest.strip())
+            build_drafter(spec, _TargetProbe())  # type: ignore[arg-type]
+        except _NeedsTarget:
+            pass
+        except AdaspecError as exc:
+            raise AdaspecError(f"{option} {spec!r}: {exc}") from None
+
+
+def check_policies(selectors: Iterable[str | None] = (), lengths: Iterable[str | None] = (),
+                   ks: Iterable[int] = (5,)) -> None:
+    """Selector and length-policy specs, and draft lengths K (policies are cheap to build)."""
+    from ..config import validate_k
+    from ..length import build_length
+    from ..selection import build_selector
+
+    for k in ks:
+        validate_k(k)
+    for spec in selectors:
+        build_selector(spec)
+    for spec in lengths:
+        build_length(spec)
+
+
+def check_number(option: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 integer: bool = False, low_open: bool = False) -> None:
+    """``value`` is a (finite) number in [low, high] (``low_open``: (low, high]); None passes."""
+    if value is None:
+        return
+    kind = "an integer" if integer else "a number"
+    ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        bounds = []
+        if low is not None:
+            bounds.append(f"{'>' if low_open else '>='} {low:g}")
+        if high is not None:
+            bounds.append(f"<= {high:g}")
+        raise AdaspecError(f"{option} {value!r}: must be {kind}" + (f" {' and '.join(bounds)}" if bounds else ""))
+
+
+def check_sampling(temperature: float | Sequence[float] | None, top_p: float = 1.0, top_k: int = 0) -> None:
+    """Temperature(s) >= 0, top-p in (0, 1], top-k >= 0."""
+    temps = temperature if isinstance(temperature, (list, tuple)) else [temperature]
+    for t in temps:
+        check_number("--temperature", t, low=0.0)
+    check_number("--top-p", top_p, low=0.0, high=1.0, low_open=True)
+    check_number("--top-k", top_k, low=0, integer=True)
+
+
+def check_path(option: str, path: str | Path | None, kind: str = "file", hint: str = "") -> None:
+    """``path`` exists and is a file (``kind="file"``) or a directory (``kind="dir"``)."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    ok = p.is_file() if kind == "file" else p.is_dir()
+    if not ok:
+        what = "file" if kind == "file" else "directory"
+        raise AdaspecError(f"{option} {str(path)!r}: no such {what}" + (f": {hint}" if hint else ""))
+
+
+__all__ = ["check_drafters", "check_number", "check_path", "check_policies",
+           "check_sampling", "check_target"]
