@@ -24,7 +24,8 @@ HEAVY = ["adaspec.bench.runner.run_bench", "adaspec.bench.trace.record", "adaspe
          "adaspec.bench.report.write_report", "adaspec.costs.load_or_measure",
          "adaspec.training.distill.distill_run", "adaspec.training.distill.build_datastore_info",
          "adaspec.training.drafters.train_drafter", "adaspec.training.pool.build_pool",
-         "adaspec.training.fetch.fetch", "adaspec.training.specdecpp_head.train_head"]
+         "adaspec.training.fetch.fetch", "adaspec.training.specdecpp_head.train_head",
+         "adaspec.serve.run_server", "adaspec.bench.serve_load.run_level"]
 
 
 class WorkStarted(AssertionError):
@@ -64,6 +65,19 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     data = tmp / "distilled"
     trace = tmp / "t.npz"
     return [
+        # serve
+        (["serve", "--device", "cuda"], r"--device cuda: this torch build has no CUDA"),
+        (["serve", "-d", "bogus"], r"--drafter 'bogus': unknown drafter"),
+        (["serve", "-s", "bandit9"], r"unknown selector 'bandit9'"),
+        (["serve", "--port", "70000"], r"--port 70000: must be an integer >= 1 and <= 65535"),
+        (["serve", "--max-queue", "0"], r"--max-queue 0: must be"),
+        (["serve", "--timeout", "0"], r"--timeout 0.0: must be"),
+        (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),
+        # bench-serve
+        (["bench-serve", "--url", "127.0.0.1:8000"], r"give the server's OpenAI base URL"),
+        (["bench-serve", "-c", "0"], r"--concurrency, --requests and --max-tokens must be >= 1"),
+        (["bench-serve", "--json", f"{missing}/x.json"], r"--json .*: the folder .* does not exist"),
+        (["bench-serve", "--suite", "nonsense"], r"nonsense"),
         # generate
         (["generate", "hi", "--device", "cuda"], r"--device cuda: this torch build has no CUDA .* use --device cpu"),
         (["generate", "hi", "--device", "tpu9"], r"--device 'tpu9': not a torch device"),
@@ -165,6 +179,7 @@ def test_every_command_has_a_case():
     ["build-pool", "--quick"], ["fetch", "qwen2.5-coder-0.5b"], ["replay", "t.npz"],
     ["build-datastore", "distilled", "-o", "ds.jsonl"],
     ["train-drafter", "--kind", "feature-head", "--data", "distilled", "-o", "h.pt"],
+    ["serve", "--no-state"], ["bench-serve", "--model", "m", "-c", "1"],
 ], ids=lambda a: a[0])
 def test_the_guard_stops_valid_commands(args, no_work, tmp_path, monkeypatch):
     """Control of the structural proof: with valid options the same commands do reach a

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from statistics import mean, quantiles
 
 import typer
@@ -151,6 +152,10 @@ def bench_serve_command(
     try:
         if any(c < 1 for c in concurrency) or requests < 1 or max_tokens < 1:
             raise ConfigError("--concurrency, --requests and --max-tokens must be >= 1")
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--url {url!r}: give the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+        if json_out and not Path(json_out).expanduser().parent.is_dir():
+            raise ConfigError(f"--json {json_out}: the folder {Path(json_out).parent} does not exist")
         prompts = load_workload(suite, per_category)
     except AdaspecError as exc:
         typer.echo(f"error: {exc}", err=True)

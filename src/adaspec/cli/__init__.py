@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import AdaspecError
-from .options import check_drafters, check_number, check_path, check_policies, check_sampling, check_target
+from .options import check_drafters, check_number, check_policies, check_sampling, check_target
 from .progress import StageProgress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -119,6 +119,22 @@ def serve(
     drafter = drafter or list(DEFAULT_DRAFTERS)
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
+    try:  # every option before the model loads
+        check_target(model, device, dtype)
+        check_drafters(drafter)
+        check_policies([selector], [length], [k])
+        check_number("--port", port, low=1, high=65535, integer=True)
+        check_number("--max-queue", max_queue, low=1, integer=True)
+        check_number("--timeout", timeout, low=0.0, low_open=True)
+        check_number("--max-tokens", max_tokens, low=1, integer=True)
+        check_number("--save-every", save_every, low=1, integer=True)
+        check_number("--grace", grace, low=0.0)
+        if threads is not None:
+            check_number("--threads", threads, low=1, integer=True)
+        if state_file is not None and not no_state and not Path(state_file).expanduser().parent.is_dir():
+            raise AdaspecError(f"--state-file {state_file}: the folder {Path(state_file).parent} does not exist")
+    except AdaspecError as exc:
+        _fail(exc)
     if threads:
         import torch
 
