@@ -139,3 +139,49 @@ def test_per_prompt_oracle(hand_run):
     assert o["seconds"] == pytest.approx(2.1) and o["speedup"] == pytest.approx(4.0 / 2.1)
     assert o["mat"] == pytest.approx(20 / 9)
     assert hand_run.summary()["oracle"]["choices"] == o["choices"]
+
+
+@pytest.fixture
+def sampled_run():
+    """T > 0: every configuration samples answers of other lengths. B runs at exactly AR's speed
+    per token (10 tokens/s) with longer answers; A is 2x per token on p1 and level on p2."""
+    configs = [BenchConfig("AR", []), BenchConfig("A k=5", ["a"]), BenchConfig("B k=5", ["b"]),
+               BenchConfig("sel", ["a", "b"], selector="ucbspec")]
+    records = [
+        _rec("AR", "p1", 0, 10, 1.0, {}, tokens=10), _rec("AR", "p2", 1, 20, 2.0, {}, tokens=20),
+        _rec("A k=5", "p1", 0, 4, 0.2, {"a": 4}, tokens=4), _rec("A k=5", "p2", 1, 10, 3.0, {"a": 10}, tokens=30),
+        _rec("B k=5", "p1", 0, 20, 2.0, {"b": 20}, tokens=20), _rec("B k=5", "p2", 1, 40, 4.0, {"b": 40}, tokens=40),
+        _rec("sel", "p1", 0, 5, 0.5, {"a": 5}, tokens=8), _rec("sel", "p2", 1, 12, 2.4, {"b": 12}, tokens=24),
+    ]
+    return BenchRun("m", configs, records, [], 40, 1, temperature=0.7)
+
+
+def test_sampling_speedup_is_per_token(sampled_run):
+    s = sampled_run.summary()
+    assert s["speedup_basis"] == "per_token"
+    overall = {r["config"]: r for r in s["overall"]}
+    # B: 60 tokens in 6 s against AR's 30 in 3 s: the same speed, although its seconds doubled
+    assert overall["B k=5"]["speedup"] == pytest.approx(1.0)
+    assert overall["A k=5"]["speedup"] == pytest.approx((34 / 3.2) / 10)
+    assert {r["config"]: r["speedup"] for r in s["per_category"]["cat"]}["A k=5"] == pytest.approx(2.0)
+
+
+def test_sampling_oracle_and_regret_per_token(sampled_run):
+    o = sampled_run.oracle()
+    # per token: p1 A 0.05 s/token beats B 0.1; p2 A and B tie at 0.1 s/token
+    assert o["choices"]["p1"] == "A k=5"
+    # priced on AR's answer lengths: p1 10 tokens x 0.05 s, p2 20 tokens x 0.1 s
+    assert o["seconds"] == pytest.approx(0.5 + 2.0) and o["speedup"] == pytest.approx(3.0 / 2.5)
+    reg = sampled_run.regret(sampled_run.configs[3])
+    # best fixed per token over the workload: A 3.2 s / 34 tokens beats B 6 s / 60 tokens
+    assert reg["best_fixed"] == "A k=5"
+    # p1: 0.5 s for 8 tokens vs A's 0.05 s/token x 8 = 0.4; p2: 2.4 s for 24 tokens vs 0.1 x 24 = 2.4
+    assert reg["cumulative_seconds"] == pytest.approx([0.1, 0.1])
+    # stopping time: arms' rounds per token x the policy's tokens; p1 best A 1.0/token -> 8 rounds,
+    # p2 best A (10/30) -> 8 rounds; policy 5 and 12
+    assert reg["stopping_time_regret"] == pytest.approx((5 - 8) + (12 - 8))
+
+
+def test_greedy_speedup_unchanged_by_the_per_token_basis(hand_run):
+    assert hand_run.summary()["speedup_basis"] == "seconds"
+    assert hand_run.speedup(hand_run.result("A k=5")) == pytest.approx(4.0 / 2.8)

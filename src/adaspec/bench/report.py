@@ -44,8 +44,10 @@ ROUNDS_KEYS = ("config", "category", "position", "drafter")
 DASH = "–"
 
 LEGEND = """\
-- **speed-up**: AR seconds / configuration seconds on the same prompts (AR = 1.00x); per
-  category on that category's prompts only.
+- **speed-up**: greedy: AR seconds / configuration seconds on the same prompts (the answers are
+  identical); sampling: configuration tokens/s / AR tokens/s (each configuration samples answers
+  of other lengths, so whole seconds would mix speed with length). AR = 1.00x; per category on
+  that category's prompts only. The per-prompt oracle and the regret use the same basis.
 - **MAT** (mean accepted tokens): generated tokens per target forward (one forward per round,
   the bonus token included; AR = 1).
 - **acceptance**: accepted draft tokens / drafted tokens.
@@ -287,13 +289,16 @@ def specialist_table(summary: dict[str, Any]) -> str | None:
     for rec in summary.get("per_prompt") or []:
         per.setdefault(rec["config"], {})[rec["prompt_id"]] = rec
     ar = per.get(summary["configs"][0]["name"], {})
+    per_token = bool(_num(summary.get("temperature")))
 
     def cell(config: str, own: bool, domain: str) -> tuple[float | None, float | None]:
         cats = DOMAIN_CATEGORIES.get(domain, (domain,))
         recs = [r for r in per.get(config, {}).values() if (r["category"] in cats) == own]
         rounds, tokens = sum(r["rounds"] for r in recs), sum(r["tokens"] for r in recs)
-        secs, base = sum(r["seconds"] for r in recs), sum(ar[r["prompt_id"]]["seconds"] for r in recs
-                                                          if r["prompt_id"] in ar)
+        base_recs = [ar[r["prompt_id"]] for r in recs if r["prompt_id"] in ar]
+        secs, base = sum(r["seconds"] for r in recs), sum(r["seconds"] for r in base_recs)
+        if per_token and secs and base:  # sampling: tokens/s against AR's tokens/s
+            secs, base = secs / tokens, base / sum(r["tokens"] for r in base_recs)
         return (tokens / rounds if rounds else None), (base / secs if secs and base else None)
 
     rows = []
@@ -574,7 +579,8 @@ def plot_verify_costs(costs: dict[str, Any] | None, path: Path) -> Path | None:
 def _header(summary: dict[str, Any]) -> list[str]:
     g = summary.get
     temp = _num(g("temperature"))
-    mode = "greedy (temperature 0)" if not temp else f"sampling, temperature {temp:g}"
+    mode = ("greedy (temperature 0)" if not temp else
+            f"sampling, temperature {temp:g} (speed-up from tokens/s: sampled answers differ in length)")
     cats = ", ".join(summary["categories"]) or "none"
     return [f"# adaspec bench report: {g('model', '?')}", "",
             f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}), {mode}",

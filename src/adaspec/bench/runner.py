@@ -190,9 +190,35 @@ class BenchRun:
     def baseline(self) -> ConfigResult:
         return self.result(self.configs[0].name)
 
+    @property
+    def per_token(self) -> bool:
+        """Sampling: every configuration samples answers of other lengths, so speed is compared
+        per generated token; greedy answers are identical, so whole seconds compare directly."""
+        return self.temperature > 0
+
+    @property
+    def speedup_basis(self) -> str:
+        return "tokens per second" if self.per_token else "seconds on the same prompts"
+
     def speedup(self, r: ConfigResult, category: str | None = None) -> float:
+        """AR's time / the configuration's time: on the same answers (greedy), or per token (sampling)."""
         base = self.result(self.configs[0].name, category)
+        if self.per_token:
+            return r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
         return base.seconds / r.seconds if r.seconds else 0.0
+
+    def _workload_time(self, r: ConfigResult) -> float:
+        """What "fastest over the workload" minimises: seconds (greedy) or seconds per token (sampling)."""
+        if self.per_token:
+            return r.seconds / r.tokens if r.tokens else float("inf")
+        return r.seconds
+
+    def _scaled(self, ref: PromptRecord, value: float, tokens: int) -> float:
+        """``value`` (seconds or rounds) of ``ref``, for an answer of ``tokens`` tokens: unchanged
+        when greedy (the same answer), scaled per token when sampling (answers differ in length)."""
+        if not self.per_token:
+            return value
+        return value / ref.tokens * tokens if ref.tokens else 0.0
 
     # -- regret (BanditSpec stopping time; cumulative against the best fixed drafter) -------
     def _static_for(self, cfg: BenchConfig) -> list[BenchConfig]:
@@ -209,24 +235,29 @@ class BenchRun:
         chosen per prompt). ``best_arm_ratio``: share of the policy's rounds that used that
         drafter. ``cumulative_seconds``: running sum over the workload of the policy's time
         minus the time of the single fixed configuration that is fastest over the whole
-        workload (the best fixed drafter in hindsight)."""
+        workload (the best fixed drafter in hindsight). Under sampling the arms' rounds and
+        seconds are scaled to the policy's answer length (``_scaled``)."""
         arms = self._static_for(cfg)
         if cfg.kind != "adaptive" or not arms:
             return None
         mine = sorted(self.of(cfg.name, category), key=lambda r: r.position)
         by_arm = {a.name: {r.prompt_id: r for r in self.of(a.name, category)} for a in arms}
-        best_fixed = min(arms, key=lambda a: sum(r.seconds for r in by_arm[a.name].values()))
+        best_fixed = min(arms, key=lambda a: self._workload_time(self.result(a.name, category)))
         stop_regret, used_best, n_rounds = 0.0, 0, 0
         cum_s, cum_r, acc_s, acc_r = [], [], 0.0, 0.0
         for rec in mine:
-            best = min(arms, key=lambda a: by_arm[a.name][rec.prompt_id].rounds)
-            stop_regret += rec.rounds - by_arm[best.name][rec.prompt_id].rounds
+            def rounds(a: BenchConfig, rec: PromptRecord = rec) -> float:
+                arm = by_arm[a.name][rec.prompt_id]
+                return self._scaled(arm, arm.rounds, rec.tokens)
+
+            best = min(arms, key=rounds)
+            stop_regret += rec.rounds - rounds(best)
             best_names = by_arm[best.name][rec.prompt_id].drafter_usage  # {its drafter's name: rounds}
             used_best += sum(rec.drafter_usage.get(n, 0) for n in best_names)
             n_rounds += rec.rounds
             ref = by_arm[best_fixed.name][rec.prompt_id]
-            acc_s += rec.seconds - ref.seconds
-            acc_r += rec.rounds - ref.rounds
+            acc_s += rec.seconds - self._scaled(ref, ref.seconds, rec.tokens)
+            acc_r += rec.rounds - self._scaled(ref, ref.rounds, rec.tokens)
             cum_s.append(acc_s)
             cum_r.append(acc_r)
         return {"best_fixed": best_fixed.name, "stopping_time_regret": stop_regret,
@@ -236,19 +267,26 @@ class BenchRun:
     def oracle(self) -> dict[str, Any] | None:
         """The per-prompt oracle over the static configurations: for every prompt, the static
         drafter that was fastest on it, chosen in hindsight (an upper bound for any drafter
-        policy over those drafters at that K, up to switching within a prompt)."""
+        policy over those drafters at that K, up to switching within a prompt). Under sampling
+        "fastest" is per token, and each prompt is priced on AR's answer length."""
         static = [c for c in self.configs if c.kind == "static"]
         if not static:
             return None
         base = {r.prompt_id: r for r in self.of(self.configs[0].name)}
         seconds = tokens = rounds = 0.0
         choice: dict[str, str] = {}
-        for pid in base:
-            best = min((r for c in static for r in self.of(c.name) if r.prompt_id == pid), key=lambda r: r.seconds)
+        for pid, ar_rec in base.items():
+            candidates = [r for c in static for r in self.of(c.name) if r.prompt_id == pid]
+            if self.per_token:  # fastest per token, priced on AR's answer length
+                best = min(candidates, key=lambda r: r.seconds / r.tokens if r.tokens else float("inf"))
+                n = ar_rec.tokens
+            else:
+                best = min(candidates, key=lambda r: r.seconds)
+                n = best.tokens
             choice[pid] = best.config
-            seconds += best.seconds
-            tokens += best.tokens
-            rounds += best.rounds
+            seconds += self._scaled(best, best.seconds, n)
+            rounds += self._scaled(best, best.rounds, n)
+            tokens += n
         ar = sum(r.seconds for r in base.values())
         return {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
                 "speedup": ar / seconds if seconds else 0.0, "mat": tokens / rounds if rounds else 0.0,
@@ -281,6 +319,7 @@ class BenchRun:
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "adaspec_version": __version__, "model": self.model, "device": self.device,
             "dtype": self.dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+            "speedup_basis": "per_token" if self.per_token else "seconds",
             "repeats": self.repeats, "suite": self.suite,
             "n_prompts": len({r.prompt_id for r in self.records}), "categories": self.categories,
             "configs": [c.describe() for c in self.configs],

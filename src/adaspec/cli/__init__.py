@@ -299,7 +299,7 @@ def _check_record(path: str, drafters: list[str]) -> None:
 def _print_bench(run, opt: dict, n_prompts: int) -> None:
     """The overall table on the terminal (report.md has the per-category tables and plots)."""
     out = Console() if sys.stdout.isatty() else Console(width=150)
-    mode = "greedy" if opt["temperature"] == 0 else f"temperature {opt['temperature']}"
+    mode = "greedy" if opt["temperature"] == 0 else f"temperature {opt['temperature']}, speed-up from tokens/s"
     table = Table(title=f"adaspec bench: {opt['model']}, {mode}, {n_prompts} prompts ({opt['suite']}) x "
                         f"{opt['max_new_tokens']} new tokens, {opt['repeats']} repeat(s), median times")
     cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verify",
