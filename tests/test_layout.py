@@ -13,7 +13,8 @@ import adaspec
 PKG = Path(adaspec.__file__).parent
 TOOLS = ("bench", "training", "cli", "serve", "integrations")
 # which tool packages each group may import
-ALLOWED = {"runtime": set(), "bench": {"bench"}, "training": {"training", "bench", "cli"}, "cli": set(TOOLS)}
+ALLOWED = {"runtime": set(), "bench": {"bench"}, "training": {"training", "bench", "cli"}, "cli": set(TOOLS),
+           "integrations": set()}
 
 
 def _group(path: Path) -> str:
