@@ -207,6 +207,8 @@ class BatchProposer:
         self.stats = BatchStats(drafters={label: DrafterTotals() for label in self.labels})
         self._clock = clock
         self._last_end: float | None = None
+        #: stream id of every row at the last call (None: no sampled tokens), for inspection
+        self.last_rows: list[int | None] = []
 
     # -- per request ---------------------------------------------------------------------------
     def _own(self, policy: Any, sid: int) -> Any:
@@ -257,6 +259,7 @@ class BatchProposer:
                 self._learn(m, req, step_s)
             m.stream.drafts = self._draft(req)
             out.append(m.stream.drafts)
+        self.last_rows = [None if m.stream is None else m.stream.sid for m in matches]
         self.stats.calls += 1
         self.stats.rows += sum(1 for m in matches if m.stream is not None)
         if self.config.stats_file and self.stats.calls % self.config.stats_every == 0:

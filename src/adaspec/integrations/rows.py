@@ -11,9 +11,11 @@ had ``n`` tokens at the previous call has ``n + len(sampled[i])`` now and the sa
 
     row i continues the stream whose stored context equals token_ids[i, :num_tokens[i] - len(sampled[i])]
 
-Ties (several streams with that exact context, e.g. the same prompt sent twice) go to the
-stream whose last drafts agree with ``sampled[i]``, then to the one that sat in the same row,
-then to the oldest. A row that continues no stream starts a new one. A stream absent for more
+Ties (several streams with that exact context, e.g. the same prompt sent twice) are broken
+by the drafts: the accepted tokens must be a prefix of the stream's last drafts (a rejected
+draft is never re-emitted), rows left with one such stream get it, then each row takes the
+stream that sat in the same row, then the oldest. Streams with identical contexts hold
+identical drafter state, so only the attribution of their last round can be at stake. A row that continues no stream starts a new one. A stream absent for more
 than ``idle_steps`` calls is evicted (finished, aborted, or preempted for long).
 """
 
@@ -104,36 +106,24 @@ class RowTracker(Generic[S]):
         if len(num_tokens) < n_rows or token_ids.shape[0] < n_rows:
             raise ConfigError(f"{n_rows} rows of sampled tokens but only {len(num_tokens)} token "
                               f"counts and {token_ids.shape[0]} token rows: pass the batch's arrays")
-        old_row = {st.row: st for st in self.streams.values()}
         by_len: dict[int, list[Stream[S]]] = {}
         for st in self.streams.values():
             by_len.setdefault(len(st.context), []).append(st)
-        claimed: set[int] = set()
-        found: dict[int, Stream[S]] = {}
         live = [i for i in range(n_rows) if len(sampled[i]) > 0]
-        prefix = {i: int(num_tokens[i]) - len(sampled[i]) for i in live}
-
-        def same(st: Stream[S], i: int) -> bool:
-            n = prefix[i]
-            return (st.sid not in claimed and len(st.context) == n
-                    and (n == 0 or token_ids[i, n - 1] == st.context[-1])
-                    and np.array_equal(token_ids[i, :n], st.context))
-
-        for i in live:  # pass 1: the stream that sat in this very row (the common case)
-            st = old_row.get(i)
-            if st is not None and same(st, i):
-                found[i] = st
-                claimed.add(st.sid)
-        for i in live:  # pass 2: rows that moved, or new requests
-            if i in found:
-                continue
-            cands = [st for st in by_len.get(prefix[i], []) if same(st, i)]
-            if cands:
-                s_i = list(sampled[i])
-                st = min(cands, key=lambda c: (not read_verification(c.drafts, s_i).consistent,
-                                               c.row != i, c.sid))
-                found[i] = st
-                claimed.add(st.sid)
+        # candidates of each row: streams with exactly the row's context before this step's
+        # tokens, split by whether their drafts agree with the tokens the engine emitted
+        agree: dict[int, list[Stream[S]]] = {}
+        other: dict[int, list[Stream[S]]] = {}
+        for i in live:
+            n = int(num_tokens[i]) - len(sampled[i])
+            for st in by_len.get(n, []):
+                if (n == 0 or token_ids[i, n - 1] == st.context[-1]) and np.array_equal(token_ids[i, :n], st.context):
+                    ok = read_verification(st.drafts, sampled[i]).consistent
+                    (agree if ok else other).setdefault(i, []).append(st)
+        found = _assign(live, agree)
+        rest = [i for i in live if i not in found]
+        found.update(_assign(rest, other, taken={st.sid for st in found.values()}))
+        claimed = {st.sid for st in found.values()}
 
         matches: list[RowMatch[S]] = []
         for i in range(n_rows):
@@ -162,3 +152,35 @@ class RowTracker(Generic[S]):
             if st.idle > self.idle_steps:
                 evicted.append(self.streams.pop(sid))
         return matches, evicted
+
+
+def _assign(rows: list[int], cands: dict[int, list[Stream[S]]],
+            taken: set[int] | None = None) -> dict[int, Stream[S]]:
+    """Give each row one of its candidate streams, each stream to one row: first the rows left
+    with a single candidate (forced), then the stream that sat in the same row, then the oldest."""
+    taken = set(taken or ())
+    found: dict[int, Stream[S]] = {}
+    rows_of: dict[int, int] = {}
+    for i in rows:
+        for st in cands.get(i, []):
+            rows_of[st.sid] = rows_of.get(st.sid, 0) + 1
+    for i in rows:  # the common case: one candidate, wanted by no other row
+        opts = cands.get(i, [])
+        if len(opts) == 1 and rows_of[opts[0].sid] == 1 and opts[0].sid not in taken:
+            found[i] = opts[0]
+            taken.add(opts[0].sid)
+    rows = [i for i in rows if i not in found]
+
+    def left(i: int) -> list[Stream[S]]:
+        return [st for st in cands.get(i, []) if st.sid not in taken]
+
+    pending = [i for i in rows if left(i)]
+    while pending:
+        forced = [i for i in pending if len(left(i)) == 1]
+        i = forced[0] if forced else pending[0]
+        opts = left(i)
+        st = min(opts, key=lambda c: (c.row != i, c.sid))
+        found[i] = st
+        taken.add(st.sid)
+        pending = [j for j in pending if j != i and left(j)]
+    return found
