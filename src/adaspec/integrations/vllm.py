@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,22 @@ def serve_command(model_dir: str, config: BatchProposerConfig, *, host: str = "1
 
 def shell_line(args: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
+
+
+def export_hf(model: str, out_dir: str | Path) -> Path:
+    """Write ``model`` (anything ``load_model`` takes, e.g. ``smollm2`` from its GGUF) as a
+    Hugging Face directory that ``vllm serve`` loads (fp32 weights, tokenizer, chat template)."""
+    from ..models import load_model
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    loaded = load_model(model, dtype="float32")
+    out.mkdir(parents=True, exist_ok=True)
+    loaded.model.save_pretrained(out)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(out)
+    return out
 
 
 def config_from_vllm(vllm_config: Any) -> BatchProposerConfig:
