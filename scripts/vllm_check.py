@@ -85,7 +85,8 @@ def serve(method: str, setup: tuple[BatchProposerConfig | None, list[str]], args
     cmd = serve_command(args.model_dir, cfg, host=HOST, port=port, module=True, python=sys.executable,
                         extra=["--served-model-name", "smollm2", "--dtype", "float32",
                                "--max-model-len", str(args.max_model_len), "--max-num-seqs",
-                               str(args.max_num_seqs), "--enforce-eager", "--seed", "0", *extra])
+                               str(args.max_num_seqs), "--enforce-eager", "--seed", "0",
+                               "--gpu-memory-utilization", str(args.memory_share), *extra])
     log_path = log_dir / f"vllm-{method}.log"
     say(f"{method}: starting vllm serve on {base} (log: {log_path})")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
@@ -145,6 +146,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--memory-share", type=float, default=0.25,
+                    help="--gpu-memory-utilization: on CPU the share of RAM vLLM may reserve")
     ap.add_argument("--start-timeout", type=float, default=400)
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--out", default="vllm-check.json")

@@ -17,6 +17,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${ADASPEC_VLLM_VENV:-$HOME/.cache/adaspec/venv-vllm}
 PY="$VENV/bin/python"
 say() { echo "[vllm_check] $*"; }
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}  # GiB of KV cache per server
 
 RUN_TESTS=0
 if [[ "${1:-}" == "--test" ]]; then RUN_TESTS=1; shift; fi

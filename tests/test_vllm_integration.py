@@ -23,8 +23,12 @@ PROMPTS = [
     # long enough to be prefilled in several chunks (rows with no sampled tokens)
     "Repeat this sentence exactly. " * 20,
     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):",
+    "Translate to French: the cat sleeps on the mat. The dog sleeps on the",
+    "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, " * 3,
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY",
 ]
-MAX_TOKENS = [40, 12, 30, 24, 8, 20, 36]
+# uneven lengths: requests finish out of order, so vLLM condenses and refills its rows
+MAX_TOKENS = [40, 8, 30, 12, 36, 6, 24, 10, 28, 16]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,7 @@ def smollm2_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_row_mapping_matches_vllm_batch_bookkeeping(smollm2_dir, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and runner in-process
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
     from vllm import LLM, SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -57,6 +62,7 @@ def test_row_mapping_matches_vllm_batch_bookkeeping(smollm2_dir, monkeypatch):
     monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", spy)
     llm = LLM(model=smollm2_dir, dtype="float32", max_model_len=512, max_num_seqs=3,
               max_num_batched_tokens=64, enforce_eager=True, distributed_executor_backend="uni",
+              gpu_memory_utilization=0.25,  # on CPU: the share of RAM vLLM reserves
               speculative_config=speculative_config(4),
               additional_config={"adaspec": {"drafters": ["prompt-lookup", "suffix"],
                                              "selector": "ucbspec", "idle_steps": 4}})
