@@ -186,7 +186,12 @@ def main() -> int:
               f"{r['completion_tokens']:7d} {r['wall_s']:7.1f}")
     adaspec_stats = json.loads(stats_file.read_text()) if stats_file.is_file() else None
     if adaspec_stats:
-        print("\nadaspec proposer, per drafter:", json.dumps(adaspec_stats["stats"]["drafters"]))
+        st = adaspec_stats["stats"]
+        print(f"\nadaspec proposer: {st['calls']} calls, {st['rows']} rows, {st['requests']} requests, "
+              f"{1e3 * st['propose_s'] / max(st['calls'], 1):.2f} ms per call; inconsistent={st['inconsistent']} "
+              f"cut={st['cut']}")
+        for name, t in st["drafters"].items():
+            print(f"  {name:24} rounds={t['rounds']:5d} drafted={t['drafted']:5d} accepted={t['accepted']:5d}")
     out.write_text(json.dumps({"args": vars(args), "prompts": prompts, "results": results,
                                "failures": failures, "adaspec_stats": adaspec_stats}, indent=2))
     say(f"wrote {out}")

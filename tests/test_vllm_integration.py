@@ -74,9 +74,14 @@ def test_row_mapping_matches_vllm_batch_bookkeeping(smollm2_dir, monkeypatch):
     assert all(p is proposers[0] for p in proposers)  # one proposer for the whole run
     sid_of: dict[str, int] = {}
     req_of: dict[int, str] = {}
-    moved = empty_rows = 0
+    moved = empty_rows = reused = 0
     last_row: dict[str, int] = {}
+    prev_ids: list[str] = []
     for req_ids, lens, sids in calls:
+        # a row that now holds another request than at the previous call: a mapping by row
+        # position would hand the new request the old one's state
+        reused += sum(1 for a, b in zip(prev_ids, req_ids) if a != b)
+        prev_ids = req_ids
         assert len(sids) == len(lens) == len(req_ids)
         for row, (rid, n, sid) in enumerate(zip(req_ids, lens, sids)):
             if n == 0:
@@ -87,9 +92,11 @@ def test_row_mapping_matches_vllm_batch_bookkeeping(smollm2_dir, monkeypatch):
             assert req_of.setdefault(sid, rid) == rid, f"stream {sid} served two requests"
             moved += last_row.get(rid, row) != row
             last_row[rid] = row
-    print(f"proposer calls={len(calls)} rows moved={moved} empty (prefill) rows={empty_rows}")
+    print(f"proposer calls={len(calls)} rows moved={moved} rows reused={reused} "
+          f"empty (prefill) rows={empty_rows}")
     assert len(sid_of) == len(PROMPTS)
     assert moved > 0, "no row moved: the test did not exercise vLLM's condense/reorder"
+    assert reused > 0, "no row changed hands: the test did not exercise finished-and-refilled rows"
     assert empty_rows > 0, "no chunked prefill row: the test did not exercise empty sampled lists"
     stats = proposers[0].core.stats
     assert stats.inconsistent == 0

@@ -122,6 +122,7 @@ class BatchStats:
     finished: int = 0  # requests forgotten after ``idle_steps`` absent calls
     inconsistent: int = 0  # outcomes that disagree with the drafts (not learnt from)
     cut: int = 0  # rounds whose drafts the engine's scheduler shortened
+    propose_s: float = 0.0  # time spent in ``propose`` (mapping, learning, drafting)
     drafters: dict[str, DrafterTotals] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,6 +266,7 @@ class BatchProposer:
         if self.config.stats_file and self.stats.calls % self.config.stats_every == 0:
             self.write_stats(self.config.stats_file)
         self._last_end = self._clock()
+        self.stats.propose_s += self._last_end - start
         return out
 
     def _draft(self, req: _Request) -> list[int]:
