@@ -103,7 +103,8 @@ def serve(method: str, setup: tuple[BatchProposerConfig | None, list[str]], args
                 break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{method}: server not up after {args.start_timeout}s: see {log_path}")
+                    raise RuntimeError(f"{method}: server not up after {args.start_timeout}s: "
+                                       f"see {log_path}") from None
                 time.sleep(2)
         say(f"{method}: up; sending {len(prompts)} prompts concurrently "
             f"(greedy, max_tokens={args.max_tokens})")
@@ -178,7 +179,8 @@ def main() -> int:
     for r in results:
         equal = (sum(a == b for a, b in zip(r["texts"], base["texts"])) if base else None)
         r["equal_to_none"] = equal
-        d, dt, acc = r["spec_decode_num_drafts"], r["spec_decode_num_draft_tokens"], r["spec_decode_num_accepted_tokens"]
+        d, dt = r["spec_decode_num_drafts"], r["spec_decode_num_draft_tokens"]
+        acc = r["spec_decode_num_accepted_tokens"]
         r["acceptance_rate"] = acc / dt if dt else None
         r["mean_accepted_length"] = 1 + acc / d if d else None
         print(f"{r['method']:9} {'-' if equal is None else f'{equal}/{len(prompts)}':>6} {d:7.0f} {dt:8.0f} "

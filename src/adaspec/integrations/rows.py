@@ -15,8 +15,9 @@ Ties (several streams with that exact context, e.g. the same prompt sent twice) 
 by the drafts: the accepted tokens must be a prefix of the stream's last drafts (a rejected
 draft is never re-emitted), rows left with one such stream get it, then each row takes the
 stream that sat in the same row, then the oldest. Streams with identical contexts hold
-identical drafter state, so only the attribution of their last round can be at stake. A row that continues no stream starts a new one. A stream absent for more
-than ``idle_steps`` calls is evicted (finished, aborted, or preempted for long).
+identical drafter state, so only the attribution of their last round can be at stake. A row
+that continues no stream starts a new one. A stream absent for more than ``idle_steps`` calls
+is evicted (finished, aborted, or preempted for long).
 """
 
 from __future__ import annotations
