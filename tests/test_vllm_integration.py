@@ -101,3 +101,19 @@ def test_row_mapping_matches_vllm_batch_bookkeeping(smollm2_dir, monkeypatch):
     stats = proposers[0].core.stats
     assert stats.inconsistent == 0
     assert sum(t.accepted for t in stats.drafters.values()) > 0
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32.0: _expand_kernel_impl writes an int64 copy, not "
+                   "its float output (vllm/utils/cpu_triton_utils.py:390), so sampled speculative "
+                   "requests get uninitialised temperatures; when this passes, sampling on CPU can be "
+                   "checked for exactness (docs/scaling-out.md, Limits)")
+def test_vllm_cpu_expand_kernel_writes_float_output():
+    import torch
+
+    cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils", reason="not the vLLM CPU build")
+    import vllm._C  # noqa: F401  (registers the C++ kernels)
+
+    out = torch.full((6,), -123.0, dtype=torch.float32)
+    cpu_tl._expand_kernel_impl(out, torch.tensor([0.8, 0.5], dtype=torch.float32),
+                               torch.tensor([4, 6], dtype=torch.int32), -1, 1)
+    assert out.tolist() == pytest.approx([0.8] * 4 + [0.5] * 2)
