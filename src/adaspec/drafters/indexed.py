@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 from collections.abc import Sequence
 
@@ -28,6 +29,12 @@ class IndexedDrafter(Drafter):
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
         self._index.clear()
         self._trusted = 0
+
+    def fork(self) -> IndexedDrafter:
+        twin = copy.copy(self)  # settings and datastore shared, index of its own
+        twin._index = NgramIndex(self._index.sizes)
+        twin._trusted = 0
+        return twin
 
     def catch_up(self, context: Sequence[int]) -> None:
         self._trusted = self._index.sync(context, self._trusted)

@@ -22,3 +22,6 @@ class NoDrafter(Drafter):
 
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
         return Proposals(tokens=[-1] * len(verified))
+
+    def fork(self) -> NoDrafter:
+        return NoDrafter()
