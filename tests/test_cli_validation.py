@@ -65,6 +65,11 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     data = tmp / "distilled"
     trace = tmp / "t.npz"
     return [
+        # vllm-args
+        (["vllm-args", str(tmp), "-d", "model:x"], r"for a draft model use the serving engine's own"),
+        (["vllm-args", str(tmp), "--selector", "bogus"], r"unknown selector 'bogus'"),
+        (["vllm-args", str(tmp), "-k", "0"], r"draft length k must be an integer >= 1"),
+        (["vllm-args", str(tmp), "--scope", "forever"], r"scope must be 'request' or 'global'"),
         # serve
         (["serve", "--device", "cuda"], r"--device cuda: this torch build has no CUDA"),
         (["serve", "-d", "bogus"], r"--drafter 'bogus': unknown drafter"),
@@ -179,7 +184,7 @@ def test_every_command_has_a_case():
     ["build-pool", "--quick"], ["fetch", "qwen2.5-coder-0.5b"], ["replay", "t.npz"],
     ["build-datastore", "distilled", "-o", "ds.jsonl"],
     ["train-drafter", "--kind", "feature-head", "--data", "distilled", "-o", "h.pt"],
-    ["serve", "--no-state"], ["bench-serve", "--model", "m", "-c", "1"],
+    ["serve", "--no-state"], ["bench-serve", "--model", "m", "-c", "1"], ["vllm-args", "hf", "--export", "smollm2"],
 ], ids=lambda a: a[0])
 def test_the_guard_stops_valid_commands(args, no_work, tmp_path, monkeypatch):
     """Control of the structural proof: with valid options the same commands do reach a
