@@ -26,11 +26,11 @@ from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_draf
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
-from .length import LengthPolicy, StaticLength, build_length
+from .length import LengthPolicy, StaticLength
 from .metrics import RequestStats, RoundRecord
 from .models import DEFAULT_MODEL, LoadedModel, as_loaded, load_model
 from .sampling import process_logits, verify_greedy, verify_sampling
-from .selection import DrafterPolicy, build_selector
+from .selection import DrafterPolicy, build_policies
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,9 @@ class SpeculativeEngine:
                  tokenizer: Any = None):
         self.target: LoadedModel = as_loaded(target, tokenizer)
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
-        self.selector = build_selector(selector)
-        self.length = build_length(length, k)
+        self.selector, self.length = build_policies(selector, length, k)
+        if hasattr(self.selector, "bind_drafters"):
+            self.selector.bind_drafters([d.is_model for d in self.drafters])
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostCurve | None = None
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
@@ -387,16 +388,17 @@ class SpeculativeEngine:
                 k_cap=cap, target_logits=logits, sampling=sampling, draft_s=draft_s,
                 verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens)
             t5 = now()
-            if selector.full_information and len(drafters) > 1:
+            if selector.full_information and (len(drafters) > 1 or cap == 0):
                 feedback.counterfactual = self._evaluate_others(
-                    i, tokens[:context_len], emitted, logits, feedback, sampling)
-                for j in range(len(drafters)):
+                    i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=cap == 0)
+                for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
             self.cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
+            self.cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
@@ -431,19 +433,25 @@ class SpeculativeEngine:
 
     def _evaluate_others(self, chosen: int, context: list[int], emitted: list[int],
                          logits: torch.Tensor, feedback: RoundFeedback,
-                         sampling: SamplingConfig) -> dict[int, list[float]]:
+                         sampling: SamplingConfig, score_chosen: bool = False) -> dict[int, list[float]]:
         """Full-information hook (Not-a-Bandit 3.2): prefill the verified tokens into every other
-        drafter and compute its acceptance probability at each of them, without target calls."""
+        drafter and compute its acceptance probability at each of them, without target calls.
+        ``score_chosen``: the chosen drafter had a zero cap, so it is scored like the others.
+        A selector may skip drafters (``selector.evaluate(j)`` False: skipped evaluation, B.5)."""
         m = len(emitted)
         target_logits = logits[:m]
         target_probs = feedback.target_probs[:m]
-        out: dict[int, list[float]] = {chosen: feedback.chosen_gammas()}
+        out: dict[int, list[float]] = {} if score_chosen else {chosen: feedback.chosen_gammas()}
         alphas: dict[int, list[float]] = {}
+        proposed: dict[int, list[bool]] = {}
+        wanted = getattr(self.selector, "evaluate", None)
         for j, d in enumerate(self.drafters):
-            if j == chosen:
+            if (j == chosen and not score_chosen) or (wanted is not None and not wanted(j)):
                 continue
             props = d.score(context, emitted, sampling)
             out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
             alphas[j] = alphas_from_proposals(target_probs, props, emitted, sampling)
+            proposed[j] = [t >= 0 for t in props.tokens] if props.tokens is not None else [True] * m
         feedback.counterfactual_alpha = alphas
+        feedback.counterfactual_proposed = proposed
         return out
