@@ -337,7 +337,8 @@ class SpeculativeEngine:
             i = selector.select()
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
-            cap = min(length.begin_round(i), remaining - 1)
+            wanted = length.begin_round(i)  # 0: the policy chose a plain step (not the budget)
+            cap = min(wanted, remaining - 1)
             t1 = t_selected = now()
             drafter = drafters[i]
             catch_up_tokens = 0
@@ -388,9 +389,9 @@ class SpeculativeEngine:
                 k_cap=cap, target_logits=logits, sampling=sampling, draft_s=draft_s,
                 verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens)
             t5 = now()
-            if selector.full_information and (len(drafters) > 1 or cap == 0):
+            if selector.full_information and (len(drafters) > 1 or wanted == 0):
                 feedback.counterfactual = self._evaluate_others(
-                    i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=cap == 0)
+                    i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=wanted == 0)
                 for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()

@@ -312,13 +312,14 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     seen = [0] * n_drafters
     t, remaining = n_prompt, budget
     rounds: list[ReplayRound] = []
-    wanted = getattr(sel, "evaluate", None)
+    evaluate = getattr(sel, "evaluate", None)
     while True:
         c = clock()
         i = sel.select()
         if not 0 <= i < n_drafters:
             raise ConfigError(f"selector {sel.name!r} chose drafter #{i} of {n_drafters}")
-        cap = min(ln.begin_round(i), remaining - 1)
+        wanted = ln.begin_round(i)
+        cap = min(wanted, remaining - 1)
         policy_s += clock() - c
         src = pool.src[i]
         cost = costs[src] if src is not None else None
@@ -364,12 +365,12 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
             catch_up_s=catch_up_s, catch_up_tokens=catch_up,
             recorded=views[src].gammas[x][:kd] if kd else [])
         eval_s = 0.0
-        if sel.full_information and (n_drafters > 1 or cap == 0):  # as SpeculativeEngine._evaluate_others
-            cf: dict[int, list[float]] = {} if cap == 0 else {i: fb.chosen_gammas()}
+        if sel.full_information and (n_drafters > 1 or wanted == 0):  # as SpeculativeEngine._evaluate_others
+            cf: dict[int, list[float]] = {} if wanted == 0 else {i: fb.chosen_gammas()}
             alphas: dict[int, list[float]] = {}
             proposed: dict[int, list[bool]] = {}
             for j, sj in enumerate(pool.src):
-                if (j == i and cap != 0) or (wanted is not None and not wanted(j)):
+                if (j == i and wanted != 0) or (evaluate is not None and not evaluate(j)):
                     continue
                 first = views[sj].first if sj is not None else None
                 g = [1.0 if first is not None and first[x + y] == path[t + y] else 0.0 for y in range(m)]
