@@ -319,6 +319,8 @@ class SpeculativeEngine:
         for d in drafters:
             d.begin_request(prompt_ids)
         selector.begin_request(self.drafter_names)
+        if hasattr(selector, "observe_prompt"):  # policies that decide from the prompt (router)
+            selector.observe_prompt(prompt_ids)
         length.begin_request()
         seen = [0] * len(drafters)  # context length each drafter has been brought up to
         n_prompt, remaining = len(prompt_ids), cfg.max_new_tokens

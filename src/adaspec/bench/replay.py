@@ -307,6 +307,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
 
     c = clock()
     sel.begin_request(pool.names)
+    if hasattr(sel, "observe_prompt"):
+        sel.observe_prompt(pt.prompt)
     ln.begin_request()
     policy_s += clock() - c
     seen = [0] * n_drafters

@@ -353,6 +353,7 @@ def _register() -> None:
     from ..training.drafters import train_drafter_command
     from ..training.fetch import fetch_command
     from ..training.pool import pool_command
+    from ..training.router import train_router_command
     from ..bench.replay import replay_command
     from ..bench.report import report_command
 
@@ -363,6 +364,7 @@ def _register() -> None:
     app.command("fetch")(fetch_command)
     app.command("replay")(replay_command)
     app.command("train-drafter")(train_drafter_command)
+    app.command("train-router")(train_router_command)
 
 
 _register()

@@ -16,6 +16,7 @@ from .base import DrafterPolicy, StaticPolicy
 from .baselines import RoundRobinPolicy, UniformRandomPolicy
 from .cost_aware import CostAwareEXP3, CostAwareUCB
 from .hedgespec import CostAwareHedgeSpec, HedgeSpec
+from .router import RouterPolicy
 from .metasd import (PETC, DiscountedUCB, MetaSDEXP3, MetaSDUCB, SequentialHalving,
                      SlidingWindowUCB, ThompsonSampling)
 
@@ -37,6 +38,7 @@ SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
     "hedgespec": HedgeSpec,
     "cost-hedgespec": CostAwareHedgeSpec,
     "auto": AutoSelector,
+    "router": RouterPolicy,
 }
 
 
