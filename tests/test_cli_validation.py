@@ -65,6 +65,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     data = tmp / "distilled"
     trace = tmp / "t.npz"
     return [
+        # train-router
+        (["train-router", str(trace), "-o", str(tmp / "r.json"), "--ks", "two"], r"--ks must be comma-separated integers"),
+        (["train-router", str(trace), "-o", str(tmp / "r.json"), "--ks", "0"], r"--ks needs integers >= 1"),
+        (["train-router", str(trace), "-o", f"{missing}/r.json"], r"--out .*: the folder .* does not exist"),
         # vllm-args
         (["vllm-args", str(tmp), "-d", "model:x"], r"for a draft model use the serving engine's own"),
         (["vllm-args", str(tmp), "--selector", "bogus"], r"unknown selector 'bogus'"),
@@ -185,6 +189,7 @@ def test_every_command_has_a_case():
     ["build-datastore", "distilled", "-o", "ds.jsonl"],
     ["train-drafter", "--kind", "feature-head", "--data", "distilled", "-o", "h.pt"],
     ["serve", "--no-state"], ["bench-serve", "--model", "m", "-c", "1"], ["vllm-args", "hf", "--export", "smollm2"],
+    ["train-router", "t.npz", "-o", "r.json"],
 ], ids=lambda a: a[0])
 def test_the_guard_stops_valid_commands(args, no_work, tmp_path, monkeypatch):
     """Control of the structural proof: with valid options the same commands do reach a

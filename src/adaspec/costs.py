@@ -151,6 +151,10 @@ class CostModel:
         self.draft_token_s: dict[int, float] = {}
         self.catch_up_token_s: dict[int, float] = {}
         self.verify_width_s: dict[int, float] = {}
+        #: running mean of a round's seconds outside drafting, verification and catch-up
+        #: (policies, full-information scoring, bookkeeping): paid by every round alike
+        self.round_overhead_s = 0.0
+        self._overhead_seen = False
 
     def _ema(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)
@@ -163,6 +167,13 @@ class CostModel:
         if catch_up_tokens:
             self._ema(self.catch_up_token_s, drafter, catch_up_s / catch_up_tokens)
         self._ema(self.verify_width_s, drafted + 1, verify_s)
+
+    def observe_overhead(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        if not self._overhead_seen:
+            self.round_overhead_s, self._overhead_seen = seconds, True
+        else:
+            self.round_overhead_s = self.decay * self.round_overhead_s + (1 - self.decay) * seconds
 
     def verify_cost(self, width: int) -> float:
         """Seconds of one target forward over ``width`` tokens (curve, else observed, else 0)."""

@@ -27,11 +27,11 @@ from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_draf
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
-from .length import LengthPolicy, StaticLength, build_length
+from .length import LengthPolicy, StaticLength
 from .metrics import RequestStats, RoundRecord
 from .models import DEFAULT_MODEL, LoadedModel, as_loaded, load_model
 from .sampling import process_logits, verify_greedy, verify_sampling
-from .selection import DrafterPolicy, build_selector
+from .selection import DrafterPolicy, build_policies
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,9 @@ class SpeculativeEngine:
                  tokenizer: Any = None):
         self.target: LoadedModel = as_loaded(target, tokenizer)
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
-        self.selector = build_selector(selector)
-        self.length = build_length(length, k)
+        self.selector, self.length = build_policies(selector, length, k)
+        if hasattr(self.selector, "bind_drafters"):
+            self.selector.bind_drafters([d.is_model for d in self.drafters])
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostCurve | None = None
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
@@ -123,8 +124,9 @@ class SpeculativeEngine:
                 raise ConfigError(f"drafter indices {list(drafters)} do not select from the "
                                   f"{len(self.drafters)} loaded drafter(s)")
             view.drafters = [self.drafters[i] for i in drafters]
-        view.selector = build_selector(selector)
-        view.length = build_length(length, k)
+        view.selector, view.length = build_policies(selector, length, k)
+        if hasattr(view.selector, "bind_drafters"):
+            view.selector.bind_drafters([d.is_model for d in view.drafters])
         view._attach_costs()
         return view
 
@@ -339,6 +341,8 @@ class SpeculativeEngine:
         for d in drafters:
             d.begin_request(prompt_ids)
         selector.begin_request(self.drafter_names)
+        if hasattr(selector, "observe_prompt"):  # policies that decide from the prompt (router)
+            selector.observe_prompt(prompt_ids)
         length.begin_request()
         seen = [0] * len(drafters)  # context length each drafter has been brought up to
         n_prompt, remaining = len(prompt_ids), cfg.max_new_tokens
@@ -358,7 +362,8 @@ class SpeculativeEngine:
             i = selector.select()
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
-            cap = min(length.begin_round(i), remaining - 1)
+            wanted = length.begin_round(i)  # 0: the policy chose a plain step (not the budget)
+            cap = min(wanted, remaining - 1)
             t1 = t_selected = now()
             drafter = drafters[i]
             catch_up_tokens = 0
@@ -409,16 +414,17 @@ class SpeculativeEngine:
                 k_cap=cap, target_logits=logits, sampling=sampling, draft_s=draft_s,
                 verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens)
             t5 = now()
-            if selector.full_information and len(drafters) > 1:
+            if selector.full_information and (len(drafters) > 1 or wanted == 0):
                 feedback.counterfactual = self._evaluate_others(
-                    i, tokens[:context_len], emitted, logits, feedback, sampling)
-                for j in range(len(drafters)):
+                    i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=wanted == 0)
+                for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
             self.cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
+            self.cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
@@ -453,19 +459,25 @@ class SpeculativeEngine:
 
     def _evaluate_others(self, chosen: int, context: list[int], emitted: list[int],
                          logits: torch.Tensor, feedback: RoundFeedback,
-                         sampling: SamplingConfig) -> dict[int, list[float]]:
+                         sampling: SamplingConfig, score_chosen: bool = False) -> dict[int, list[float]]:
         """Full-information hook (Not-a-Bandit 3.2): prefill the verified tokens into every other
-        drafter and compute its acceptance probability at each of them, without target calls."""
+        drafter and compute its acceptance probability at each of them, without target calls.
+        ``score_chosen``: the chosen drafter had a zero cap, so it is scored like the others.
+        A selector may skip drafters (``selector.evaluate(j)`` False: skipped evaluation, B.5)."""
         m = len(emitted)
         target_logits = logits[:m]
         target_probs = feedback.target_probs[:m]
-        out: dict[int, list[float]] = {chosen: feedback.chosen_gammas()}
+        out: dict[int, list[float]] = {} if score_chosen else {chosen: feedback.chosen_gammas()}
         alphas: dict[int, list[float]] = {}
+        proposed: dict[int, list[bool]] = {}
+        wanted = getattr(self.selector, "evaluate", None)
         for j, d in enumerate(self.drafters):
-            if j == chosen:
+            if (j == chosen and not score_chosen) or (wanted is not None and not wanted(j)):
                 continue
             props = d.score(context, emitted, sampling)
             out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
             alphas[j] = alphas_from_proposals(target_probs, props, emitted, sampling)
+            proposed[j] = [t >= 0 for t in props.tokens] if props.tokens is not None else [True] * m
         feedback.counterfactual_alpha = alphas
+        feedback.counterfactual_proposed = proposed
         return out

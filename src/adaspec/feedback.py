@@ -83,6 +83,9 @@ class RoundFeedback:
     #: full information: drafter index -> alpha (acceptance probability of the realised token)
     #: at each emitted position, for the other drafters (see ``alphas_from_proposals``)
     counterfactual_alpha: dict[int, list[float]] | None = None
+    #: full information: drafter index -> did it propose a token at each emitted position
+    #: (model-free drafters often have no match; dense model proposals always propose)
+    counterfactual_proposed: dict[int, list[bool]] | None = None
     #: per-position acceptance probabilities given directly (synthetic environments, replay)
     gammas: list[float] | None = None
     extra: dict[str, float] = field(default_factory=dict)

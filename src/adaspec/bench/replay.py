@@ -47,13 +47,13 @@ from ..feedback import RoundFeedback
 from ..engine import cut_at_stops
 from ..metrics import RoundRates
 from ..length import LengthPolicy, build_length
-from ..selection import DrafterPolicy, build_selector
+from ..selection import DrafterPolicy, build_policies, build_selector
 from .trace import PromptTrace, Trace
 
 GREEDY = SamplingConfig()
 #: policies whose decisions depend on round times or the cost model: their replay is
 #: deterministic (synthesised times) but not claimed equal to a live run
-TIME_DEPENDENT = frozenset({"cost-ucb", "cost-exp3", "cost-hedgespec", "ucbspec-length", "cost-model"})
+TIME_DEPENDENT = frozenset({"cost-ucb", "cost-exp3", "cost-hedgespec", "ucbspec-length", "cost-model", "auto"})
 NONE = "none"
 
 
@@ -261,8 +261,7 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     may lower the recorded budget. ``strict``: raise instead of clipping a round at the
     recorded ``max_draft``."""
     validate_k(k)
-    sel = build_selector(selector)
-    ln = build_length(length, k)
+    sel, ln = build_policies(selector, length, k)
     pool = _Pool.of(trace, drafters)
     if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
@@ -308,18 +307,21 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
 
     c = clock()
     sel.begin_request(pool.names)
+    if hasattr(sel, "observe_prompt"):
+        sel.observe_prompt(pt.prompt)
     ln.begin_request()
     policy_s += clock() - c
     seen = [0] * n_drafters
     t, remaining = n_prompt, budget
     rounds: list[ReplayRound] = []
-    full_info = sel.full_information and n_drafters > 1
+    evaluate = getattr(sel, "evaluate", None)
     while True:
         c = clock()
         i = sel.select()
         if not 0 <= i < n_drafters:
             raise ConfigError(f"selector {sel.name!r} chose drafter #{i} of {n_drafters}")
-        cap = min(ln.begin_round(i), remaining - 1)
+        wanted = ln.begin_round(i)
+        cap = min(wanted, remaining - 1)
         policy_s += clock() - c
         src = pool.src[i]
         cost = costs[src] if src is not None else None
@@ -365,23 +367,24 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
             catch_up_s=catch_up_s, catch_up_tokens=catch_up,
             recorded=views[src].gammas[x][:kd] if kd else [])
         eval_s = 0.0
-        if full_info:
-            cf: dict[int, list[float]] = {i: fb.chosen_gammas()}
+        if sel.full_information and (n_drafters > 1 or wanted == 0):  # as SpeculativeEngine._evaluate_others
+            cf: dict[int, list[float]] = {} if wanted == 0 else {i: fb.chosen_gammas()}
             alphas: dict[int, list[float]] = {}
+            proposed: dict[int, list[bool]] = {}
             for j, sj in enumerate(pool.src):
-                if j == i:
+                if (j == i and wanted != 0) or (evaluate is not None and not evaluate(j)):
                     continue
                 first = views[sj].first if sj is not None else None
                 g = [1.0 if first is not None and first[x + y] == path[t + y] else 0.0 for y in range(m)]
                 cf[j], alphas[j] = g, list(g)
+                proposed[j] = [first is not None and first[x + y] >= 0 for y in range(m)]
                 if sj is not None:
                     eval_s += costs[sj].catch_up_token_s * m
-            fb.counterfactual, fb.counterfactual_alpha = cf, alphas
+                seen[j] = t + m
+            fb.counterfactual, fb.counterfactual_alpha, fb.counterfactual_proposed = cf, alphas, proposed
         t += m
         remaining -= m
         seen[i] = t
-        if full_info:
-            seen = [t] * n_drafters
         cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
         c = clock()
         sel.update(fb)

@@ -496,6 +496,7 @@ def _register() -> None:
     from ..training.drafters import train_drafter_command
     from ..training.fetch import fetch_command
     from ..training.pool import pool_command
+    from ..training.router import train_router_command
     from ..bench.replay import replay_command
     from ..bench.report import report_command
     from ..bench.serve_load import bench_serve_command
@@ -508,6 +509,7 @@ def _register() -> None:
     app.command("replay")(replay_command)
     app.command("train-drafter")(train_drafter_command)
     app.command("bench-serve")(bench_serve_command)
+    app.command("train-router")(train_router_command)
 
 
 _register()

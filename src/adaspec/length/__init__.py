@@ -16,6 +16,13 @@ from .rules import AdaEDL, HFHeuristic, LogitMargin, MaxConfidence, SVIPDifferen
 from .specdecpp import SpecDecPPPolicy
 from .tapout import TapOut
 
+def _auto(**params) -> LengthPolicy:
+    """``--length auto`` (selection/auto.py; imported lazily: selection imports this package)."""
+    from ..selection.auto import AutoLength
+
+    return AutoLength(**params)
+
+
 LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
     "static": StaticLength,
     "hf-heuristic": HFHeuristic,
@@ -28,6 +35,7 @@ LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
     "specdecpp": SpecDecPPPolicy,
     "tapout": TapOut,
     "ucbspec-length": LengthUCB,
+    "auto": _auto,
 }
 
 

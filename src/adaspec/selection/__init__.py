@@ -7,13 +7,16 @@ Every policy is one class with ``select()`` / ``update(feedback)`` and is regist
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError, UnknownNameError
+from .auto import AutoLength, AutoSelector
 from .banditspec import EXP3Spec, UCBSpec
 from .base import DrafterPolicy, StaticPolicy
 from .baselines import RoundRobinPolicy, UniformRandomPolicy
 from .cost_aware import CostAwareEXP3, CostAwareUCB
 from .hedgespec import CostAwareHedgeSpec, HedgeSpec
+from .router import RouterPolicy
 from .metasd import (PETC, DiscountedUCB, MetaSDEXP3, MetaSDUCB, SequentialHalving,
                      SlidingWindowUCB, ThompsonSampling)
 
@@ -34,6 +37,8 @@ SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
     "thompson": ThompsonSampling,
     "hedgespec": HedgeSpec,
     "cost-hedgespec": CostAwareHedgeSpec,
+    "auto": AutoSelector,
+    "router": RouterPolicy,
 }
 
 
@@ -56,6 +61,16 @@ def build_selector(spec: str | DrafterPolicy | None) -> DrafterPolicy:
         raise ConfigError(f"bad parameters for selector {name!r}: {exc}") from None
 
 
+def build_policies(selector: str | DrafterPolicy | None, length: Any, k: int = 5) -> tuple[DrafterPolicy, Any]:
+    """The drafter and length policies of a configuration. A selector that decides the length
+    too (``auto``) supplies its paired length policy when no length policy is given."""
+    from ..length import build_length
+
+    sel = build_selector(selector)
+    paired = getattr(sel, "paired_length", None)
+    return sel, (paired() if length is None and paired is not None else build_length(length, k))
+
+
 def parse_number(text: str) -> int | float | str:
     """'3' -> 3, '0.5' -> 0.5, anything else stays a string."""
     for conv in (int, float):
@@ -66,4 +81,5 @@ def parse_number(text: str) -> int | float | str:
     return text
 
 
-__all__ = ["DrafterPolicy", "StaticPolicy", "SELECTORS", "build_selector", "parse_number"]
+__all__ = ["AutoLength", "AutoSelector", "DrafterPolicy", "StaticPolicy", "SELECTORS", "build_policies",
+           "build_selector", "parse_number"]

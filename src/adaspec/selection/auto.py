@@ -1,0 +1,345 @@
+"""``auto``: one controller that picks the drafter *and* the draft length from the time per
+token each choice would cost on this machine (ours, beyond the papers).
+
+Objective. The papers' learners maximise accepted length (BanditSpec, MetaSD, HedgeSpec), but
+on a CPU a longer verify block costs more, and a drafter whose drafts are rejected more often
+wastes verify width: the drafter with the higher acceptance length can be the slower one.
+``auto`` scores every (drafter d, cap k) by expected tokens per second of the round,
+
+    rate_d(k) = E_d(k) / T_d(k)
+    E_d(k)    = 1 + h_d a_d sum_{j<k} c_d^j                     expected emitted tokens
+    T_d(k)    = o + h_d (D_d(k) + V(k+1)) + (1 - h_d) V(1)      expected seconds
+
+with h_d the probability that d has a proposal at the round's first position (model-free
+drafters often have none), a_d the probability that its first token is accepted given a
+proposal, c_d that token j+1 is accepted given token j was (a two-state Markov chain, which
+captures the long copy runs of prompt lookup and suffix matching that a single i.i.d.
+acceptance rate smears out), D_d(k) its drafting seconds for k tokens, V(w) the target's
+verify cost for a block of w tokens (the measured curve, ``costs.CostModel``) and o the
+engine's per-round overhead. The round plays ``argmax_{d, k} rate_d(k)``, with k = 0 (a plain
+decoding step, rate 1 / (o + V(1))) always available: drafting stops where it does not pay,
+and because every k up to ``max_k`` is priced, a cap never stops inside a verify-cost cliff
+when a longer block is cheaper per expected token (the joint length of the issue).
+
+Feedback. Model-free drafters are scored on the verified tokens every round at no model cost
+(full information, Not-a-Bandit 3.2: ``feedback.counterfactual`` holds their acceptance
+probability gamma at every emitted position, ``counterfactual_alpha`` the acceptance of the
+realised token, ``counterfactual_proposed`` whether they proposed at all). Model drafters are
+evaluated only every ``model_eval_every`` rounds (skipped evaluation, Not-a-Bandit B.5) and
+learn from their own rounds in between.
+
+Estimator and censoring. From one drafter's gammas g_1..g_m and realised acceptances
+alpha_1..alpha_m along a verified chain, the counts are (fractional under sampling):
+
+    proposal:   1 trial, success 1[proposed at position 1]
+    first:      1 trial if proposed, success g_1
+    continue:   for j >= 2, trial alpha_{j-1}, success alpha_{j-1} g_j
+
+i.e. the maximum-likelihood estimate of the Markov chain from the observed transitions. A
+chain is observed only up to the round's last emitted token (and the chosen drafter's only up
+to its cap): those runs are right-censored, and censoring only removes transitions that were
+never observed, so the transition estimate stays consistent; counting a censored run as
+"ended" (the naive run-length average) would bias c_d low. tests/test_selection_auto.py
+checks both on a simulated chain.
+
+Warm start. Counts live at two levels: the request's (decayed by ``request_decay`` per round,
+so the estimate follows the prompt) and the global ones, kept across requests with
+``scope="global"`` (default) and decayed by ``global_decay``. A request starts from the global
+estimate as a prior worth ``prior_weight`` trials; before any data the prior is
+``h = 0.5, a = 0.5, c = 0.7``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..drafters.base import Decision, DraftStep
+from ..errors import ConfigError
+from ..feedback import RoundFeedback
+from ..length.base import LengthPolicy
+from .base import DrafterPolicy
+
+#: prior of (h, a, c) before any data, see the module docstring
+DEFAULT_PRIOR = (0.5, 0.5, 0.7)
+NONE_NAMES = ("none",)
+
+
+@dataclass
+class ChainCounts:
+    """Discounted success / trial counts of one drafter's acceptance chain."""
+
+    s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # proposal, first, continue
+    t: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+    def decay(self, keep: float) -> None:
+        for i in range(3):
+            self.s[i] *= keep
+            self.t[i] *= keep
+
+    def observe(self, gammas: Sequence[float], alphas: Sequence[float], proposed: bool | None) -> None:
+        """Add one chain observed from a round's first emitted position (module docstring)."""
+        if proposed is not None:
+            self.t[0] += 1.0
+            self.s[0] += 1.0 if proposed else 0.0
+            if not proposed:
+                return
+        if not gammas:
+            return
+        self.t[1] += 1.0
+        self.s[1] += float(gammas[0])
+        for j in range(1, len(gammas)):
+            w = float(alphas[j - 1]) if j - 1 < len(alphas) else float(gammas[j - 1])
+            if w <= 0.0:
+                break
+            self.t[2] += w
+            self.s[2] += w * float(gammas[j])
+
+    def estimate(self, prior: Sequence[float], weight: float) -> tuple[float, float, float]:
+        """(h, a, c): Beta-style means with ``prior`` worth ``weight`` trials."""
+        return tuple((self.s[i] + weight * prior[i]) / (self.t[i] + weight) for i in range(3))  # type: ignore[return-value]
+
+
+def expected_tokens(h: float, a: float, c: float, k: int) -> float:
+    """E(k) = 1 + h a (1 + c + ... + c^(k-1)): emitted tokens of a round with cap k."""
+    if k <= 0:
+        return 1.0
+    geo = k if c >= 1.0 else (1.0 - c ** k) / (1.0 - c)
+    return 1.0 + h * a * geo
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The controller's choice for a round."""
+
+    drafter: int
+    k: int
+    rate: float  # expected tokens per second
+
+
+class AutoController:
+    """The shared state of ``auto``: per-drafter chain counts, costs and the round's plan.
+
+    Pure and deterministic: no randomness, no clock; costs come from ``self.costs`` (the
+    engine's ``CostModel``; without one every block costs 1 and drafting 0).
+    """
+
+    def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
+                 global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global"):
+        if isinstance(max_k, bool) or not isinstance(max_k, int) or not 1 <= max_k <= 64:
+            raise ConfigError(f"max_k must be an integer in 1..64, got {max_k!r}: pass e.g. max_k=16")
+        for name, v in (("request_decay", request_decay), ("global_decay", global_decay)):
+            if not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise ConfigError(f"{name} must be in (0, 1], got {v!r}: pass e.g. {name}=0.98")
+        if not isinstance(prior_weight, (int, float)) or not prior_weight > 0:
+            raise ConfigError(f"prior_weight must be > 0, got {prior_weight!r}: pass e.g. prior_weight=8")
+        if isinstance(model_eval_every, bool) or not isinstance(model_eval_every, int) or model_eval_every < 1:
+            raise ConfigError(f"model_eval_every must be an integer >= 1, got {model_eval_every!r}")
+        if scope not in ("request", "global"):
+            raise ConfigError(f"scope must be 'request' or 'global', got {scope!r}")
+        self.max_k, self.prior_weight = max_k, float(prior_weight)
+        self.request_decay, self.global_decay = float(request_decay), float(global_decay)
+        self.model_eval_every, self.scope = model_eval_every, scope
+        self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (wants_costs)
+        self.names: list[str] = []
+        self.is_model: list[bool] = []
+        self.global_counts: list[ChainCounts] = []
+        self.request_counts: list[ChainCounts] = []
+        self.rounds = 0
+        self.plan: Plan | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def begin_request(self, names: Sequence[str], is_model: Sequence[bool] | None = None) -> None:
+        names = list(names)
+        if self.scope == "request" or names != self.names:
+            self.names = names
+            self.global_counts = [ChainCounts() for _ in names]
+        self.is_model = list(is_model) if is_model is not None else [False] * len(names)
+        self.request_counts = [ChainCounts() for _ in names]
+        self.rounds = 0
+        self.plan = None
+
+    # -- estimates and costs ----------------------------------------------------------------
+    def estimate(self, d: int) -> tuple[float, float, float]:
+        """(h, a, c) of drafter ``d`` for this request: its counts on the global prior."""
+        prior = self.global_counts[d].estimate(DEFAULT_PRIOR, self.prior_weight)
+        return self.request_counts[d].estimate(prior, self.prior_weight)
+
+    def _cost_fns(self) -> tuple[Callable[[int], float], Callable[[int, int], float], float]:
+        c = self.costs
+        if c is None:
+            return (lambda w: 1.0), (lambda d, n: 0.0), 0.0
+        return c.verify_cost, c.draft_cost, float(getattr(c, "round_overhead_s", 0.0) or 0.0)
+
+    def best_k(self, d: int, verify: Callable[[int], float] | None = None,
+               draft: Callable[[int, int], float] | None = None, overhead: float | None = None) -> Plan:
+        """The cap k in 0..max_k that maximises rate_d(k) (k = 0: a plain decoding step)."""
+        if verify is None or draft is None or overhead is None:
+            verify, draft, overhead = self._cost_fns()
+        v1 = verify(1)
+        best = Plan(d, 0, 1.0 / max(overhead + v1, 1e-12))
+        if self.names[d] in NONE_NAMES:
+            return best
+        h, a, c = self.estimate(d)
+        miss = (1.0 - h) * (v1 + draft(d, 0))
+        for k in range(1, self.max_k + 1):
+            t = overhead + h * (draft(d, k) + verify(k + 1)) + miss
+            rate = expected_tokens(h, a, c, k) / max(t, 1e-12)
+            if rate > best.rate:
+                best = Plan(d, k, rate)
+        return best
+
+    def choose(self) -> Plan:
+        """The round's (drafter, cap): the best rate over every drafter and cap. A plain step
+        (k = 0) goes to the ``none`` drafter if there is one, else to the best drafter, which
+        is then scored like the others (the engine evaluates a chosen drafter that drafted
+        nothing)."""
+        verify, draft, overhead = self._cost_fns()
+        plans = [self.best_k(d, verify, draft, overhead) for d in range(len(self.names))]
+        best = max(plans, key=lambda p: (p.rate, p.k))
+        if best.k == 0:
+            for d, name in enumerate(self.names):
+                if name in NONE_NAMES:
+                    best = Plan(d, 0, best.rate)
+                    break
+        self.plan = best
+        return best
+
+    def cap_for(self, d: int) -> int:
+        if self.plan is not None and self.plan.drafter == d:
+            return self.plan.k
+        return self.best_k(d).k
+
+    def evaluate(self, d: int) -> bool:
+        """Score drafter ``d`` on this round's verified tokens? Model-free: always; model
+        drafters: every ``model_eval_every`` rounds (Not-a-Bandit B.5)."""
+        return not self.is_model[d] or self.rounds % self.model_eval_every == 0
+
+    # -- learning -----------------------------------------------------------------------------
+    def observe(self, fb: RoundFeedback) -> None:
+        for counts in self.request_counts:
+            counts.decay(self.request_decay)
+        for counts in self.global_counts:
+            counts.decay(self.global_decay)
+        for d, gammas, alphas, proposed in self._chains(fb):
+            self.request_counts[d].observe(gammas, alphas, proposed)
+            self.global_counts[d].observe(gammas, alphas, proposed)
+        self.rounds += 1
+
+    @staticmethod
+    def _chains(fb: RoundFeedback):
+        """(drafter, gammas, alphas, proposed at the first position or None if unknown) for
+        every drafter the round observed. The chosen drafter's chain is its draft (censored at
+        its cap); when it drafted nothing with a zero cap the engine scored it like the others."""
+        cf, ca = fb.counterfactual or {}, fb.counterfactual_alpha or {}
+        proposed = fb.counterfactual_proposed or {}
+        chosen = fb.drafter
+        if chosen not in ca:
+            if fb.n_drafted > 0:
+                yield chosen, fb.chosen_gammas(), [1.0] * fb.n_accepted, True
+            elif fb.k_cap > 0:  # allowed to draft, proposed nothing
+                yield chosen, [], [], False
+        for d, gam in cf.items():
+            if d == chosen and d not in ca:
+                continue
+            props = proposed.get(d)
+            yield d, gam, ca.get(d, gam), (bool(props[0]) if props else None)
+
+
+class AutoSelector(DrafterPolicy):
+    """``--selector auto``: the drafter of the controller's best (drafter, cap) plan; paired
+    with ``AutoLength`` (the same controller) unless a length policy is given."""
+
+    name = "auto"
+    full_information = True
+    wants_costs = True
+
+    def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
+                 global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
+                 seed: int | None = 0):
+        super().__init__(seed=seed, scope=scope)
+        self.controller = AutoController(max_k, prior_weight, request_decay, global_decay,
+                                         model_eval_every, scope)
+        self._is_model: list[bool] | None = None
+
+    @property
+    def costs(self) -> Any:
+        return self.controller.costs
+
+    @costs.setter
+    def costs(self, value: Any) -> None:
+        self.controller.costs = value
+
+    def bind_drafters(self, is_model: Sequence[bool]) -> None:
+        """Which drafters run a network (the engine tells; evaluated less often)."""
+        self._is_model = list(is_model)
+
+    def begin_request(self, drafter_names: Sequence[str]) -> None:
+        self.n_arms, self.arm_names = len(drafter_names), list(drafter_names)
+        self.controller.begin_request(drafter_names, self._is_model)
+
+    def paired_length(self) -> AutoLength:
+        return AutoLength(controller=self.controller)
+
+    def select(self) -> int:
+        return self.controller.choose().drafter
+
+    def evaluate(self, drafter: int) -> bool:
+        return self.controller.evaluate(drafter)
+
+    def update(self, feedback: RoundFeedback) -> None:
+        self.controller.observe(feedback)
+
+
+class AutoLength(LengthPolicy):
+    """``--length auto``: the cap of the controller's plan for the chosen drafter. Paired with
+    ``--selector auto`` it shares its controller; alone it learns from the chosen drafter's own
+    rounds (bandit feedback)."""
+
+    name = "auto"
+    wants_costs = True
+
+    def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
+                 global_decay: float = 0.999, scope: str = "global", seed: int | None = 0,
+                 controller: AutoController | None = None):
+        super().__init__(seed=seed, scope=scope)
+        self.shared = controller is not None
+        self.controller = controller or AutoController(max_k, prior_weight, request_decay, global_decay,
+                                                       scope=scope)
+        self._names: list[str] = []
+
+    @property
+    def costs(self) -> Any:
+        return self.controller.costs
+
+    @costs.setter
+    def costs(self, value: Any) -> None:
+        self.controller.costs = value
+
+    def begin_request(self) -> None:
+        if not self.shared:  # alone: one arm per drafter index, names learnt lazily
+            self.controller.plan = None
+            self.controller.request_counts = [ChainCounts() for _ in self.controller.names]
+            if self.scope == "request":
+                self.controller.global_counts = [ChainCounts() for _ in self.controller.names]
+
+    def _ensure(self, d: int) -> None:
+        c = self.controller
+        while len(c.names) <= d:
+            c.names.append(f"#{len(c.names)}")
+            c.is_model.append(False)
+            c.global_counts.append(ChainCounts())
+            c.request_counts.append(ChainCounts())
+
+    def begin_round(self, drafter: int) -> int:
+        if not self.shared:
+            self._ensure(drafter)
+        return self.controller.cap_for(drafter)
+
+    def decide(self, step: DraftStep) -> Decision:
+        return Decision.CONTINUE
+
+    def update(self, feedback: RoundFeedback) -> None:
+        if not self.shared:
+            self.controller.observe(feedback)
