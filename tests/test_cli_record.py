@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from conftest import make_tiny_model, word_tokenizer
@@ -32,5 +34,22 @@ def test_bench_record_then_replay_matches_the_bench(tmp_path):
     live = json.loads((tmp_path / "out" / "summary.json").read_text())
     row = next(r for r in live["overall"] if r["config"].startswith("ucbspec"))
     assert f"{row['mat']:.2f}" in res.output  # the replayed MAT equals the live one
+    for r in live["overall"]:  # --record: replay's prediction next to every live configuration
+        assert r["predicted_tokens_per_s"] > 0
+        assert r["prediction_error"] == pytest.approx(r["predicted_tokens_per_s"] / r["tokens_per_s"] - 1)
     res = CliRunner().invoke(app, ["bench", "-m", str(path), "-t", "0.7", "--peer", "none", "--record", str(trace)])
     assert res.exit_code == 2 and "greedy" in res.output
+
+
+def test_costs_command_prints_the_surface_and_writes_the_heat_map(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny"
+    make_tiny_model(seed=0).save_pretrained(path)
+    word_tokenizer(WORDS).save_pretrained(path)
+    png = tmp_path / "surface.png"
+    res = CliRunner().invoke(app, ["costs", "-m", str(path), "--png", str(png)])
+    assert res.exit_code == 0, res.output
+    assert "k=16" in res.output and "cost cliff" in res.output and "measuring the grid took" in res.output
+    rows = [line.split()[0] for line in res.output.splitlines() if line[:8].strip().isdigit()]
+    assert rows == ["32", "128", "256", "495"]  # the default grid, cut at the tiny model's window (512)
+    assert png.read_bytes().startswith(b"\x89PNG")

@@ -465,6 +465,34 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     return PromptReplay(p, new, reason, total, ar, rounds)
 
 
+# -- bench configurations -----------------------------------------------------------------------
+def predict_config(trace: Trace, drafters: Sequence[Any], selector: str | None, length: str | None,
+                   k: int) -> ReplayResult:
+    """Replay one bench configuration (its drafter specs, selector, length policy and k) on a
+    trace; plain decoding (no drafters) is the ``none`` drafter alone. Raises ConfigError
+    when the trace cannot replay it (a drafter it did not record, a policy needing hidden
+    states, a drafter instance)."""
+    specs = [d if isinstance(d, str) else None for d in drafters]
+    if None in specs:
+        raise ConfigError("drafter instances cannot be matched to a trace: give drafter specs")
+    return replay(trace, selector, length, k=k, drafters=specs or [NONE])
+
+
+def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayResult | str]:
+    """``predict_config`` for bench configurations (``BenchConfig``): name -> replay, or the
+    reason it cannot be replayed (peers run Hugging Face's loop, not the engine's)."""
+    out: dict[str, ReplayResult | str] = {}
+    for c in configs:
+        if getattr(c, "peer", None):
+            out[c.name] = "peer (not the engine's loop)"
+            continue
+        try:
+            out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k)
+        except ConfigError as exc:
+            out[c.name] = str(exc)
+    return out
+
+
 # -- oracle bounds ------------------------------------------------------------------------------
 def _metrics(tokens: int, rounds: int, seconds: float, ar_seconds: float) -> dict[str, Any]:
     return {"tokens": tokens, "rounds": rounds, "mat": tokens / rounds if rounds else 0.0,
@@ -692,5 +720,5 @@ def replay_command(
         console.print(f"written: {json_out}")
 
 
-__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "replay",
-           "replay_command"]
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "predict_config",
+           "predict_configs", "replay", "replay_command"]

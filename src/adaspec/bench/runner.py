@@ -165,6 +165,9 @@ class BenchRun:
     device: str = "cpu"
     dtype: str = "float32"
     verify_costs: dict[str, Any] | None = None
+    #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
+    #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}
+    predictions: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # -- aggregation ----------------------------------------------------------------------
     def of(self, config: str, category: str | None = None) -> list[PromptRecord]:
@@ -193,6 +196,36 @@ class BenchRun:
     def speedup(self, r: ConfigResult, category: str | None = None) -> float:
         base = self.result(self.configs[0].name, category)
         return base.seconds / r.seconds if r.seconds else 0.0
+
+    # -- replay's predictions ---------------------------------------------------------------
+    def predict_from(self, trace: Any) -> None:
+        """Replay every configuration on a trace of this workload (``adaspec bench --record``)
+        and keep its predicted seconds (total and per category; the policies' measured time is
+        shared out by rounds), so every report shows the cost model's error next to the live
+        times."""
+        from .replay import predict_configs
+
+        cats = [p.meta.get("category", "") for p in trace.prompts]
+        for name, res in predict_configs(trace, self.configs).items():
+            if isinstance(res, str):
+                self.predictions[name] = {"unavailable": res}
+                continue
+            per_cat: dict[str, float] = {}
+            n_rounds = max(1, res.n_rounds)
+            for p in res.prompts:
+                share = res.policy_s * len(p.rounds) / n_rounds
+                per_cat[cats[p.index]] = per_cat.get(cats[p.index], 0.0) + p.seconds + share
+            self.predictions[name] = {"seconds": res.predicted_s, "tokens": res.tokens, "per_category": per_cat}
+
+    def _predicted(self, config: str, category: str | None, live: ConfigResult) -> dict[str, Any]:
+        """Predicted seconds and tokens/s, and the relative error of the tokens/s (pred / live - 1)."""
+        pred = self.predictions.get(config, {})
+        secs = pred.get("seconds") if category is None else pred.get("per_category", {}).get(category)
+        if not secs or not live.seconds:
+            return {"predicted_seconds": None, "predicted_tokens_per_s": None, "prediction_error": None}
+        tps = live.tokens / secs
+        return {"predicted_seconds": secs, "predicted_tokens_per_s": tps,
+                "prediction_error": tps / live.tokens_per_s - 1.0}
 
     # -- regret (BanditSpec stopping time; cumulative against the best fixed drafter) -------
     def _static_for(self, cfg: BenchConfig) -> list[BenchConfig]:
@@ -265,7 +298,8 @@ class BenchRun:
                 "policy_overhead_share": r.policy_share, "engine_overhead_share": r.overhead_share,
                 "cliff_share": r.cliff_share, "identical": r.identical, "mismatches": r.mismatches,
                 "stopping_time_regret": reg["stopping_time_regret"] if reg else None,
-                "best_arm_ratio": reg["best_arm_ratio"] if reg else None}
+                "best_arm_ratio": reg["best_arm_ratio"] if reg else None,
+                **(self._predicted(cfg.name, category, r) if self.predictions else {})}
 
     def summary(self) -> dict[str, Any]:
         """The ``summary.json`` document (schema ``adaspec.bench/1``)."""
@@ -465,11 +499,13 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
 
     records: list[PromptRecord] = []
     rounds: list[dict[str, Any]] = []
+    prompt_lens: list[int] = []
     for pos, prompt in enumerate(prompts):
         recs = [PromptRecord(c.name, prompt.id, prompt.category, pos) for c in configs]
         answers: list[str] = []
         for turn in range(len(prompt.turns)):
             ids = _turn_prompt(prompt, turn, answers, ar_engine)
+            prompt_lens.append(len(ids))
             outs: list[list[int]] = [[] for _ in runners]
             times: list[list[float]] = [[] for _ in runners]
             last: list[Any] = [None] * len(runners)
@@ -500,8 +536,11 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     costs = None
     if measure_costs:
         if progress:
-            progress("measuring the verify-cost curve")
-        costs = ar_engine.verify_costs().to_dict()
+            progress("measuring the verify-cost surface")
+        surface = ar_engine.verify_costs()
+        # the curve at the workload's typical cache length (middle of a median request)
+        typical = int(statistics.median(prompt_lens)) + max_new_tokens // 2
+        costs = surface.curve(typical).to_dict() | {"surface": surface.to_dict()}
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
                     suite, device, dtype, costs)
 
