@@ -31,9 +31,10 @@ from .models import LoadedModel, cache_dir
 log = logging.getLogger(__name__)
 
 CLIFF_FACTOR = 1.15  # k is "in a cliff" if some larger k' is this much cheaper
-DEFAULT_KS = tuple(range(1, 11)) + (12, 16)
-#: cache lengths of the grid: short chats to retrieval / summary prompts of 1-2k tokens
-DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024, 2048)
+DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+#: cache lengths of the grid: short chats to retrieval / summary prompts of 1k tokens (V is
+#: extrapolated linearly in L past the last: attention cost grows linearly with the cache)
+DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024)
 SURFACE_FORMAT = "surface/1"  # part of the cache key: bump when the measurement changes
 
 
@@ -304,11 +305,12 @@ def grid_contexts(loaded: LoadedModel, contexts: Sequence[int], ks: Sequence[int
 
 @torch.inference_mode()
 def measure_verify_surface(loaded: LoadedModel, contexts: Sequence[int] = DEFAULT_CONTEXTS,
-                           ks: Sequence[int] = DEFAULT_KS, repeats: int = 3, warmup: int = 1,
+                           ks: Sequence[int] = DEFAULT_KS, repeats: int = 2, warmup: int = 1,
                            progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
     """Time target forwards over k new tokens on caches of every grid length (medians of
-    ``repeats``), and the prefill of each length. Contexts and ks are interleaved within each
-    repeat so machine noise hits the grid alike. ``progress(done, total)`` after every pass."""
+    ``repeats`` after ``warmup`` passes), and the prefill of each length (once). Contexts and
+    ks are interleaved within each pass so machine noise hits the grid alike.
+    ``progress(done, total)`` after every pass."""
     from transformers import DynamicCache
 
     t_start = time.perf_counter()
@@ -325,29 +327,25 @@ def measure_verify_surface(loaded: LoadedModel, contexts: Sequence[int] = DEFAUL
         return time.perf_counter() - t0
 
     prefix = torch.randint(0, vocab, (1, max(contexts)), generator=gen).to(device)
+    timed(prefix[:, : contexts[0]], DynamicCache(config=model.config), 1)  # first calls pick kernels
     caches: list[DynamicCache] = []
-    prefill: dict[int, list[float]] = {c: [] for c in contexts}
+    pre: list[float] = []
+    for c in contexts:  # one prefill per length (the longest dominates the grid's cost)
+        caches.append(DynamicCache(config=model.config))
+        pre.append(timed(prefix[:, :c], caches[-1], 1))
     times: dict[tuple[int, int], list[float]] = {(c, k): [] for c in contexts for k in ks}
     total = warmup + repeats
     for rep in range(total):
-        for i, c in enumerate(contexts):
-            if rep <= warmup:  # prefill: the warm-up passes and one timed pass
-                cache = DynamicCache(config=model.config)
-                dt = timed(prefix[:, :c], cache, 1)
-                if rep >= warmup:
-                    prefill[c].append(dt)
-                if len(caches) <= i:
-                    caches.append(cache)
+        for cache, c in zip(caches, contexts):
             for k in ks:
                 ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
-                dt = timed(ids, caches[i], k)
-                caches[i].crop(-k)
+                dt = timed(ids, cache, k)
+                cache.crop(-k)
                 if rep >= warmup:
                     times[(c, k)].append(dt)
         if progress is not None:
             progress(rep + 1, total)
     seconds = [[median(times[(c, k)]) for k in ks] for c in contexts]
-    pre = [median(prefill[c]) if prefill[c] else 0.0 for c in contexts]
     return VerifyCostSurface(list(contexts), list(ks), seconds, pre, measure_s=time.perf_counter() - t_start)
 
 
@@ -358,7 +356,7 @@ def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
 
 
 def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
-                    contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 3, refresh: bool = False,
+                    contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 2, refresh: bool = False,
                     progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
     """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
     contexts = grid_contexts(loaded, contexts, ks)
