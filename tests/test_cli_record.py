@@ -37,6 +37,8 @@ def test_bench_record_then_replay_matches_the_bench(tmp_path):
     for r in live["overall"]:  # --record: replay's prediction next to every live configuration
         assert r["predicted_tokens_per_s"] > 0
         assert r["prediction_error"] == pytest.approx(r["predicted_tokens_per_s"] / r["tokens_per_s"] - 1)
+    regret = next(v for k, v in live["regret"].items() if k.startswith("ucbspec"))
+    assert len(regret["cumulative_priced_seconds"]) == len(regret["cumulative_seconds"]) == 1
     res = CliRunner().invoke(app, ["bench", "-m", str(path), "-t", "0.7", "--peer", "none", "--record", str(trace)])
     assert res.exit_code == 2 and "greedy" in res.output
 

@@ -212,3 +212,15 @@ def test_oracle_bounds_use_the_surface(priced):
     fixed = replay(priced, None, None, k=4, drafters=["prompt-lookup"])
     assert bounds["ar_seconds"] == pytest.approx(fixed.ar_seconds)
     assert bounds["dp_time"]["seconds"] <= bounds["greedy_oracle"]["seconds"] + 1e-9
+
+
+def test_cost_model_drafter_functions_take_precedence_over_running_means():
+    cm = CostModel(surface(), drafters={0: DrafterCosts(draft=LinearCost(0.001, 0.002, 1e-6),
+                                                        catch_up=LinearCost(0.0, 0.003, 0.0))})
+    cm.observe(0, 4, draft_s=1.0, verify_s=1.0, catch_up_tokens=2, catch_up_s=1.0)
+    cm.observe(1, 4, draft_s=0.4, verify_s=1.0, catch_up_tokens=2, catch_up_s=0.2)
+    cm.context = 1000
+    assert cm.draft_cost(0, 3) == pytest.approx(0.001 + 0.006 + 0.001)
+    assert cm.draft_cost(0, 3, context=0) == pytest.approx(0.007)
+    assert cm.catch_up_cost(0, 2) == pytest.approx(0.006) and cm.catch_up_cost(0, 0) == 0.0
+    assert cm.draft_cost(1, 3) == pytest.approx(0.3) and cm.catch_up_cost(1, 1) == pytest.approx(0.1)

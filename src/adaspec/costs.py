@@ -390,10 +390,12 @@ class CostModel:
     """
 
     def __init__(self, surface: VerifyCostSurface | VerifyCostCurve | None = None, decay: float = 0.9, *,
-                 curve: VerifyCostCurve | None = None):
+                 curve: VerifyCostCurve | None = None, drafters: dict[int, DrafterCosts] | None = None):
         self.surface = VerifyCostSurface.of(surface if surface is not None else curve)
         self.decay = decay
         self.context = 0  # cache length of the round being decided
+        #: measured cost functions per drafter index (e.g. a trace's); preferred over running means
+        self.drafters: dict[int, DrafterCosts] = dict(drafters or {})
         self.draft_token_s: dict[int, float] = {}
         self.catch_up_token_s: dict[int, float] = {}
         self.verify_width_s: dict[int, float] = {}
@@ -431,9 +433,20 @@ class CostModel:
             return self.verify_width_s[nearest]
         return 0.0
 
-    def draft_cost(self, drafter: int, n_tokens: float) -> float:
-        """Estimated seconds for ``drafter`` to draft ``n_tokens`` (0 if never observed)."""
+    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        """Estimated seconds for ``drafter`` to draft ``n_tokens`` at ``context`` (default: the
+        current round's): its measured function, else the running mean per token (0 if never
+        observed)."""
+        f = self.drafters.get(drafter)
+        if f is not None:
+            return f.draft(n_tokens, self.context if context is None else context)
         return self.draft_token_s.get(drafter, 0.0) * n_tokens
 
-    def catch_up_cost(self, drafter: int, n_tokens: float) -> float:
+    def catch_up_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        """Estimated seconds for ``drafter`` to catch up on ``n_tokens`` (as ``draft_cost``)."""
+        if n_tokens <= 0:
+            return 0.0
+        f = self.drafters.get(drafter)
+        if f is not None:
+            return f.catch_up(n_tokens, self.context if context is None else context)
         return self.catch_up_token_s.get(drafter, 0.0) * n_tokens

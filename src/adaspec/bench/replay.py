@@ -337,15 +337,15 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     if not isinstance(budget, int) or not 1 <= budget <= trace.max_new_tokens:
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
-    cost_model = CostModel()
+    price = _RoundPricer(trace, pool)
+    # as in the engine: the surface, and running means of the (synthesised) drafter costs
+    cost_model = CostModel(trace.surface)
     for policy in (sel, ln):
         if getattr(policy, "wants_costs", False):
-            cost_model.surface = trace.surface
             policy.costs = cost_model
     time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
     result = ReplayResult(_label(selector, "selector", k), _label(length, "length", k), k, pool.labels, [],
                           time_dep)
-    price = _RoundPricer(trace, pool)
     t0 = time.perf_counter()
     for p in range(len(trace.prompts)):
         result.prompts.append(_replay_prompt(trace, p, pool, sel, ln, cost_model, price, budget, strict,

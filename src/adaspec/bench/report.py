@@ -410,7 +410,8 @@ def plot_speedup(summary: dict[str, Any], path: Path) -> Path | None:
 
 
 def plot_regret(summary: dict[str, Any], path: Path) -> Path | None:
-    """Cumulative regret (seconds, and rounds when given) over the workload for adaptive configs."""
+    """Cumulative regret (seconds, and rounds when given) over the workload for adaptive configs;
+    with replay's predictions also the seconds priced by the cost model (dashed)."""
     regret = {k: v for k, v in (summary.get("regret") or {}).items() if v and v.get("cumulative_seconds")}
     if not regret:
         return None
@@ -422,6 +423,9 @@ def plot_regret(summary: dict[str, Any], path: Path) -> Path | None:
         ys = [0.0, *r["cumulative_seconds"]]  # the curve starts at 0 before the first prompt
         marker = "o" if len(ys) <= 40 else None
         axes[0].plot(range(len(ys)), ys, color=color, lw=1.6, marker=marker, ms=3, label=label)
+        if r.get("cumulative_priced_seconds"):
+            yp = [0.0, *r["cumulative_priced_seconds"]]
+            axes[0].plot(range(len(yp)), yp, color=color, lw=1.2, ls="--", label="  priced by the cost model")
         if with_rounds and r.get("cumulative_rounds"):
             yr = [0.0, *r["cumulative_rounds"]]
             axes[1].plot(range(len(yr)), yr, color=color, lw=1.6, marker=marker, ms=3)

@@ -206,16 +206,20 @@ class BenchRun:
         from .replay import predict_configs
 
         cats = [p.meta.get("category", "") for p in trace.prompts]
+        ids = [p.meta.get("id", str(i)) for i, p in enumerate(trace.prompts)]
         for name, res in predict_configs(trace, self.configs).items():
             if isinstance(res, str):
                 self.predictions[name] = {"unavailable": res}
                 continue
             per_cat: dict[str, float] = {}
+            per_prompt: dict[str, float] = {}  # turns of a prompt summed, as in PromptRecord
             n_rounds = max(1, res.n_rounds)
             for p in res.prompts:
-                share = res.policy_s * len(p.rounds) / n_rounds
-                per_cat[cats[p.index]] = per_cat.get(cats[p.index], 0.0) + p.seconds + share
-            self.predictions[name] = {"seconds": res.predicted_s, "tokens": res.tokens, "per_category": per_cat}
+                secs = p.seconds + res.policy_s * len(p.rounds) / n_rounds
+                per_cat[cats[p.index]] = per_cat.get(cats[p.index], 0.0) + secs
+                per_prompt[ids[p.index]] = per_prompt.get(ids[p.index], 0.0) + secs
+            self.predictions[name] = {"seconds": res.predicted_s, "tokens": res.tokens, "per_category": per_cat,
+                                      "per_prompt": per_prompt}
 
     def _predicted(self, config: str, category: str | None, live: ConfigResult) -> dict[str, Any]:
         """Predicted seconds and tokens/s, and the relative error of the tokens/s (pred / live - 1)."""
@@ -242,7 +246,9 @@ class BenchRun:
         chosen per prompt). ``best_arm_ratio``: share of the policy's rounds that used that
         drafter. ``cumulative_seconds``: running sum over the workload of the policy's time
         minus the time of the single fixed configuration that is fastest over the whole
-        workload (the best fixed drafter in hindsight)."""
+        workload (the best fixed drafter in hindsight). ``cumulative_priced_seconds`` (with
+        replay's predictions, ``predict_from``): the same with every prompt's time priced by
+        the cost model instead of the wall clock (no timing noise)."""
         arms = self._static_for(cfg)
         if cfg.kind != "adaptive" or not arms:
             return None
@@ -262,9 +268,17 @@ class BenchRun:
             acc_r += rec.rounds - ref.rounds
             cum_s.append(acc_s)
             cum_r.append(acc_r)
+        mine_p = self.predictions.get(cfg.name, {}).get("per_prompt")
+        ref_p = self.predictions.get(best_fixed.name, {}).get("per_prompt")
+        priced = None
+        if mine_p and ref_p and all(r.prompt_id in mine_p and r.prompt_id in ref_p for r in mine):
+            priced, acc = [], 0.0
+            for rec in mine:
+                acc += mine_p[rec.prompt_id] - ref_p[rec.prompt_id]
+                priced.append(acc)
         return {"best_fixed": best_fixed.name, "stopping_time_regret": stop_regret,
                 "best_arm_ratio": used_best / n_rounds if n_rounds and len(arms) > 1 else None,
-                "cumulative_seconds": cum_s, "cumulative_rounds": cum_r}
+                "cumulative_seconds": cum_s, "cumulative_rounds": cum_r, "cumulative_priced_seconds": priced}
 
     def oracle(self) -> dict[str, Any] | None:
         """The per-prompt oracle over the static configurations: for every prompt, the static
@@ -309,7 +323,8 @@ class BenchRun:
         for c in self.configs:
             reg = self.regret(c)
             if reg:
-                regret[c.name] = {k: reg[k] for k in ("best_fixed", "cumulative_seconds", "cumulative_rounds")}
+                regret[c.name] = {k: reg[k] for k in ("best_fixed", "cumulative_seconds", "cumulative_rounds",
+                                                      "cumulative_priced_seconds")}
         return {
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
