@@ -15,7 +15,8 @@ from adaspec.cli import app
 WORDS = [f"w{i:02d}" for i in range(32)]
 
 
-def test_bench_record_then_replay_matches_the_bench(tmp_path):
+def test_bench_record_then_replay_matches_the_bench(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny"
     make_tiny_model(seed=0).save_pretrained(path)
     word_tokenizer(WORDS).save_pretrained(path)

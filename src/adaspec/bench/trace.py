@@ -607,7 +607,9 @@ class TraceRecorder:
                 per_round.append(r.total_s - surface.cost(1, ctx))
                 ctx += r.emitted
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
-        return EngineOverheads(round_s=median(per_round) if per_round else 0.0,
+        # an overhead is never negative (a surface measured on a busier machine than the live runs
+        # would make it so: measure it again, adaspec costs --refresh)
+        return EngineOverheads(round_s=max(0.0, median(per_round)) if per_round else 0.0,
                                request_s=max(0.0, median(per_request)) if per_request else 0.0,
                                none_evaluate=none_evaluate)
 
