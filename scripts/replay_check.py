@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def main() -> None:
 
     target = load_model(args.model)
     t0 = time.perf_counter()
-    surface = load_or_measure(target)
+    surface = load_or_measure(target, progress=lambda d, n: print(f"  cost grid: pass {d}/{n}", file=sys.stderr))
     print(f"cost grid: {len(surface.contexts)} cache lengths x {len(surface.ks)} widths; measuring it took "
           f"{surface.measure_s:.1f} s (loaded in {time.perf_counter() - t0:.1f} s)")
     work = []
@@ -61,10 +62,12 @@ def main() -> None:
         work += load_workload(suite, per_category=args.per_category)
     cfgs = configs(args.static_k, args.selector, args.length)
     t0 = time.perf_counter()
-    run = run_bench(target, cfgs, work, args.max_new_tokens, args.repeats, suite=args.suite)
+    run = run_bench(target, cfgs, work, args.max_new_tokens, args.repeats, suite=args.suite,
+                    progress=lambda m: print(f"  live: {m}", file=sys.stderr, flush=True))
     live_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trace = record(target, DRAFTERS, work, args.max_new_tokens, args.trace)
+    trace = record(target, DRAFTERS, work, args.max_new_tokens, args.trace,
+                   progress=lambda m: print(f"  record: {m}", file=sys.stderr, flush=True))
     rec_s = time.perf_counter() - t0
     run.predict_from(trace)
     rows = run.summary()["overall"]

@@ -15,11 +15,18 @@ from adaspec.cli import app
 WORDS = [f"w{i:02d}" for i in range(32)]
 
 
-def test_bench_record_then_replay_matches_the_bench(tmp_path, monkeypatch):
+@pytest.fixture
+def tiny_dir(tmp_path, monkeypatch):
+    """A tiny model directory, with a fresh cache (its cost surface is measured in the test)."""
     monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny"
     make_tiny_model(seed=0).save_pretrained(path)
     word_tokenizer(WORDS).save_pretrained(path)
+    return path
+
+
+def test_bench_record_then_replay_matches_the_bench(tmp_path, tiny_dir):
+    path = tiny_dir
     suite = tmp_path / "work.jsonl"
     suite.write_text(json.dumps({"question_id": "c1", "category": "copy",
                                  "turns": ["w01 w02 w03 w04 w01 w02 w03 w04 w01 w02"]}))
@@ -44,13 +51,9 @@ def test_bench_record_then_replay_matches_the_bench(tmp_path, monkeypatch):
     assert res.exit_code == 2 and "greedy" in res.output
 
 
-def test_costs_command_prints_the_surface_and_writes_the_heat_map(tmp_path, monkeypatch):
-    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "tiny"
-    make_tiny_model(seed=0).save_pretrained(path)
-    word_tokenizer(WORDS).save_pretrained(path)
+def test_costs_command_prints_the_surface_and_writes_the_heat_map(tmp_path, tiny_dir):
     png = tmp_path / "surface.png"
-    res = CliRunner().invoke(app, ["costs", "-m", str(path), "--png", str(png)])
+    res = CliRunner().invoke(app, ["costs", "-m", str(tiny_dir), "--png", str(png)])
     assert res.exit_code == 0, res.output
     assert "k=16" in res.output and "cost cliff" in res.output and "measuring the grid took" in res.output
     rows = [line.split()[0] for line in res.output.splitlines() if line[:8].strip().isdigit()]
