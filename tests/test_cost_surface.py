@@ -161,9 +161,9 @@ def _expected(trace, res, full_information: bool = False) -> tuple[float, float]
     total = ar = 0.0
     src = [None if d == "none" else trace.specs.index(d) for d in res.drafters]
     for p in res.prompts:
-        n = trace.prompts[p.index].n_prompt
-        total += s.prefill(n - 1) + o.request_s
-        ar += s.prefill(n - 1) + o.request_s + sum(s.cost(1, n + x - 1) + o.round_s for x in range(p.new_tokens))
+        n, prefill = trace.prompts[p.index].n_prompt, trace.prompts[p.index].prefill_s
+        total += prefill + o.request_s
+        ar += prefill + o.request_s + sum(s.cost(1, n + x - 1) + o.round_s for x in range(p.new_tokens))
         t, used = n, set()
         for r in p.rounds:
             c = costs[src[r.drafter]] if src[r.drafter] is not None else None

@@ -35,7 +35,7 @@ DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 #: cache lengths of the grid: short chats to retrieval / summary prompts of 1k tokens (V is
 #: extrapolated linearly in L past the last: attention cost grows linearly with the cache)
 DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024)
-SURFACE_FORMAT = "surface/1"  # part of the cache key: bump when the measurement changes
+SURFACE_FORMAT = "surface/2"  # part of the cache key: bump when the measurement changes
 
 
 @dataclass
@@ -308,7 +308,8 @@ def measure_verify_surface(loaded: LoadedModel, contexts: Sequence[int] = DEFAUL
                            ks: Sequence[int] = DEFAULT_KS, repeats: int = 2, warmup: int = 1,
                            progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
     """Time target forwards over k new tokens on caches of every grid length (medians of
-    ``repeats`` after ``warmup`` passes), and the prefill of each length (once). Contexts and
+    ``repeats`` after ``warmup`` passes), and the prefill of each length (once, after an
+    untimed warm-up prefill: the first forwards of a shape allocate and page in). Contexts and
     ks are interleaved within each pass so machine noise hits the grid alike.
     ``progress(done, total)`` after every pass."""
     from transformers import DynamicCache
@@ -327,15 +328,14 @@ def measure_verify_surface(loaded: LoadedModel, contexts: Sequence[int] = DEFAUL
         return time.perf_counter() - t0
 
     prefix = torch.randint(0, vocab, (1, max(contexts)), generator=gen).to(device)
-    timed(prefix[:, : contexts[0]], DynamicCache(config=model.config), 1)  # first calls pick kernels
     caches: list[DynamicCache] = []
     pre: list[float] = []
-    for c in contexts:  # one prefill per length (the longest dominates the grid's cost)
-        caches.append(DynamicCache(config=model.config))
-        pre.append(timed(prefix[:, :c], caches[-1], 1))
     times: dict[tuple[int, int], list[float]] = {(c, k): [] for c in contexts for k in ks}
     total = warmup + repeats
     for rep in range(total):
+        if rep <= warmup:  # prefills: untimed in the warm-up (first shapes allocate), then timed once
+            caches = [DynamicCache(config=model.config) for _ in contexts]
+            pre = [timed(prefix[:, :c], cache, 1) for c, cache in zip(contexts, caches)]
         for cache, c in zip(caches, contexts):
             for k in ks:
                 ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)

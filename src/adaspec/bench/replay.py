@@ -25,8 +25,8 @@ times synthesised from the recorded costs, so the replay is deterministic but no
 Predicted seconds price every round where it runs (``_RoundPricer``): the verify-cost
 surface V(k+1, L) at the round's cache length L, the drafter's cost functions of (tokens, L)
 for drafting, catch-up, prompt prefill and full-information evaluation, the engine's
-measured per-round and per-request overheads and the target prefill from the surface: the
-deterministic ``seconds``. The policies' own compute time is measured during the replay (the
+measured per-round and per-request overheads and the target prefill measured for the prompt
+in the recording: the deterministic ``seconds``. The policies' own compute time is measured during the replay (the
 same code runs live; ``policy_s``) and added in ``predicted_s``, from which tokens/s and the
 speed-up are computed.
 Not supported: sampling, stop strings, and length policies that read a model drafter's
@@ -298,21 +298,23 @@ class _RoundPricer:
         return sum((c.evaluate(m, t) if c is not None else self.over.none_evaluate(m))
                    for j, c in enumerate(self.costs) if j != chosen)
 
-    def request(self, n_prompt: int) -> float:
-        """Target prefill of all prompt tokens but the last, plus the per-request overhead."""
+    def request(self, pt: PromptTrace) -> float:
+        """Target prefill of all prompt tokens but the last (measured for this prompt in the
+        recording's AR run; else the surface's), plus the per-request overhead."""
         if self.surface is None:
             return 0.0
-        return self.surface.prefill(n_prompt - 1) + self.over.request_s
+        prefill = pt.prefill_s if pt.prefill_s > 0 else self.surface.prefill(pt.n_prompt - 1)
+        return prefill + self.over.request_s
 
     def round_overhead(self) -> float:
         return self.over.round_s if self.surface is not None else 0.0
 
-    def ar(self, n_prompt: int, new_tokens: int) -> float:
+    def ar(self, pt: PromptTrace, new_tokens: int) -> float:
         """Plain decoding of ``new_tokens``: one width-1 forward per token at its context."""
         if self.surface is None:
             return 0.0
-        o = self.over.round_s
-        return self.request(n_prompt) + sum(self.verify(1, n_prompt + x) + o for x in range(new_tokens))
+        o, n = self.over.round_s, pt.n_prompt
+        return self.request(pt) + sum(self.verify(1, n + x) + o for x in range(new_tokens))
 
 
 # -- the replay loop ------------------------------------------------------------------------
@@ -460,8 +462,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
             break
     result.policy_s += policy_s
     new = t - n_prompt
-    ar = price.ar(n_prompt, new)
-    total = price.request(n_prompt) + sum(r.seconds for r in rounds) if trace.surface is not None else 0.0
+    ar = price.ar(pt, new)
+    total = price.request(pt) + sum(r.seconds for r in rounds) if trace.surface is not None else 0.0
     return PromptReplay(p, new, reason, total, ar, rounds)
 
 
@@ -548,7 +550,7 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
         return drafting + price.verify(j + 1, t) + price.round_overhead()
 
     def start_s(p: int) -> float:
-        return price.request(trace.prompts[p].n_prompt)
+        return price.request(trace.prompts[p])
 
     def walk(choose) -> tuple[int, float]:
         """Rounds and seconds of a per-round rule choose(p, x, remaining) -> (drafter, n)."""
