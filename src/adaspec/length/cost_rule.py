@@ -47,9 +47,11 @@ class CostModelRule(LengthPolicy):
     (``feedback.chosen_gammas()``: realised 0/1 under greedy, p(y) or 1 - TV under sampling),
     starting from ``prior_acceptance``.
 
-    Costs: with a measured surface, V is the surface at the round's cache length and d the engine's observed seconds per
+    Costs: with a measured surface, V is the surface at the round's cache length and d the
+    marginal seconds of one more drafted token (``costs.draft_cost``: the drafter's measured
+    function if the cost model has one, else the engine's observed seconds per
     drafted token (``draft_prior`` x V(1) until the drafter has been observed). Without a
-    curve V is a linear fit of the observed verify times per width (a cliff is then only seen
+    surface V is a linear fit of the observed verify times per width (a cliff is then only seen
     once measured), and without any cost model (no engine) V = 1 and d = ``draft_prior``.
     Catch-up time is not counted (it is paid whatever the length).
     """
@@ -100,8 +102,9 @@ class CostModelRule(LengthPolicy):
             verify = _linear_fit(c.verify_width_s)
         else:
             return self.draft_prior, lambda w: 1.0
-        d = c.draft_token_s.get(drafter)
-        return (d if d is not None else self.draft_prior * verify(1)), verify
+        if drafter in c.drafters or drafter in c.draft_token_s:  # marginal seconds of one more token
+            return c.draft_cost(drafter, 1) - c.draft_cost(drafter, 0), verify
+        return self.draft_prior * verify(1), verify
 
     # -- the round -----------------------------------------------------------------------
     def _new_round(self, drafter: int) -> None:
