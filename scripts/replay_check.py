@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--selector", default="cost-hedgespec")
     ap.add_argument("--length", default="cost-model")
     ap.add_argument("--trace", default="/tmp/replay_check_trace.npz")
+    ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -60,6 +61,8 @@ def main() -> None:
     work = []
     for suite in args.suite.split(","):
         work += load_workload(suite, per_category=args.per_category)
+    if args.prompts > 0:
+        work = work[: args.prompts]
     cfgs = configs(args.static_k, args.selector, args.length)
     t0 = time.perf_counter()
     run = run_bench(target, cfgs, work, args.max_new_tokens, args.repeats, suite=args.suite,
@@ -74,7 +77,8 @@ def main() -> None:
     print(f"{len(work)} prompts ({args.suite}) x {args.max_new_tokens} tokens: live bench {live_s:.0f} s, "
           f"recording {rec_s:.0f} s")
     o = trace.overheads
-    print(f"engine overheads: {o.round_s * 1e3:.2f} ms per round, {o.request_s * 1e3:.1f} ms per request")
+    print(f"engine overheads: {o.round_s * 1e3:.2f} ms per round, {o.request_s * 1e3:.1f} ms per request; "
+          f"live verify step / surface V(1, L): {o.verify_scale:.3f}")
     for name, c in zip(trace.specs, trace.drafter_costs):
         print(f"  {name}: draft {c.draft}, catch-up {c.catch_up}, evaluate {c.evaluate}")
     print(f"{'configuration':58s} {'live tok/s':>10s} {'pred tok/s':>10s} {'error':>7s}")

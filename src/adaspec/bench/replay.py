@@ -23,7 +23,8 @@ Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost
 times synthesised from the recorded costs, so the replay is deterministic but not a live run.
 
 Predicted seconds price every round where it runs (``_RoundPricer``): the verify-cost
-surface V(k+1, L) at the round's cache length L, the drafter's cost functions of (tokens, L)
+surface V(k+1, L) at the round's cache length L (times the recorded live/measured ratio
+``verify_scale``), the drafter's cost functions of (tokens, L)
 for drafting, catch-up, prompt prefill and full-information evaluation, the engine's
 measured per-round and per-request overheads and the target prefill measured for the prompt
 in the recording: the deterministic ``seconds``. The policies' own compute time is measured during the replay (the
@@ -270,8 +271,9 @@ class _RoundPricer:
     the target's cache holds ``t - 1`` tokens."""
 
     def __init__(self, trace: Trace, pool: _Pool):
-        self.surface: VerifyCostSurface | None = trace.surface
-        on = self.surface is not None
+        on = trace.surface is not None
+        #: V as the live runs see it (``EngineOverheads.verify_scale``)
+        self.surface: VerifyCostSurface | None = trace.surface.scaled(trace.overheads.verify_scale) if on else None
         self.costs: list[DrafterCosts | None] = [trace.drafter_costs[s] if on and s is not None else None
                                                  for s in pool.src]
         self.over = trace.overheads if on else EngineOverheads()
@@ -341,7 +343,7 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
                           f"got {max_new_tokens!r}")
     price = _RoundPricer(trace, pool)
     # as in the engine: the surface, and running means of the (synthesised) drafter costs
-    cost_model = CostModel(trace.surface)
+    cost_model = CostModel(price.surface)
     for policy in (sel, ln):
         if getattr(policy, "wants_costs", False):
             policy.costs = cost_model

@@ -555,8 +555,8 @@ class TraceRecorder:
         fitted as ``LinearCost`` of (tokens, context). Evaluation: the same with full
         information (every round scores the verified tokens with every other drafter), fitted
         jointly (a round's eval time is the sum over the other drafters). Engine overheads:
-        the AR runs of the recording, per round ``total - V(1, L)`` and per request
-        ``total - prefill - sum of rounds`` (medians)."""
+        the AR runs of the recording, per round ``total - verify`` and the verify step over
+        V(1, L), per request ``total - prefill - sum of rounds`` (medians)."""
         from ..engine import SpeculativeEngine
 
         n_d = len(self.drafters)
@@ -600,18 +600,18 @@ class TraceRecorder:
         return out, self._overheads(surface, evaluate[n_d])
 
     def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost) -> EngineOverheads:
-        per_round, per_request = [], []
+        per_round, scale, per_request = [], [], []
         for pt, st in zip(self.prompts, self._ar_stats):
             ctx = pt.n_prompt - 1  # the cache holds all tokens but the newest
             for r in st.rounds:
-                per_round.append(r.total_s - surface.cost(1, ctx))
+                per_round.append(r.total_s - r.verify_s)
+                scale.append(r.verify_s / surface.cost(1, ctx))
                 ctx += r.emitted
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
-        # an overhead is never negative (a surface measured on a busier machine than the live runs
-        # would make it so: measure it again, adaspec costs --refresh)
-        return EngineOverheads(round_s=max(0.0, median(per_round)) if per_round else 0.0,
-                               request_s=max(0.0, median(per_request)) if per_request else 0.0,
-                               none_evaluate=none_evaluate)
+        if not per_round:
+            return EngineOverheads(none_evaluate=none_evaluate)
+        return EngineOverheads(round_s=max(0.0, median(per_round)), request_s=max(0.0, median(per_request)),
+                               verify_scale=median(scale), none_evaluate=none_evaluate)
 
     def finish(self, calibrate: bool = True) -> Trace:
         """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``)."""
