@@ -149,7 +149,7 @@ def priced(tmp_path_factory):
                           prefill=LinearCost(0.0, 0.004, 0.0), evaluate=LinearCost(0.005, 0.01, 0.0)),
              DrafterCosts(draft=LinearCost(0.02, 0.01, 0.0), catch_up=LinearCost(0.0, 0.05, 0.0),
                           prefill=LinearCost(0.0, 0.002, 0.0), evaluate=LinearCost(0.0, 0.02, 0.0))]
-    over = EngineOverheads(round_s=0.1, request_s=0.5, verify_scale=1.25, none_evaluate=LinearCost(0.001, 0.0, 0.0))
+    over = EngineOverheads(round_s=0.1, request_s=0.5, verify_scale=1.25, verify_scale_per_width=0.01, none_evaluate=LinearCost(0.001, 0.0, 0.0))
     return dataclasses.replace(trace, surface=known, drafter_costs=costs, overheads=over, cache={})
 
 
@@ -158,8 +158,9 @@ def _expected(trace, res, full_information: bool = False) -> tuple[float, float]
     the evaluation brings every drafter up to date, so only the first round's drafter pays a
     prompt prefill, as in the engine)."""
     costs, o = trace.drafter_costs, trace.overheads
-    s = trace.surface.scaled(o.verify_scale)  # live verify steps over the surface's forwards
-    assert s.cost(2, 40) == pytest.approx(1.25 * trace.surface.cost(2, 40))
+    s = trace.surface.scaled(o.verify_scale, o.verify_scale_per_width)  # live verify step / surface
+    assert s.cost(2, 40) == pytest.approx(1.26 * trace.surface.cost(2, 40))
+    assert s.cost(8, 8) == pytest.approx(1.32 * trace.surface.cost(8, 8))
     total = ar = 0.0
     src = [None if d == "none" else trace.specs.index(d) for d in res.drafters]
     for p in res.prompts:

@@ -177,10 +177,12 @@ class VerifyCostSurface:
         i = min(max(bisect_right(xs, n_tokens) - 1, 0), len(xs) - 2)
         return max(0.0, ys[i] + (ys[i + 1] - ys[i]) * (n_tokens - xs[i]) / (xs[i + 1] - xs[i]))
 
-    def scaled(self, factor: float) -> VerifyCostSurface:
-        """The surface with every time multiplied by ``factor`` (the live runs' forward speed
-        relative to the measurement's: ``EngineOverheads.verify_scale``)."""
-        return VerifyCostSurface(list(self.contexts), list(self.ks), [[x * factor for x in r] for r in self.seconds],
+    def scaled(self, factor: float, per_width: float = 0.0) -> VerifyCostSurface:
+        """The surface with V(k, L) multiplied by ``factor + per_width (k - 1)`` (the live verify
+        step relative to the measured forward: ``EngineOverheads.verify_scale``); prefills by
+        ``factor``."""
+        rows = [[x * (factor + per_width * (k - 1)) for k, x in zip(self.ks, r)] for r in self.seconds]
+        return VerifyCostSurface(list(self.contexts), list(self.ks), rows,
                                  [x * factor for x in self.prefill_seconds], self.key, self.measure_s)
 
     def to_dict(self) -> dict:
@@ -271,20 +273,24 @@ class EngineOverheads:
     """What live runs add to the measured costs: per round, the engine's time outside the
     verify step, drafters and policies (bookkeeping, stop checks, records) and per request
     (begin_request of drafters and policies, statistics); ``verify_scale``, the live verify
-    step (forward, greedy verification, input tensor) over the surface's V(1, L) at the same
-    cache length (about 1 when both run on the same quiet machine; it also carries a surface
-    measured under other load over to the live runs); and the full-information evaluation of
-    the ``none`` drafter (gammas of an empty proposal) per verified token."""
+    step (forward, greedy verification, input tensor, cache crop) over the surface's V(w, L)
+    at the same width and cache length, fitted as ``verify_scale + verify_scale_per_width
+    (w - 1)`` (measured on SmolLM2: ~0.94 at w <= 6, ~0.98 at 8-12, ~1.05 past 13: live
+    forwards follow Python drafting, the grid's follow other forwards; it also carries a
+    surface measured under other load over to the live runs); and the full-information
+    evaluation of the ``none`` drafter (gammas of an empty proposal) per verified token."""
 
     round_s: float = 0.0
     request_s: float = 0.0
     verify_scale: float = 1.0
+    verify_scale_per_width: float = 0.0
     none_evaluate: LinearCost = field(default_factory=LinearCost)
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineOverheads:
         return cls(round_s=float(data.get("round_s", 0.0)), request_s=float(data.get("request_s", 0.0)),
                    verify_scale=float(data.get("verify_scale", 1.0)),
+                   verify_scale_per_width=float(data.get("verify_scale_per_width", 0.0)),
                    none_evaluate=LinearCost(**data.get("none_evaluate", {})))
 
 

@@ -273,7 +273,9 @@ class _RoundPricer:
     def __init__(self, trace: Trace, pool: _Pool):
         on = trace.surface is not None
         #: V as the live runs see it (``EngineOverheads.verify_scale``)
-        self.surface: VerifyCostSurface | None = trace.surface.scaled(trace.overheads.verify_scale) if on else None
+        o = trace.overheads
+        self.surface: VerifyCostSurface | None = (trace.surface.scaled(o.verify_scale, o.verify_scale_per_width)
+                                                  if on else None)
         self.costs: list[DrafterCosts | None] = [trace.drafter_costs[s] if on and s is not None else None
                                                  for s in pool.src]
         self.over = trace.overheads if on else EngineOverheads()

@@ -565,11 +565,14 @@ class TraceRecorder:
         samples: dict[str, list[list[tuple[int, int, float]]]] = {
             key: [[] for _ in range(n_d)] for key in ("draft", "catch_up", "prefill")}
         eval_rows: list[tuple[int, int, float]] = []  # (chosen, emitted, eval seconds)
+        verify_rows: list[tuple[int, float]] = []  # (width, live verify step / surface)
         gen = GenerationConfig(max_new_tokens=self.max_new_tokens, stop_on_eos=self.stop_on_eos)
         for full in (False, True):
             policy = _FullInfoRoundRobin() if full else RoundRobinPolicy()
             fresh = [build_drafter(s, self.loaded) for s in self.specs_in]  # no state from recording
-            engine = SpeculativeEngine(self.loaded, [*fresh, "none"], selector=policy, k=5)
+            # drafting: blocks up to max_draft, so drafting costs and verify steps of every width are seen
+            engine = SpeculativeEngine(self.loaded, [*fresh, "none"], selector=policy,
+                                       k=5 if full else self.max_draft)
             for pt in self._calibration_prompts():
                 self._say(f"calibrating drafter costs ({'evaluation' if full else 'drafting'}), "
                           f"prompt of {pt.n_prompt} tokens")
@@ -577,6 +580,7 @@ class TraceRecorder:
                 ctx = pt.n_prompt
                 for j, r in enumerate(stats.rounds):
                     i = j % (n_d + 1)
+                    verify_rows.append((r.drafted + 1, r.verify_s / surface.cost(r.drafted + 1, ctx - 1)))
                     if full:
                         eval_rows.append((i, r.emitted, r.eval_s))
                     elif i < n_d:
@@ -597,21 +601,30 @@ class TraceRecorder:
         evaluate = _fit_evaluation(eval_rows, n_d + 1)
         for i in range(n_d):
             out[i].evaluate = evaluate[i]
-        return out, self._overheads(surface, evaluate[n_d])
+        return out, self._overheads(surface, evaluate[n_d], verify_rows)
 
-    def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost) -> EngineOverheads:
-        per_round, scale, per_request = [], [], []
+    def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost,
+                   verify_rows: list[tuple[int, float]]) -> EngineOverheads:
+        """Medians of the AR runs' per-round and per-request overheads; the live verify step
+        over the surface, fitted in the width over the AR rounds and ``verify_rows`` (width,
+        ratio) of the calibration runs (medians per width, so every width weighs alike)."""
+        per_round, per_request = [], []
+        by_width: dict[int, list[float]] = {}
+        for w, ratio in verify_rows:
+            by_width.setdefault(w, []).append(ratio)
         for pt, st in zip(self.prompts, self._ar_stats):
             ctx = pt.n_prompt - 1  # the cache holds all tokens but the newest
             for r in st.rounds:
                 per_round.append(r.total_s - r.verify_s)
-                scale.append(r.verify_s / surface.cost(1, ctx))
+                by_width.setdefault(1, []).append(r.verify_s / surface.cost(1, ctx))
                 ctx += r.emitted
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
         if not per_round:
             return EngineOverheads(none_evaluate=none_evaluate)
+        points = [(w - 1, median(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1]
+        scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
         return EngineOverheads(round_s=max(0.0, median(per_round)), request_s=max(0.0, median(per_request)),
-                               verify_scale=median(scale), none_evaluate=none_evaluate)
+                               verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate)
 
     def finish(self, calibrate: bool = True) -> Trace:
         """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``)."""
