@@ -12,7 +12,7 @@ import adaspec.costs
 from conftest import make_tiny_model, word_tokenizer
 
 from adaspec import GenerationConfig, SpeculativeEngine
-from adaspec.costs import VerifyCostCurve, load_or_measure, measure_verify_costs
+from adaspec.costs import VerifyCostCurve, VerifyCostSurface, load_or_measure, measure_verify_costs
 from adaspec.drafters import PromptLookupDrafter
 from adaspec.errors import ConfigError, PromptError, UnknownNameError
 from adaspec.models import as_loaded
@@ -388,44 +388,47 @@ def test_cost_curve_interpolation_ratio_and_cliffs():
 def test_load_or_measure_caches_on_disk(model, tmp_path, monkeypatch):
     monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
     loaded = as_loaded(model)
-    first = load_or_measure(loaded, ks=(1, 2, 3), context=8, repeats=2)
+    first = load_or_measure(loaded, ks=(1, 2, 3), contexts=(8, 24), repeats=2)
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1 and files[0].stem == first.key
     assert json.loads(files[0].read_text())["seconds"] == first.seconds
+    assert first.contexts == [8, 24] and len(first.prefill_seconds) == 2
 
     def boom(*args, **kwargs):
         raise AssertionError("should have been read from the cache")
 
-    monkeypatch.setattr(adaspec.costs, "measure_verify_costs", boom)
-    again = load_or_measure(loaded, ks=(1, 2, 3), context=8, repeats=2)
-    assert (again.ks, again.seconds, again.context, again.key) == \
-        (first.ks, first.seconds, first.context, first.key)
+    monkeypatch.setattr(adaspec.costs, "measure_verify_surface", boom)
+    again = load_or_measure(loaded, ks=(1, 2, 3), contexts=(8, 24), repeats=2)
+    assert (again.ks, again.seconds, again.contexts, again.key) == \
+        (first.ks, first.seconds, first.contexts, first.key)
     with pytest.raises(AssertionError, match="cache"):  # other ks: another key, measured again
-        load_or_measure(loaded, ks=(1, 2), context=8, repeats=2)
+        load_or_measure(loaded, ks=(1, 2), contexts=(8, 24), repeats=2)
+    with pytest.raises(AssertionError, match="cache"):  # other contexts: another key
+        load_or_measure(loaded, ks=(1, 2, 3), contexts=(8,), repeats=2)
     with pytest.raises(AssertionError, match="cache"):  # refresh forces a measurement
-        load_or_measure(loaded, ks=(1, 2, 3), context=8, repeats=2, refresh=True)
+        load_or_measure(loaded, ks=(1, 2, 3), contexts=(8, 24), repeats=2, refresh=True)
 
 
 def test_load_or_measure_ignores_corrupt_cache(model, tmp_path, monkeypatch):
     monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
     loaded = as_loaded(model)
-    first = load_or_measure(loaded, ks=(1, 2), context=8, repeats=1)
+    first = load_or_measure(loaded, ks=(1, 2), contexts=(8,), repeats=1)
     path = tmp_path / "costs" / f"{first.key}.json"
     path.write_text("{not json")
-    fake = VerifyCostCurve(ks=[1, 2], seconds=[0.5, 0.75], context=8)
-    monkeypatch.setattr(adaspec.costs, "measure_verify_costs", lambda *a, **k: fake)
-    curve = load_or_measure(loaded, ks=(1, 2), context=8, repeats=1)
-    assert curve.seconds == [0.5, 0.75]
-    assert json.loads(path.read_text())["seconds"] == [0.5, 0.75]  # rewritten
+    fake = VerifyCostSurface([8], [1, 2], [[0.5, 0.75]])
+    monkeypatch.setattr(adaspec.costs, "measure_verify_surface", lambda *a, **k: fake)
+    surface = load_or_measure(loaded, ks=(1, 2), contexts=(8,), repeats=1)
+    assert surface.seconds == [[0.5, 0.75]]
+    assert json.loads(path.read_text())["seconds"] == [[0.5, 0.75]]  # rewritten
 
 
 def test_engine_verify_costs_uses_cache(model, tmp_path, monkeypatch):
     monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
     engine = SpeculativeEngine(model, ["prompt-lookup"], k=2)
-    fake = VerifyCostCurve(ks=[1, 2, 3, 4], seconds=[1.0, 1.0, 2.0, 1.0], context=200)
-    monkeypatch.setattr(adaspec.costs, "measure_verify_costs", lambda *a, **k: fake)
+    fake = VerifyCostSurface([32, 256], [1, 2, 3, 4], [[1.0, 1.0, 1.1, 1.0], [1.0, 1.0, 2.0, 1.0]])
+    monkeypatch.setattr(adaspec.costs, "measure_verify_surface", lambda *a, **k: fake)
     monkeypatch.setattr("adaspec.engine.load_or_measure", adaspec.costs.load_or_measure)
-    curve = engine.verify_costs()
-    assert curve.seconds == fake.seconds and curve.cliffs() == [3]
-    assert engine.verify_costs() is curve  # memoised on the engine
+    surface = engine.verify_costs()
+    assert surface.seconds == fake.seconds and surface.cliffs_by_context() == {32: [], 256: [3]}
+    assert engine.verify_costs() is surface  # memoised on the engine
     assert list((tmp_path / "costs").glob("*.json"))

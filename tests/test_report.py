@@ -14,8 +14,8 @@ import typer
 from typer.testing import CliRunner
 
 from adaspec.bench.report import (PLOT_FILES, REPORT_FILE, SCHEMA_ID, SummarySchemaError, category_table,
-                            heterogeneity_matrix, load_summary, markdown_tables, read_rounds, report_command,
-                            write_report)
+                            heterogeneity_matrix, load_summary, markdown_tables, prediction_table, read_rounds,
+                            report_command, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CATS = ["code", "math"]
@@ -76,7 +76,10 @@ def make_summary() -> dict:
             "max_new_tokens": 64, "repeats": 1, "suite": "mixed", "n_prompts": 2, "categories": CATS,
             "configs": configs, "overall": overall, "per_category": per_category, "per_prompt": per_prompt,
             "verify_costs": {"ks": [1, 2, 3, 4], "seconds": [0.05, 0.06, 0.09, 0.065],
-                             "ratios": [1.0, 1.2, 1.8, 1.3], "cliffs": [3], "context": 256},
+                             "ratios": [1.0, 1.2, 1.8, 1.3], "cliffs": [3], "context": 256,
+                             "surface": {"contexts": [32, 512], "ks": [1, 2, 3, 4],
+                                         "seconds": [[0.04, 0.05, 0.07, 0.05], [0.05, 0.06, 0.09, 0.065]],
+                                         "cliffs": {"32": [3], "512": [3]}}},
             "regret": {ADAPTIVE: {"best_fixed": "prompt-lookup k=5", "cumulative_seconds": [0.1, 0.25],
                                   "cumulative_rounds": [3, 7]}}}
 
@@ -125,6 +128,23 @@ def test_write_report_writes_report_and_valid_pngs(bench_dir: Path):
     assert "SpecDec++ eq. 5.1" in text and "stopping-time regret" in text and "best-arm ratio" in text
     # drafter usage from per_prompt: 11 of 24 adaptive rounds by prompt-lookup overall, 9/12 on code
     assert f"| {ADAPTIVE} | prompt-lookup | 75% | 17% | 46% |" in text
+    assert "Replay vs live" not in text  # no trace recorded
+
+
+def test_report_shows_replay_predictions_and_ranking(bench_dir: Path):
+    summary = load_summary(bench_dir / "summary.json")
+    for row, pred in zip(summary["overall"], (12.0, 18.0, 17.0, 19.0)):
+        row |= {"predicted_tokens_per_s": pred, "prediction_error": pred / row["tokens_per_s"] - 1}
+    text = prediction_table(summary)
+    assert "| prompt-lookup k=5 |" in text and "ranking by tokens/s differs" in text
+    live = {r["config"]: r["tokens_per_s"] for r in summary["overall"]}
+    assert f"{(18.0 / live['prompt-lookup k=5'] - 1) * 100:+.1f}%" in text
+    for row in summary["overall"]:  # predictions proportional to the live run: same ranking
+        row |= {"predicted_tokens_per_s": 1.1 * row["tokens_per_s"], "prediction_error": 0.1}
+    assert "the same as the live run's" in prediction_table(summary)
+    assert "Largest error 10.0%" in prediction_table(summary)
+    written = write_report(summary, bench_dir / "out")
+    assert "## Replay vs live" in written[0].read_text(encoding="utf-8")
 
 
 def test_overall_and_category_tables_numbers_and_mismatch_marker():
@@ -189,7 +209,7 @@ def test_bad_rounds_csv_skips_only_that_plot(tmp_path: Path):
     paths = write_report(make_summary(), tmp_path / "out", bad)
     text = paths[0].read_text(encoding="utf-8")
     assert "Drafter choices over rounds: skipped, bad input" in text and "missing column(s)" in text
-    assert len(paths) == 1 + 4
+    assert len(paths) == 1 + len(PLOT_FILES) - 1
 
 
 def test_read_rounds_orders_by_position_and_turn_and_keeps_last_repeat(tmp_path: Path):

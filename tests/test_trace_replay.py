@@ -120,7 +120,8 @@ def test_the_trace_has_signal(env):
     off_path = noisy.gammas[:, 5:]  # beyond the first rejection for most positions
     assert np.isfinite(off_path).all() and ((off_path > 0) & (off_path < 1)).all()
     assert trace.info["argmax_mismatches"] == 0
-    assert trace.curve is not None and trace.drafter_costs[0].draft_token_s > 0
+    assert trace.surface is not None and trace.drafter_costs[0].draft(5, 100) > 0
+    assert trace.overheads.verify_scale > 0 and trace.overheads.verify_scale_per_width >= 0
 
 
 def test_tree_attention_scoring_equals_one_by_one(env):

@@ -1,9 +1,14 @@
-"""The measured verify-cost curve: time of one target forward over k new tokens.
+"""The measured cost model: what a target forward, a draft and a catch-up cost on this machine.
 
-On CPUs the curve is not flat and not even monotone (measured for SmolLM2-135M fp32 on two
-threads: k=2-3 cost 1.7-1.85x a single token, k=5-9 only 1.2-1.4x: a GEMM cliff). The engine
-measures it once per model, device, dtype and thread count, caches it on disk, and exposes it
-so that the bench and cost-aware policies know what a block of k drafts really costs.
+Verification: a target forward over k new tokens costs V(k, L), a function of the cache
+length L as well as of k. On CPUs the k-axis is not flat and not even monotone (SmolLM2-135M
+fp32 on two threads, 200-token cache: k=2-3 cost 1.7-1.85x a single token, k=5-9 only
+1.2-1.4x: a GEMM cliff), and a forward on a long cache costs more, and grows faster with k,
+than on a short one (attention over L keys). The engine measures V on a small grid of
+(L, k) once per model, device, dtype and thread count (``VerifyCostSurface``), caches it on
+disk and interpolates between grid points, so that cost-aware policies, replay and the bench
+price a round at the context it runs at. Drafting and catch-up costs are linear functions of
+what drives them (``LinearCost``: tokens and context length), fitted from live rounds.
 """
 
 from __future__ import annotations
@@ -12,19 +17,25 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 
 import torch
 
+from .errors import ConfigError
 from .models import LoadedModel, cache_dir
 
 log = logging.getLogger(__name__)
 
 CLIFF_FACTOR = 1.15  # k is "in a cliff" if some larger k' is this much cheaper
-DEFAULT_KS = tuple(range(1, 11)) + (12, 16)
+DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+#: cache lengths of the grid: short chats to retrieval / summary prompts of 1k tokens (V is
+#: extrapolated linearly in L past the last: attention cost grows linearly with the cache)
+DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024)
+SURFACE_FORMAT = "surface/2"  # part of the cache key: bump when the measurement changes
 
 
 @dataclass
@@ -45,6 +56,8 @@ class VerifyCostCurve:
         if k < self.ks[0]:
             return self.seconds[0]
         if k > self.ks[-1]:
+            if len(self.ks) == 1:
+                return self.seconds[0]
             k0, k1 = self.ks[-2], self.ks[-1]
             slope = max(0.0, (self.seconds[-1] - self.seconds[-2]) / (k1 - k0))
             return self.seconds[-1] + slope * (k - k1)
@@ -76,78 +89,330 @@ class VerifyCostCurve:
         return "\n".join(rows)
 
 
-def _curve_key(loaded: LoadedModel, context: int, ks: Sequence[int]) -> str:
+@dataclass
+class VerifyCostSurface:
+    """Median seconds V(k, L) of a target forward over k new tokens on an L-token cache, on a
+    grid (``seconds[i][j]`` for ``contexts[i]``, ``ks[j]``), and of a prefill of L tokens on an
+    empty cache (``prefill_seconds[i]``).
+
+    Between grid points V is interpolated linearly, first along k within each context (as
+    ``VerifyCostCurve.cost``), then along L; below the first context the first row is used,
+    past the last one the last two rows are extrapolated (never below the last row). Every
+    width up to ``ks[-1]`` is precomputed per context, so ``cost`` is one bisection and two
+    list reads (policies call it inside the draft loop).
+    """
+
+    contexts: list[int]
+    ks: list[int]
+    seconds: list[list[float]]
+    prefill_seconds: list[float] = field(default_factory=list)
+    key: str = ""
+    measure_s: float = 0.0  # wall time of the measurement
+
+    def __post_init__(self) -> None:
+        if not self.contexts or not self.ks:
+            raise ConfigError("a verify-cost surface needs at least one context and one k")
+        if sorted(set(self.contexts)) != list(self.contexts) or sorted(set(self.ks)) != list(self.ks):
+            raise ConfigError(f"surface contexts {self.contexts} and ks {self.ks} must be strictly increasing")
+        if len(self.seconds) != len(self.contexts) or any(len(r) != len(self.ks) for r in self.seconds):
+            raise ConfigError(f"surface seconds must be {len(self.contexts)} rows of {len(self.ks)} values")
+        if self.prefill_seconds and len(self.prefill_seconds) != len(self.contexts):
+            raise ConfigError(f"surface prefill_seconds must have {len(self.contexts)} values, one per context")
+        self._rows = [VerifyCostCurve(list(self.ks), list(r), c) for c, r in zip(self.contexts, self.seconds)]
+        self._dense = [[0.0] + [row.cost(w) for w in range(1, self.ks[-1] + 1)] for row in self._rows]
+
+    @classmethod
+    def of(cls, costs: VerifyCostSurface | VerifyCostCurve | None) -> VerifyCostSurface | None:
+        """A surface from a surface, a one-context curve (V then does not depend on L), or None."""
+        if costs is None or isinstance(costs, VerifyCostSurface):
+            return costs
+        return cls([costs.context], list(costs.ks), [list(costs.seconds)], key=costs.key)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> VerifyCostSurface:
+        return cls(contexts=list(data["contexts"]), ks=list(data["ks"]),
+                   seconds=[list(r) for r in data["seconds"]],
+                   prefill_seconds=list(data.get("prefill_seconds", [])), key=data.get("key", ""),
+                   measure_s=float(data.get("measure_s", 0.0)))
+
+    def _row(self, i: int, k: int) -> float:
+        dense = self._dense[i]
+        return dense[k] if k < len(dense) else self._rows[i].cost(k)
+
+    def cost(self, k: int, context: int) -> float:
+        """Seconds of a forward over ``k`` tokens on a ``context``-token cache."""
+        if k <= 0:
+            return 0.0
+        cs = self.contexts
+        if context <= cs[0] or len(cs) == 1:
+            return self._row(0, k)
+        i = min(bisect_right(cs, context) - 1, len(cs) - 2)
+        a, b = self._row(i, k), self._row(i + 1, k)
+        v = a + (b - a) * (context - cs[i]) / (cs[i + 1] - cs[i])
+        return max(v, b) if context > cs[-1] else v
+
+    def curve(self, context: int) -> VerifyCostCurve:
+        """V(., context) over the grid's ks (a grid row, or interpolated)."""
+        return VerifyCostCurve(list(self.ks), [self.cost(k, context) for k in self.ks], context, self.key)
+
+    def cliffs(self, context: int) -> list[int]:
+        """Widths in a cost cliff at this context (``VerifyCostCurve.cliffs``)."""
+        return self.curve(context).cliffs()
+
+    def cliffs_by_context(self) -> dict[int, list[int]]:
+        return {c: row.cliffs() for c, row in zip(self.contexts, self._rows)}
+
+    def prefill(self, n_tokens: int) -> float:
+        """Seconds of a prefill forward over ``n_tokens`` on an empty cache: linear between the
+        measured (context, seconds) points, from (1, V(1, 0)) below the first, extrapolated
+        with the last segment's slope past the last; without prefill points, V(n, 0)."""
+        if n_tokens <= 0:
+            return 0.0
+        if not self.prefill_seconds:
+            return self.cost(n_tokens, 0)
+        xs = [1, *self.contexts] if self.contexts[0] > 1 else list(self.contexts)
+        ys = [self._row(0, 1), *self.prefill_seconds] if self.contexts[0] > 1 else list(self.prefill_seconds)
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect_right(xs, n_tokens) - 1, 0), len(xs) - 2)
+        return max(0.0, ys[i] + (ys[i + 1] - ys[i]) * (n_tokens - xs[i]) / (xs[i + 1] - xs[i]))
+
+    def scaled(self, factor: float, per_width: float = 0.0) -> VerifyCostSurface:
+        """The surface with V(k, L) multiplied by ``factor + per_width (k - 1)`` (the live verify
+        step relative to the measured forward: ``EngineOverheads.verify_scale``); prefills by
+        ``factor``."""
+        rows = [[x * (factor + per_width * (k - 1)) for k, x in zip(self.ks, r)] for r in self.seconds]
+        return VerifyCostSurface(list(self.contexts), list(self.ks), rows,
+                                 [x * factor for x in self.prefill_seconds], self.key, self.measure_s)
+
+    def to_dict(self) -> dict:
+        return {"contexts": self.contexts, "ks": self.ks, "seconds": self.seconds,
+                "prefill_seconds": self.prefill_seconds, "key": self.key, "measure_s": self.measure_s,
+                "cliffs": {str(c): v for c, v in self.cliffs_by_context().items()}}
+
+    def table(self) -> str:
+        """Milliseconds per (cache length, k), ratios to k=1 at the same length, cliffs marked *."""
+        head = "   cache " + "".join(f"{'k=' + str(k):>8}" for k in self.ks) + "   prefill"
+        lines = [head]
+        for i, (c, row) in enumerate(zip(self.contexts, self._rows)):
+            cl = set(row.cliffs())
+            cells = "".join(f"{s * 1e3:7.1f}{'*' if k in cl else ' '}" for k, s in zip(self.ks, row.seconds))
+            pre = f"{self.prefill_seconds[i] * 1e3:8.1f}" if self.prefill_seconds else "       -"
+            lines.append(f"{c:>8} {cells} {pre}")
+            lines.append(" " * 9 + "".join(f"{row.ratio(k):7.2f}x" for k in self.ks))
+        lines.append("ms per forward over k new tokens on a cache of that many tokens (second line: "
+                     "ratio to k=1); * = cost cliff (a wider forward is cheaper)")
+        return "\n".join(lines)
+
+
+@dataclass
+class LinearCost:
+    """Seconds = ``fixed`` + ``per_token`` x tokens + ``per_context`` x context length: a
+    drafter's draft, catch-up or prefill time as a function of what drives it (tokens for
+    model drafters, context length for prompt lookup and suffix matching)."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+    per_context: float = 0.0
+
+    def __call__(self, n_tokens: float, context: int = 0) -> float:
+        """Seconds of one call over ``n_tokens`` (0 tokens: a call that produced nothing, e.g.
+        a prompt-lookup attempt without a match, still costs ``fixed``)."""
+        return self.fixed + self.per_token * n_tokens + self.per_context * context
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> LinearCost:
+        """Least squares over (tokens, context, seconds) samples of calls, coefficients kept
+        >= 0; a driver without spread in the samples gets no coefficient."""
+        if not samples:
+            return cls()
+        coef = nonneg_lstsq([[1.0, float(n), float(c)] for n, c, _ in samples], [s for *_, s in samples])
+        return cls(*coef)
+
+
+def nonneg_lstsq(x: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Least squares ``x b = y`` with ``b >= 0``: constant columns other than the first and
+    all-zero columns get 0, and the most negative coefficient is dropped until none is left
+    (an active-set approximation of NNLS, enough for the few cost drivers here)."""
+    import numpy as np
+
+    a = np.asarray(x, dtype=float)
+    v = np.asarray(y, dtype=float)
+    n_cols = a.shape[1]
+    active = [j for j in range(n_cols) if a[:, j].any() and (j == 0 or np.ptp(a[:, j]) > 0)]
+    out = [0.0] * n_cols
+    while active:
+        coef, *_ = np.linalg.lstsq(a[:, active], v, rcond=None)
+        worst = min(range(len(active)), key=lambda i: coef[i])
+        if coef[worst] >= 0:
+            for j, c in zip(active, coef):
+                out[j] = float(c)
+            break
+        active.pop(worst)
+    return out
+
+
+@dataclass
+class DrafterCosts:
+    """One drafter's measured costs: drafting n tokens at context L, catching up on n tokens,
+    the prompt prefill at its first use in a request (n = prompt tokens), and the
+    full-information evaluation (``score``) of n verified tokens."""
+
+    draft: LinearCost = field(default_factory=LinearCost)
+    catch_up: LinearCost = field(default_factory=LinearCost)
+    prefill: LinearCost = field(default_factory=LinearCost)
+    evaluate: LinearCost = field(default_factory=LinearCost)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DrafterCosts:
+        return cls(**{k: LinearCost(**v) for k, v in data.items()})
+
+
+@dataclass
+class EngineOverheads:
+    """What live runs add to the measured costs: per round, the engine's time outside the
+    verify step, drafters and policies (bookkeeping, stop checks, records) and per request
+    (begin_request of drafters and policies, statistics); ``verify_scale``, the live verify
+    step (forward, greedy verification, input tensor, cache crop) over the surface's V(w, L)
+    at the same width and cache length, fitted as ``verify_scale + verify_scale_per_width
+    (w - 1)`` (measured on SmolLM2: ~0.94 at w <= 6, ~0.98 at 8-12, ~1.05 past 13: live
+    forwards follow Python drafting, the grid's follow other forwards; it also carries a
+    surface measured under other load over to the live runs); and the full-information
+    evaluation of the ``none`` drafter (gammas of an empty proposal) per verified token."""
+
+    round_s: float = 0.0
+    request_s: float = 0.0
+    verify_scale: float = 1.0
+    verify_scale_per_width: float = 0.0
+    none_evaluate: LinearCost = field(default_factory=LinearCost)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EngineOverheads:
+        return cls(round_s=float(data.get("round_s", 0.0)), request_s=float(data.get("request_s", 0.0)),
+                   verify_scale=float(data.get("verify_scale", 1.0)),
+                   verify_scale_per_width=float(data.get("verify_scale_per_width", 0.0)),
+                   none_evaluate=LinearCost(**data.get("none_evaluate", {})))
+
+
+def _surface_key(loaded: LoadedModel, contexts: Sequence[int], ks: Sequence[int]) -> str:
     model = loaded.model
     n_params = sum(p.numel() for p in model.parameters())
-    ident = (f"{loaded.name}|{type(model).__name__}|{n_params}|{loaded.device}|{loaded.dtype}|"
-             f"threads={torch.get_num_threads()}|ctx={context}|ks={list(ks)}|torch={torch.__version__}")
+    ident = (f"{SURFACE_FORMAT}|{loaded.name}|{type(model).__name__}|{n_params}|{loaded.device}|{loaded.dtype}|"
+             f"threads={torch.get_num_threads()}|ctx={list(contexts)}|ks={list(ks)}|torch={torch.__version__}")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-@torch.inference_mode()
-def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
-                         context: int = 200, repeats: int = 3, warmup: int = 1) -> VerifyCostCurve:
-    """Time target forwards over k new tokens on a ``context``-token cache; medians of repeats.
+def grid_contexts(loaded: LoadedModel, contexts: Sequence[int], ks: Sequence[int]) -> list[int]:
+    """The grid's contexts that fit the model's window with the widest forward (the largest
+    fitting length replaces those that do not)."""
+    if not contexts or any(not isinstance(c, int) or c < 1 for c in contexts):
+        raise ConfigError(f"cost-grid contexts must be positive integers, got {list(contexts)}: e.g. 128,512")
+    if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
+        raise ConfigError(f"cost-grid ks must be positive integers, got {list(ks)}: e.g. 1,2,4,8")
+    cs = sorted(set(contexts))
+    window = loaded.context_window
+    if window is None:
+        return cs
+    top = window - max(ks) - 1
+    if top < 1:
+        raise ConfigError(f"the model's context window ({window}) is too short for k up to {max(ks)}")
+    fit = [c for c in cs if c <= top]
+    return fit + ([top] if len(fit) < len(cs) else [])
 
-    The ks are interleaved within each repeat so machine noise hits them alike.
-    """
+
+@torch.inference_mode()
+def measure_verify_surface(loaded: LoadedModel, contexts: Sequence[int] = DEFAULT_CONTEXTS,
+                           ks: Sequence[int] = DEFAULT_KS, repeats: int = 2, warmup: int = 1,
+                           progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
+    """Time target forwards over k new tokens on caches of every grid length (medians of
+    ``repeats`` after ``warmup`` passes), and the prefill of each length (once, after an
+    untimed warm-up prefill: the first forwards of a shape allocate and page in). Contexts and
+    ks are interleaved within each pass so machine noise hits the grid alike.
+    ``progress(done, total)`` after every pass."""
     from transformers import DynamicCache
 
-    model = loaded.model
-    device = loaded.device
-    vocab = loaded.vocab_size
+    t_start = time.perf_counter()
+    contexts = grid_contexts(loaded, contexts, ks)
+    model, device, vocab = loaded.model, loaded.device, loaded.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for rep in range(warmup + repeats):
-        for k in ks:
-            ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
-            sync()
-            t0 = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=k)
-            sync()
-            dt = time.perf_counter() - t0
-            cache.crop(-k)
-            if rep >= warmup:
-                times[k].append(dt)
-    return VerifyCostCurve(ks=list(ks), seconds=[median(times[k]) for k in ks], context=context)
+
+    def timed(ids: torch.Tensor, cache: DynamicCache, keep: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        sync()
+        return time.perf_counter() - t0
+
+    prefix = torch.randint(0, vocab, (1, max(contexts)), generator=gen).to(device)
+    caches: list[DynamicCache] = []
+    pre: list[float] = []
+    times: dict[tuple[int, int], list[float]] = {(c, k): [] for c in contexts for k in ks}
+    total = warmup + repeats
+    for rep in range(total):
+        if rep <= warmup:  # prefills: untimed in the warm-up (first shapes allocate), then timed once
+            caches = [DynamicCache(config=model.config) for _ in contexts]
+            pre = [timed(prefix[:, :c], cache, 1) for c, cache in zip(contexts, caches)]
+        for cache, c in zip(caches, contexts):
+            for k in ks:
+                ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
+                dt = timed(ids, cache, k)
+                cache.crop(-k)
+                if rep >= warmup:
+                    times[(c, k)].append(dt)
+        if progress is not None:
+            progress(rep + 1, total)
+    seconds = [[median(times[(c, k)]) for k in ks] for c in contexts]
+    return VerifyCostSurface(list(contexts), list(ks), seconds, pre, measure_s=time.perf_counter() - t_start)
+
+
+def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
+                         context: int = 200, repeats: int = 3, warmup: int = 1) -> VerifyCostCurve:
+    """One row of the surface: forwards over k new tokens on a ``context``-token cache."""
+    return measure_verify_surface(loaded, (context,), ks, repeats, warmup).curve(context)
 
 
 def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
-                    context: int = 200, repeats: int = 3, refresh: bool = False) -> VerifyCostCurve:
-    """Measured curve for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
-    key = _curve_key(loaded, context, ks)
+                    contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 2, refresh: bool = False,
+                    progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
+    """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
+    contexts = grid_contexts(loaded, contexts, ks)
+    key = _surface_key(loaded, contexts, ks)
     path = Path(cache_dir()) / "costs" / f"{key}.json"
     if path.is_file() and not refresh:
         try:
-            data = json.loads(path.read_text())
-            return VerifyCostCurve(ks=data["ks"], seconds=data["seconds"], context=data["context"], key=key)
-        except (ValueError, KeyError) as exc:
+            surface = VerifyCostSurface.from_dict(json.loads(path.read_text()))
+            surface.key = key
+            return surface
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring unreadable cost cache %s: %s", path, exc)
-    curve = measure_verify_costs(loaded, ks=ks, context=context, repeats=repeats)
-    curve.key = key
+    surface = measure_verify_surface(loaded, contexts, ks, repeats, progress=progress)
+    surface.key = key
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(curve)))
+        path.write_text(json.dumps(surface.to_dict()))
     except OSError as exc:
-        log.warning("could not cache the verify-cost curve in %s: %s", path, exc)
-    return curve
+        log.warning("could not cache the verify-cost surface in %s: %s", path, exc)
+    return surface
 
 
 class CostModel:
     """What rounds cost on this machine, for cost-aware policies (model-free numbers only).
 
-    Combines the measured verify-cost curve (if available) with running means, updated by the
-    engine after every round, of each drafter's seconds per drafted token and per caught-up
-    token, and of observed verify times per width.
+    Combines the measured verify-cost surface (if available), read at ``context`` -- the
+    cache length of the current round, set by the engine (and replay) before the policies
+    are asked -- with running means, updated after every round, of each drafter's seconds
+    per drafted token and per caught-up token, and of observed verify times per width.
+    A one-context ``VerifyCostCurve`` is accepted as a surface that does not depend on L.
     """
 
-    def __init__(self, curve: VerifyCostCurve | None = None, decay: float = 0.9):
-        self.curve = curve
+    def __init__(self, surface: VerifyCostSurface | VerifyCostCurve | None = None, decay: float = 0.9, *,
+                 curve: VerifyCostCurve | None = None, drafters: dict[int, DrafterCosts] | None = None):
+        self.surface = VerifyCostSurface.of(surface if surface is not None else curve)
         self.decay = decay
+        self.context = 0  # cache length of the round being decided
+        #: measured cost functions per drafter index (e.g. a trace's); preferred over running means
+        self.drafters: dict[int, DrafterCosts] = dict(drafters or {})
         self.draft_token_s: dict[int, float] = {}
         self.catch_up_token_s: dict[int, float] = {}
         self.verify_width_s: dict[int, float] = {}
@@ -155,6 +420,15 @@ class CostModel:
         #: (policies, full-information scoring, bookkeeping): paid by every round alike
         self.round_overhead_s = 0.0
         self._overhead_seen = False
+
+    @property
+    def curve(self) -> VerifyCostSurface | None:
+        """The measured surface (name kept from the single-curve model)."""
+        return self.surface
+
+    @curve.setter
+    def curve(self, costs: VerifyCostSurface | VerifyCostCurve | None) -> None:
+        self.surface = VerifyCostSurface.of(costs)
 
     def _ema(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)
@@ -175,10 +449,11 @@ class CostModel:
         else:
             self.round_overhead_s = self.decay * self.round_overhead_s + (1 - self.decay) * seconds
 
-    def verify_cost(self, width: int) -> float:
-        """Seconds of one target forward over ``width`` tokens (curve, else observed, else 0)."""
-        if self.curve is not None:
-            return self.curve.cost(width)
+    def verify_cost(self, width: int, context: int | None = None) -> float:
+        """Seconds of one target forward over ``width`` tokens on a ``context``-token cache
+        (default: the current round's): the surface, else observed times, else 0."""
+        if self.surface is not None:
+            return self.surface.cost(width, self.context if context is None else context)
         if width in self.verify_width_s:
             return self.verify_width_s[width]
         if self.verify_width_s:  # nearest observed width
@@ -186,9 +461,20 @@ class CostModel:
             return self.verify_width_s[nearest]
         return 0.0
 
-    def draft_cost(self, drafter: int, n_tokens: int) -> float:
-        """Estimated seconds for ``drafter`` to draft ``n_tokens`` (0 if never observed)."""
+    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        """Estimated seconds for ``drafter`` to draft ``n_tokens`` at ``context`` (default: the
+        current round's): its measured function, else the running mean per token (0 if never
+        observed)."""
+        f = self.drafters.get(drafter)
+        if f is not None:
+            return f.draft(n_tokens, self.context if context is None else context)
         return self.draft_token_s.get(drafter, 0.0) * n_tokens
 
-    def catch_up_cost(self, drafter: int, n_tokens: int) -> float:
+    def catch_up_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        """Estimated seconds for ``drafter`` to catch up on ``n_tokens`` (as ``draft_cost``)."""
+        if n_tokens <= 0:
+            return 0.0
+        f = self.drafters.get(drafter)
+        if f is not None:
+            return f.catch_up(n_tokens, self.context if context is None else context)
         return self.catch_up_token_s.get(drafter, 0.0) * n_tokens

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .config import GenerationConfig, SamplingConfig
-from .costs import CostModel, VerifyCostCurve, load_or_measure
+from .costs import CostModel, VerifyCostSurface, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
@@ -100,7 +100,7 @@ class SpeculativeEngine:
         if hasattr(self.selector, "bind_drafters"):
             self.selector.bind_drafters([d.is_model for d in self.drafters])
         self._timer = _Timer(self.target.device)
-        self._costs: VerifyCostCurve | None = None
+        self._costs: VerifyCostSurface | None = None
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
         #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
         self.cost_model = CostModel()
@@ -109,7 +109,7 @@ class SpeculativeEngine:
     def _attach_costs(self) -> None:
         for policy in (self.selector, self.length):
             if getattr(policy, "wants_costs", False):
-                self.cost_model.curve = self.verify_costs()
+                self.cost_model.surface = self.verify_costs()
                 policy.costs = self.cost_model
 
     def with_policies(self, drafters: Sequence[int] | None = None, *,
@@ -147,14 +147,17 @@ class SpeculativeEngine:
     def drafter_names(self) -> list[str]:
         return [d.name for d in self.drafters]
 
-    def verify_costs(self, refresh: bool = False) -> VerifyCostCurve:
-        """The target's measured verify-cost curve (measured once, cached on disk)."""
+    def verify_costs(self, refresh: bool = False) -> VerifyCostSurface:
+        """The target's measured verify-cost surface V(k, L) (measured once, cached on disk)."""
         if self._costs is None or refresh:
             self._costs = load_or_measure(self.target, refresh=refresh)
-            if isinstance(self.length, StaticLength) and (self.length.k + 1) in self._costs.cliffs():
-                log.warning("static k=%d verifies %d tokens per forward, which is in a cost cliff "
-                            "of this machine (%s): a longer block costs less", self.length.k,
-                            self.length.k + 1, self._costs.cliffs())
+            if isinstance(self.length, StaticLength):
+                width = self.length.k + 1
+                hit = [c for c, ks in self._costs.cliffs_by_context().items() if width in ks]
+                if hit:
+                    log.warning("static k=%d verifies %d tokens per forward, which is in a cost cliff of "
+                                "this machine at cache lengths %s: a longer block costs less there",
+                                self.length.k, width, hit)
         return self._costs
 
     def eos_ids(self) -> set[int]:
@@ -357,8 +360,10 @@ class SpeculativeEngine:
             policy_in_draft += time.perf_counter() - t
             return verdict
 
+        cost_model = self.cost_model
         while True:
             t0 = now()
+            cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
             i = selector.select()
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
@@ -420,7 +425,7 @@ class SpeculativeEngine:
                 for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
-            self.cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
+            cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
             selector.update(feedback)
             length.update(feedback)
             t7 = now()

@@ -20,9 +20,16 @@ tests/test_trace_replay.py), up to floating-point batch invariance of the models
 recording's forwards are batched differently from a live run's; a near-tie can flip). Rounds
 that would draft past the recorded ``max_draft`` are cut there and counted (``clipped``).
 Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost model) see
-times synthesised from the recorded costs (per-drafter seconds per drafted / caught-up /
-prefilled token, the verify-cost curve), so the replay is deterministic but not a live run.
-Predicted seconds use the same costs; policy compute time is measured but not included.
+times synthesised from the recorded costs, so the replay is deterministic but not a live run.
+
+Predicted seconds price every round where it runs (``_RoundPricer``): the verify-cost
+surface V(k+1, L) at the round's cache length L (times the recorded live/measured ratio
+``verify_scale``), the drafter's cost functions of (tokens, L)
+for drafting, catch-up, prompt prefill and full-information evaluation, the engine's
+measured per-round and per-request overheads and the target prefill measured for the prompt
+in the recording: the deterministic ``seconds``. The policies' own compute time is measured during the replay (the
+same code runs live; ``policy_s``) and added in ``predicted_s``, from which tokens/s and the
+speed-up are computed.
 Not supported: sampling, stop strings, and length policies that read a model drafter's
 hidden states (``specdecpp`` with a model drafter; with model-free drafters it is static).
 """
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -40,7 +47,7 @@ from typing import Any
 import typer
 
 from ..config import SamplingConfig, validate_k
-from ..costs import CostModel
+from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
 from ..drafters.base import Decision, Draft, DraftStep, StepStats
 from ..errors import AdaspecError, ConfigError
 from ..feedback import RoundFeedback
@@ -86,6 +93,7 @@ class ReplayRound:
     emitted: int
     catch_up_tokens: int
     seconds: float  # predicted: drafter prefill + catch-up + drafting + verification + evaluation
+    #                 + engine overhead (policy compute is measured per replay: ReplayResult.policy_s)
     clipped: bool = False  # the policy wanted more than the recorded max_draft tokens
 
     def key(self) -> tuple[str, int, int, int, int]:
@@ -98,7 +106,7 @@ class PromptReplay:
     index: int
     new_tokens: int
     stop_reason: str
-    seconds: float  # predicted, prefill included
+    seconds: float  # predicted, target prefill and per-request overhead included
     ar_seconds: float  # predicted plain decoding of the same tokens
     rounds: list[ReplayRound]
 
@@ -151,13 +159,18 @@ class ReplayResult(RoundRates):
         return sum(p.ar_seconds for p in self.prompts)
 
     @property
+    def predicted_s(self) -> float:
+        """Predicted live seconds: the priced rounds and requests plus the measured policy time."""
+        return self.seconds + self.policy_s if self.seconds > 0 else 0.0
+
+    @property
     def tokens_per_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
+        return self.tokens / self.predicted_s if self.seconds > 0 else None
 
     @property
     def speedup(self) -> float | None:
         """Predicted speed-up over plain decoding (same cost model)."""
-        return self.ar_seconds / self.seconds if self.seconds > 0 else None
+        return self.ar_seconds / self.predicted_s if self.seconds > 0 else None
 
     def keys(self, prompt: int) -> list[tuple[str, int, int, int, int]]:
         return [r.key() for r in self.prompts[prompt].rounds]
@@ -176,7 +189,8 @@ class ReplayResult(RoundRates):
         return {"config": self.name, "selector": self.selector, "length": self.length, "k": self.k,
                 "drafters": self.drafters, "prompts": len(self.prompts), "tokens": self.tokens,
                 "rounds": self.n_rounds, "mat": self.mat, "acceptance_rate": self.acceptance_rate,
-                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
+                "seconds": self.seconds, "predicted_s": self.predicted_s, "tokens_per_s": self.tokens_per_s,
+                "speedup": self.speedup,
                 "ar_seconds": self.ar_seconds, "clipped_rounds": self.clipped_rounds,
                 "time_dependent": self.time_dependent, "exact": self.exact, "policy_s": self.policy_s,
                 "replay_s": self.wall_s}
@@ -250,6 +264,63 @@ def _label(spec: str | DrafterPolicy | LengthPolicy | int | None, kind: str, k: 
     return spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
 
 
+# -- pricing ------------------------------------------------------------------------------------
+class _RoundPricer:
+    """Predicted seconds of the parts of a round and a request from a trace's costs; all zero
+    for a trace recorded without costs. ``t`` is the context (tokens before the round), so
+    the target's cache holds ``t - 1`` tokens."""
+
+    def __init__(self, trace: Trace, pool: _Pool):
+        on = trace.surface is not None
+        #: V as the live runs see it (``EngineOverheads.verify_scale``)
+        o = trace.overheads
+        self.surface: VerifyCostSurface | None = (trace.surface.scaled(o.verify_scale, o.verify_scale_per_width)
+                                                  if on else None)
+        self.costs: list[DrafterCosts | None] = [trace.drafter_costs[s] if on and s is not None else None
+                                                 for s in pool.src]
+        self.over = trace.overheads if on else EngineOverheads()
+
+    def verify(self, width: int, t: int) -> float:
+        return self.surface.cost(width, t - 1) if self.surface is not None else 0.0
+
+    def draft(self, i: int, n: int, t: int) -> float:
+        c = self.costs[i]
+        return c.draft(n, t) if c is not None else 0.0
+
+    def catch_up(self, i: int, n: int, t: int) -> float:
+        c = self.costs[i]
+        return c.catch_up(n, t) if c is not None and n > 0 else 0.0
+
+    def drafter_prefill(self, i: int, n_prompt: int) -> float:
+        c = self.costs[i]
+        return c.prefill(n_prompt) if c is not None else 0.0
+
+    def evaluate(self, scored: Iterable[int], m: int, t: int) -> float:
+        """Full-information scoring of ``m`` verified tokens by the drafters ``scored``."""
+        if self.surface is None:
+            return 0.0
+        return sum((self.costs[j].evaluate(m, t) if self.costs[j] is not None else self.over.none_evaluate(m))
+                   for j in scored)
+
+    def request(self, pt: PromptTrace) -> float:
+        """Target prefill of all prompt tokens but the last (measured for this prompt in the
+        recording's AR run; else the surface's), plus the per-request overhead."""
+        if self.surface is None:
+            return 0.0
+        prefill = pt.prefill_s if pt.prefill_s > 0 else self.surface.prefill(pt.n_prompt - 1)
+        return prefill + self.over.request_s
+
+    def round_overhead(self) -> float:
+        return self.over.round_s if self.surface is not None else 0.0
+
+    def ar(self, pt: PromptTrace, new_tokens: int) -> float:
+        """Plain decoding of ``new_tokens``: one width-1 forward per token at its context."""
+        if self.surface is None:
+            return 0.0
+        o, n = self.over.round_s, pt.n_prompt
+        return self.request(pt) + sum(self.verify(1, n + x) + o for x in range(new_tokens))
+
+
 # -- the replay loop ------------------------------------------------------------------------
 def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
            length: str | int | LengthPolicy | None = None, k: int = 5,
@@ -271,29 +342,32 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     if not isinstance(budget, int) or not 1 <= budget <= trace.max_new_tokens:
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
-    cost_model = CostModel()
+    price = _RoundPricer(trace, pool)
+    # as in the engine: the surface, and running means of the (synthesised) drafter costs
+    cost_model = CostModel(price.surface)
     for policy in (sel, ln):
         if getattr(policy, "wants_costs", False):
-            cost_model.curve = trace.curve
             policy.costs = cost_model
     time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
     result = ReplayResult(_label(selector, "selector", k), _label(length, "length", k), k, pool.labels, [],
                           time_dep)
     t0 = time.perf_counter()
     for p in range(len(trace.prompts)):
-        result.prompts.append(_replay_prompt(trace, p, pool, sel, ln, cost_model, budget, strict, result))
+        result.prompts.append(_replay_prompt(trace, p, pool, sel, ln, cost_model, price, budget, strict,
+                                             result))
     result.wall_s = time.perf_counter() - t0
     return result
 
 
 def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: LengthPolicy,
-                   cost_model: CostModel, budget: int, strict: bool, result: ReplayResult) -> PromptReplay:
+                   cost_model: CostModel, price: _RoundPricer, budget: int, strict: bool,
+                   result: ReplayResult) -> PromptReplay:
     """One request, mirroring ``SpeculativeEngine._run`` (greedy, no stop strings)."""
     pt: PromptTrace = trace.prompts[p]
     views = _views(trace, p)
     path, n_prompt = pt.path, pt.n_prompt
     eos = set(trace.eos_ids) if trace.stop_on_eos else set()
-    curve, costs, L = trace.curve, trace.drafter_costs, trace.max_draft
+    L = trace.max_draft
     n_drafters = len(pool.src)
     clock = time.perf_counter
     policy_s = 0.0
@@ -316,6 +390,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     rounds: list[ReplayRound] = []
     evaluate = getattr(sel, "evaluate", None)
     while True:
+        cost_model.context = t - 1  # the target's cache length, as in the engine
         c = clock()
         i = sel.select()
         if not 0 <= i < n_drafters:
@@ -324,11 +399,10 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         cap = min(wanted, remaining - 1)
         policy_s += clock() - c
         src = pool.src[i]
-        cost = costs[src] if src is not None else None
-        seconds = 0.0
+        seconds = price.round_overhead()
         if seen[i] == 0:  # first use in this request: drafter prefill of the prompt
             seen[i] = n_prompt
-            seconds += cost.prefill_token_s * n_prompt if cost is not None else 0.0
+            seconds += price.drafter_prefill(i, n_prompt)
         catch_up = t - seen[i] if seen[i] < t else 0
         x = t - n_prompt
         tokens: list[int] = []
@@ -358,9 +432,9 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         n = min(views[src].accepted[x], kd) if kd else 0
         emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
         m = len(emitted)
-        draft_s = cost.draft_token_s * kd if cost is not None else 0.0
-        verify_s = curve.cost(kd + 1) if curve is not None else 0.0
-        catch_up_s = cost.catch_up_token_s * catch_up if cost is not None else 0.0
+        draft_s = price.draft(i, kd, t) if cap > 0 else 0.0
+        verify_s = price.verify(kd + 1, t)
+        catch_up_s = price.catch_up(i, catch_up, t)
         fb = _ReplayFeedback(
             round=len(rounds), drafter=i, draft=Draft(tokens=tokens), n_accepted=n, emitted=emitted,
             k_cap=cap, target_logits=None, sampling=GREEDY, draft_s=draft_s, verify_s=verify_s,
@@ -378,14 +452,14 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
                 g = [1.0 if first is not None and first[x + y] == path[t + y] else 0.0 for y in range(m)]
                 cf[j], alphas[j] = g, list(g)
                 proposed[j] = [first is not None and first[x + y] >= 0 for y in range(m)]
-                if sj is not None:
-                    eval_s += costs[sj].catch_up_token_s * m
                 seen[j] = t + m
+            eval_s = price.evaluate(cf.keys() - ({i} if wanted != 0 else set()), m, t)
             fb.counterfactual, fb.counterfactual_alpha, fb.counterfactual_proposed = cf, alphas, proposed
         t += m
         remaining -= m
         seen[i] = t
         cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
+        cost_model.observe_overhead(price.round_overhead() + eval_s)  # as the engine's: outside draft/verify/catch-up
         c = clock()
         sel.update(fb)
         ln.update(fb)
@@ -396,9 +470,37 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
             break
     result.policy_s += policy_s
     new = t - n_prompt
-    ar = pt.prefill_s + new * curve.cost(1) if curve is not None else 0.0
-    total = pt.prefill_s + sum(r.seconds for r in rounds) if curve is not None else 0.0
+    ar = price.ar(pt, new)
+    total = price.request(pt) + sum(r.seconds for r in rounds) if trace.surface is not None else 0.0
     return PromptReplay(p, new, reason, total, ar, rounds)
+
+
+# -- bench configurations -----------------------------------------------------------------------
+def predict_config(trace: Trace, drafters: Sequence[Any], selector: str | None, length: str | None,
+                   k: int) -> ReplayResult:
+    """Replay one bench configuration (its drafter specs, selector, length policy and k) on a
+    trace; plain decoding (no drafters) is the ``none`` drafter alone. Raises ConfigError
+    when the trace cannot replay it (a drafter it did not record, a policy needing hidden
+    states, a drafter instance)."""
+    specs = [d if isinstance(d, str) else None for d in drafters]
+    if None in specs:
+        raise ConfigError("drafter instances cannot be matched to a trace: give drafter specs")
+    return replay(trace, selector, length, k=k, drafters=specs or [NONE])
+
+
+def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayResult | str]:
+    """``predict_config`` for bench configurations (``BenchConfig``): name -> replay, or the
+    reason it cannot be replayed (peers run Hugging Face's loop, not the engine's)."""
+    out: dict[str, ReplayResult | str] = {}
+    for c in configs:
+        if getattr(c, "peer", None):
+            out[c.name] = "peer (not the engine's loop)"
+            continue
+        try:
+            out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k)
+        except ConfigError as exc:
+            out[c.name] = str(exc)
+    return out
 
 
 # -- oracle bounds ------------------------------------------------------------------------------
@@ -421,12 +523,14 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
       programming over positions; the greedy choice is not always optimal), so its MAT bounds
       every policy's on this trace; ``dp_time``: least predicted time the same way, drafting
       any recorded number of tokens (a wider verify can be cheaper on a cost cliff).
-    Oracle times count drafting and verification only (no drafter prefill, catch-up or
-    evaluation), so they are lower bounds.
+    Oracle times count the target prefill, drafting, verification and the engine's round
+    overhead only (no drafter prefill, catch-up, evaluation or policy time), so they are
+    lower bounds.
     """
     validate_k(k)
     pool = _Pool.of(trace, drafters)
-    curve = trace.curve
+    price = _RoundPricer(trace, pool)
+    col = {s: i for i, s in enumerate(pool.src) if s is not None}
     fixed = {lab: replay(trace, None, None, k=k, drafters=[lab]) for lab in pool.labels}
     ar_total = sum(r.ar_seconds for r in fixed.values()) / len(fixed)
     tokens = next(iter(fixed.values())).tokens
@@ -447,11 +551,14 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
         out.setdefault("best_fixed", {})[crit] = _metrics(tokens, int(rounds), seconds, ar_total) | {
             "choice": choice}
 
-    def draft_s(j: int, d: int | None) -> float:
-        return trace.drafter_costs[d].draft_token_s * j if d is not None else 0.0
+    def round_s(p: int, x: int, j: int, d: int | None) -> float:
+        """A round at position x of prompt p in which recorded drafter d drafts j tokens."""
+        t = trace.prompts[p].n_prompt + x
+        drafting = price.draft(col[d], j, t) if d is not None else 0.0
+        return drafting + price.verify(j + 1, t) + price.round_overhead()
 
-    def verify(w: int) -> float:
-        return curve.cost(w) if curve is not None else 0.0
+    def start_s(p: int) -> float:
+        return price.request(trace.prompts[p])
 
     def walk(choose) -> tuple[int, float]:
         """Rounds and seconds of a per-round rule choose(p, x, remaining) -> (drafter, n)."""
@@ -459,11 +566,11 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
         for p, pt in enumerate(trace.prompts):
             end = min(pt.n_out, trace.max_new_tokens)
             x = 0
-            seconds += pt.prefill_s if curve is not None else 0.0
+            seconds += start_s(p)
             while x < end:
                 d, n = choose(p, x, trace.max_new_tokens - x)
                 rounds += 1
-                seconds += draft_s(n, d) + verify(n + 1)
+                seconds += round_s(p, x, n, d)
                 x = min(x + n + 1, end)
         return rounds, seconds
 
@@ -490,14 +597,15 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
 
     out["greedy_oracle_k"] = _metrics(tokens, *walk(greedy(k)), ar_total)
     out["greedy_oracle"] = _metrics(tokens, *walk(greedy(trace.max_draft)), ar_total)
-    out["dp_rounds"] = _metrics(tokens, *_dp(trace, srcs, False, draft_s, verify), ar_total)
-    out["dp_time"] = _metrics(tokens, *_dp(trace, srcs, True, draft_s, verify), ar_total)
+    out["dp_rounds"] = _metrics(tokens, *_dp(trace, srcs, False, round_s, start_s), ar_total)
+    out["dp_time"] = _metrics(tokens, *_dp(trace, srcs, True, round_s, start_s), ar_total)
     return out
 
 
-def _dp(trace: Trace, srcs: list[int], by_time: bool, draft_s, verify) -> tuple[int, float]:
+def _dp(trace: Trace, srcs: list[int], by_time: bool, round_s, start_s) -> tuple[int, float]:
     """Optimal per-round drafter and length in hindsight: fewest rounds (ties: less time) or
-    least time (ties: fewer rounds). Returns (rounds, seconds)."""
+    least time (ties: fewer rounds), with ``round_s(p, x, drafted, drafter)`` and
+    ``start_s(p)`` the priced round and request start. Returns (rounds, seconds)."""
     total_r, total_s = 0, 0.0
     for p, pt in enumerate(trace.prompts):
         views = _views(trace, p)
@@ -515,7 +623,7 @@ def _dp(trace: Trace, srcs: list[int], by_time: bool, draft_s, verify) -> tuple[
             opt = None
             for j, s, a in cands:
                 nxt = best[min(x + a + 1, end)]
-                sec = draft_s(j, s) + verify(j + 1) + (nxt[0] if by_time else nxt[1])
+                sec = round_s(p, x, j, s) + (nxt[0] if by_time else nxt[1])
                 rnd = 1 + (nxt[1] if by_time else nxt[0])
                 val = (sec, rnd) if by_time else (rnd, sec)
                 if opt is None or val < opt:
@@ -523,7 +631,7 @@ def _dp(trace: Trace, srcs: list[int], by_time: bool, draft_s, verify) -> tuple[
             best[x] = opt
         r, s = (best[0][1], best[0][0]) if by_time else best[0]
         total_r += int(r)
-        total_s += s + (pt.prefill_s if trace.curve is not None else 0.0)
+        total_s += s + start_s(p)
     return total_r, total_s
 
 
@@ -626,5 +734,5 @@ def replay_command(
         console.print(f"written: {json_out}")
 
 
-__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "replay",
-           "replay_command"]
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "predict_config",
+           "predict_configs", "replay", "replay_command"]

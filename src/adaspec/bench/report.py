@@ -35,6 +35,7 @@ PLOT_FILES = {
     "drafters": "drafter_choices.png",
     "pareto": "pareto_discard_verification.png",
     "costs": "verify_costs.png",
+    "surface": "verify_cost_surface.png",
 }
 TOP_KEYS = ("schema", "categories", "configs", "overall", "per_category")
 ROW_KEYS = ("config", "prompts", "tokens", "seconds", "tokens_per_s", "speedup", "mat", "acceptance_rate",
@@ -414,7 +415,8 @@ def plot_speedup(summary: dict[str, Any], path: Path) -> Path | None:
 
 
 def plot_regret(summary: dict[str, Any], path: Path) -> Path | None:
-    """Cumulative regret (seconds, and rounds when given) over the workload for adaptive configs."""
+    """Cumulative regret (seconds, and rounds when given) over the workload for adaptive configs;
+    with replay's predictions also the seconds priced by the cost model (dashed)."""
     regret = {k: v for k, v in (summary.get("regret") or {}).items() if v and v.get("cumulative_seconds")}
     if not regret:
         return None
@@ -426,6 +428,9 @@ def plot_regret(summary: dict[str, Any], path: Path) -> Path | None:
         ys = [0.0, *r["cumulative_seconds"]]  # the curve starts at 0 before the first prompt
         marker = "o" if len(ys) <= 40 else None
         axes[0].plot(range(len(ys)), ys, color=color, lw=1.6, marker=marker, ms=3, label=label)
+        if r.get("cumulative_priced_seconds"):
+            yp = [0.0, *r["cumulative_priced_seconds"]]
+            axes[0].plot(range(len(yp)), yp, color=color, lw=1.2, ls="--", label="  priced by the cost model")
         if with_rounds and r.get("cumulative_rounds"):
             yr = [0.0, *r["cumulative_rounds"]]
             axes[1].plot(range(len(yr)), yr, color=color, lw=1.6, marker=marker, ms=3)
@@ -575,6 +580,60 @@ def plot_verify_costs(costs: dict[str, Any] | None, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_verify_surface(surface: dict[str, Any] | None, path: Path) -> Path | None:
+    """Heat map of the verify-cost surface: ms of a target forward over k new tokens (x) on a
+    cache of L tokens (y), each cell annotated; cost cliffs (a wider forward is cheaper at
+    that L) outlined in red."""
+    if not surface or not surface.get("contexts") or not surface.get("ks"):
+        return None
+    contexts, ks, secs = list(surface["contexts"]), list(surface["ks"]), surface.get("seconds") or []
+    if len(secs) != len(contexts) or any(len(r) != len(ks) for r in secs):
+        raise SummarySchemaError(f"surface: seconds must be {len(contexts)} rows of {len(ks)} values")
+    cliffs = {int(c): set(v) for c, v in (surface.get("cliffs") or {}).items()}
+    ms = [[x * 1e3 for x in row] for row in secs]
+    fig = _figure(1.2 + 0.62 * len(ks), 1.4 + 0.5 * len(contexts))
+    ax = fig.add_subplot()
+    im = ax.imshow(ms, aspect="auto", origin="lower", cmap="viridis")
+    top = max(max(r) for r in ms)
+    for i, c in enumerate(contexts):
+        for j, k in enumerate(ks):
+            ax.text(j, i, f"{ms[i][j]:.0f}", ha="center", va="center", fontsize=7,
+                    color="black" if ms[i][j] > 0.6 * top else "white")
+            if k in cliffs.get(c, ()):
+                ax.add_patch(_rect(j, i))
+    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+    ax.set_yticks(range(len(contexts)), [str(c) for c in contexts])
+    ax.set_xlabel("tokens verified in one forward (k)")
+    ax.set_ylabel("cache length (tokens)")
+    ax.set_title("Verify cost V(k, L), ms per forward (red: cost cliff)")
+    fig.colorbar(im, ax=ax, label="ms")
+    return _save(fig, path)
+
+
+def _rect(x: float, y: float) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.6)
+
+
+def prediction_table(summary: dict[str, Any]) -> str | None:
+    """Replay's predicted tokens/s next to the live run's, per configuration, and whether the
+    two rank the configurations alike (None without predictions)."""
+    rows_in = [r for r in summary["overall"] if _num(r.get("predicted_tokens_per_s")) is not None]
+    if not rows_in:
+        return None
+    header = ["configuration", "live tokens/s", "replay pred. tokens/s", "error"]
+    rows = [[_cell(r["config"]), _fmt(r["tokens_per_s"], ".1f"), _fmt(r["predicted_tokens_per_s"], ".1f"),
+             _fmt(_pct(r["prediction_error"]), "+.1f", "%")] for r in rows_in]
+    live = [r["config"] for r in sorted(rows_in, key=lambda r: -r["tokens_per_s"])]
+    pred = [r["config"] for r in sorted(rows_in, key=lambda r: -r["predicted_tokens_per_s"])]
+    worst = max(abs(r["prediction_error"]) for r in rows_in)
+    return (_table(header, ["---", "---:", "---:", "---:"], rows)
+            + f"\n\nLargest error {worst:.1%}; ranking by tokens/s "
+            + ("the same as the live run's." if live == pred else
+               f"differs: live {', '.join(live)}; replay {', '.join(pred)}."))
+
+
 # -- report -----------------------------------------------------------------------------------
 def _header(summary: dict[str, Any]) -> list[str]:
     g = summary.get
@@ -641,6 +700,9 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
          "no configuration has both rates")
     plot("costs", "Verify-cost curve", lambda p: plot_verify_costs(summary.get("verify_costs"), p),
          "the verify-cost curve was not measured")
+    plot("surface", "Verify-cost surface",
+         lambda p: plot_verify_surface((summary.get("verify_costs") or {}).get("surface"), p),
+         "the verify-cost surface was not measured")
 
     lines = _header(summary)
     mism = _mismatches(summary)
@@ -684,6 +746,12 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
         lines += ["Cost of one target forward over k tokens relative to k=1: "
                   + ", ".join(f"k={k}: {_fmt(r, '.2f', 'x')}" for k, r in zip(costs["ks"], costs["ratios"]))
                   + (f"; cost cliffs at k = {', '.join(map(str, cliffs))}." if cliffs else "."), ""]
+    lines += [sections["surface"], ""]
+    predicted = prediction_table(summary)
+    if predicted:
+        lines += ["## Replay vs live", "", "Times predicted by `adaspec replay` from the trace recorded with "
+                  "this run (`--record`), priced with the cost model, next to the live times.", "",
+                  predicted, ""]
     lines += ["## Mismatches", "", *(mism or ["None: every output matched AR token for token."]), "",
               "## Legend", "", LEGEND]
     report = out_dir / REPORT_FILE

@@ -165,6 +165,9 @@ class BenchRun:
     device: str = "cpu"
     dtype: str = "float32"
     verify_costs: dict[str, Any] | None = None
+    #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
+    #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}
+    predictions: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # -- aggregation ----------------------------------------------------------------------
     def of(self, config: str, category: str | None = None) -> list[PromptRecord]:
@@ -220,6 +223,40 @@ class BenchRun:
             return value
         return value / ref.tokens * tokens if ref.tokens else 0.0
 
+    # -- replay's predictions ---------------------------------------------------------------
+    def predict_from(self, trace: Any) -> None:
+        """Replay every configuration on a trace of this workload (``adaspec bench --record``)
+        and keep its predicted seconds (total and per category; the policies' measured time is
+        shared out by rounds), so every report shows the cost model's error next to the live
+        times."""
+        from .replay import predict_configs
+
+        cats = [p.meta.get("category", "") for p in trace.prompts]
+        ids = [p.meta.get("id", str(i)) for i, p in enumerate(trace.prompts)]
+        for name, res in predict_configs(trace, self.configs).items():
+            if isinstance(res, str):
+                self.predictions[name] = {"unavailable": res}
+                continue
+            per_cat: dict[str, float] = {}
+            per_prompt: dict[str, float] = {}  # turns of a prompt summed, as in PromptRecord
+            n_rounds = max(1, res.n_rounds)
+            for p in res.prompts:
+                secs = p.seconds + res.policy_s * len(p.rounds) / n_rounds
+                per_cat[cats[p.index]] = per_cat.get(cats[p.index], 0.0) + secs
+                per_prompt[ids[p.index]] = per_prompt.get(ids[p.index], 0.0) + secs
+            self.predictions[name] = {"seconds": res.predicted_s, "tokens": res.tokens, "per_category": per_cat,
+                                      "per_prompt": per_prompt}
+
+    def _predicted(self, config: str, category: str | None, live: ConfigResult) -> dict[str, Any]:
+        """Predicted seconds and tokens/s, and the relative error of the tokens/s (pred / live - 1)."""
+        pred = self.predictions.get(config, {})
+        secs = pred.get("seconds") if category is None else pred.get("per_category", {}).get(category)
+        if not secs or not live.seconds:
+            return {"predicted_seconds": None, "predicted_tokens_per_s": None, "prediction_error": None}
+        tps = live.tokens / secs
+        return {"predicted_seconds": secs, "predicted_tokens_per_s": tps,
+                "prediction_error": tps / live.tokens_per_s - 1.0}
+
     # -- regret (BanditSpec stopping time; cumulative against the best fixed drafter) -------
     def _static_for(self, cfg: BenchConfig) -> list[BenchConfig]:
         """Static single-drafter configurations over the policy's drafters (its fixed arms)."""
@@ -235,7 +272,9 @@ class BenchRun:
         chosen per prompt). ``best_arm_ratio``: share of the policy's rounds that used that
         drafter. ``cumulative_seconds``: running sum over the workload of the policy's time
         minus the time of the single fixed configuration that is fastest over the whole
-        workload (the best fixed drafter in hindsight). Under sampling the arms' rounds and
+        workload (the best fixed drafter in hindsight). ``cumulative_priced_seconds`` (with
+        replay's predictions, ``predict_from``): the same with every prompt's time priced by
+        the cost model instead of the wall clock (no timing noise). Under sampling the arms' rounds and
         seconds are scaled to the policy's answer length (``_scaled``)."""
         arms = self._static_for(cfg)
         if cfg.kind != "adaptive" or not arms:
@@ -260,9 +299,17 @@ class BenchRun:
             acc_r += rec.rounds - self._scaled(ref, ref.rounds, rec.tokens)
             cum_s.append(acc_s)
             cum_r.append(acc_r)
+        mine_p = self.predictions.get(cfg.name, {}).get("per_prompt")
+        ref_p = self.predictions.get(best_fixed.name, {}).get("per_prompt")
+        priced = None
+        if mine_p and ref_p and all(r.prompt_id in mine_p and r.prompt_id in ref_p for r in mine):
+            priced, acc = [], 0.0
+            for rec in mine:
+                acc += mine_p[rec.prompt_id] - ref_p[rec.prompt_id]
+                priced.append(acc)
         return {"best_fixed": best_fixed.name, "stopping_time_regret": stop_regret,
                 "best_arm_ratio": used_best / n_rounds if n_rounds and len(arms) > 1 else None,
-                "cumulative_seconds": cum_s, "cumulative_rounds": cum_r}
+                "cumulative_seconds": cum_s, "cumulative_rounds": cum_r, "cumulative_priced_seconds": priced}
 
     def oracle(self) -> dict[str, Any] | None:
         """The per-prompt oracle over the static configurations: for every prompt, the static
@@ -303,7 +350,8 @@ class BenchRun:
                 "policy_overhead_share": r.policy_share, "engine_overhead_share": r.overhead_share,
                 "cliff_share": r.cliff_share, "identical": r.identical, "mismatches": r.mismatches,
                 "stopping_time_regret": reg["stopping_time_regret"] if reg else None,
-                "best_arm_ratio": reg["best_arm_ratio"] if reg else None}
+                "best_arm_ratio": reg["best_arm_ratio"] if reg else None,
+                **(self._predicted(cfg.name, category, r) if self.predictions else {})}
 
     def summary(self) -> dict[str, Any]:
         """The ``summary.json`` document (schema ``adaspec.bench/1``)."""
@@ -313,7 +361,8 @@ class BenchRun:
         for c in self.configs:
             reg = self.regret(c)
             if reg:
-                regret[c.name] = {k: reg[k] for k in ("best_fixed", "cumulative_seconds", "cumulative_rounds")}
+                regret[c.name] = {k: reg[k] for k in ("best_fixed", "cumulative_seconds", "cumulative_rounds",
+                                                      "cumulative_priced_seconds")}
         return {
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -504,11 +553,13 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
 
     records: list[PromptRecord] = []
     rounds: list[dict[str, Any]] = []
+    prompt_lens: list[int] = []
     for pos, prompt in enumerate(prompts):
         recs = [PromptRecord(c.name, prompt.id, prompt.category, pos) for c in configs]
         answers: list[str] = []
         for turn in range(len(prompt.turns)):
             ids = _turn_prompt(prompt, turn, answers, ar_engine)
+            prompt_lens.append(len(ids))
             outs: list[list[list[int]]] = [[] for _ in runners]  # every repeat's output
             times: list[list[float]] = [[] for _ in runners]
             last: list[Any] = [None] * len(runners)
@@ -541,8 +592,11 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     costs = None
     if measure_costs:
         if progress:
-            progress("measuring the verify-cost curve")
-        costs = ar_engine.verify_costs().to_dict()
+            progress("measuring the verify-cost surface")
+        surface = ar_engine.verify_costs()
+        # the curve at the workload's typical cache length (middle of a median request)
+        typical = int(statistics.median(prompt_lens)) + max_new_tokens // 2
+        costs = surface.curve(typical).to_dict() | {"surface": surface.to_dict()}
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
                     suite, device, dtype, costs)
 

@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from statistics import median
 from pathlib import Path
 from typing import Any
 
@@ -48,32 +49,23 @@ import numpy as np
 import torch
 
 from ..config import GenerationConfig, SamplingConfig
-from ..costs import VerifyCostCurve, load_or_measure
+from ..costs import (DrafterCosts, EngineOverheads, LinearCost, VerifyCostSurface, load_or_measure,
+                     nonneg_lstsq)
 from ..drafters import Decision, Drafter, DraftStep, build_drafter
 from ..errors import AdaspecError, ConfigError
 from ..length.rules import drafter_probs, stats_of
+from ..selection.baselines import RoundRobinPolicy
 from ..models import LoadedModel, as_loaded, check_fingerprint, target_fingerprint
 
 log = logging.getLogger(__name__)
 
 FORMAT = "adaspec.trace"
-VERSION = 1
+VERSION = 2  # 2: verify-cost surface, drafter cost functions, engine overheads
 GREEDY = SamplingConfig()
 Progress = Callable[[str], None]
 
 
 # -- data ---------------------------------------------------------------------------------
-@dataclass
-class DrafterCosts:
-    """Measured seconds of one drafter (0 = not observed): per drafted token, per caught-up
-    token (also used for the full-information evaluation, which prefills the same way), and
-    per prompt token of its prefill at first use in a request."""
-
-    draft_token_s: float = 0.0
-    catch_up_token_s: float = 0.0
-    prefill_token_s: float = 0.0
-
-
 @dataclass
 class DrafterTrack:
     """One drafter along one prompt's path; row ``x`` is start position ``t = n_prompt + x``."""
@@ -123,10 +115,11 @@ class Trace:
     max_draft: int
     eos_ids: list[int]
     stop_on_eos: bool
-    curve: VerifyCostCurve | None
+    surface: VerifyCostSurface | None  # V(k, L) (None: recorded without costs)
     drafter_costs: list[DrafterCosts]
     prompts: list[PromptTrace]
     info: dict[str, Any] = field(default_factory=dict)
+    overheads: EngineOverheads = field(default_factory=EngineOverheads)
     #: derived per-prompt views (``adaspec.replay``), built once per loaded trace
     cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -151,8 +144,9 @@ class Trace:
             "format": FORMAT, "version": VERSION, "target": self.target, "specs": self.specs,
             "names": self.names, "is_model": self.is_model, "max_new_tokens": self.max_new_tokens,
             "max_draft": self.max_draft, "eos_ids": self.eos_ids, "stop_on_eos": self.stop_on_eos,
-            "curve": asdict(self.curve) if self.curve is not None else None,
+            "surface": self.surface.to_dict() if self.surface is not None else None,
             "drafter_costs": [asdict(c) for c in self.drafter_costs],
+            "overheads": asdict(self.overheads),
             "prompts": [{"n_out": p.n_out, "stop_reason": p.stop_reason, "prefill_s": p.prefill_s,
                          "ar_s": p.ar_s, "meta": p.meta} for p in self.prompts],
             "info": self.info,
@@ -201,7 +195,7 @@ class Trace:
         if h.get("version") != VERSION:
             raise ConfigError(f"{path} is trace version {h.get('version')}, this adaspec reads version "
                               f"{VERSION}: record it again")
-        curve = VerifyCostCurve(**h["curve"]) if h.get("curve") else None
+        surface = VerifyCostSurface.from_dict(h["surface"]) if h.get("surface") else None
         prompts = []
         for i, ph in enumerate(h["prompts"]):
             tracks = []
@@ -217,9 +211,9 @@ class Trace:
                 meta=ph.get("meta", {})))
         return cls(target=h["target"], specs=h["specs"], names=h["names"], is_model=h["is_model"],
                    max_new_tokens=h["max_new_tokens"], max_draft=h["max_draft"], eos_ids=h["eos_ids"],
-                   stop_on_eos=h["stop_on_eos"], curve=curve,
-                   drafter_costs=[DrafterCosts(**c) for c in h["drafter_costs"]], prompts=prompts,
-                   info=h.get("info", {}))
+                   stop_on_eos=h["stop_on_eos"], surface=surface,
+                   drafter_costs=[DrafterCosts.from_dict(c) for c in h["drafter_costs"]], prompts=prompts,
+                   info=h.get("info", {}), overheads=EngineOverheads.from_dict(h.get("overheads", {})))
 
 
 # -- recording ------------------------------------------------------------------------------
@@ -410,6 +404,7 @@ class TraceRecorder:
         self.started = time.perf_counter()
         self._feature_forward: Any = None
         self._tree = tree  # tree-attention branch scoring works for this model (None: not checked)
+        self._ar_stats: list[Any] = []  # RequestStats of the AR runs (engine overheads)
 
     def _say(self, msg: str) -> None:
         if self.progress is not None:
@@ -423,6 +418,7 @@ class TraceRecorder:
         res = self.ar.generate(ids, GenerationConfig(max_new_tokens=self.max_new_tokens,
                                                      stop_on_eos=self.stop_on_eos))
         out = list(res.token_ids)
+        self._ar_stats.append(res.stats)
         extra = min(self.max_draft + 1, self.max_new_tokens - len(out))
         if extra > 0:
             more = self.ar.generate(ids + out, GenerationConfig(max_new_tokens=extra, stop_on_eos=False))
@@ -543,42 +539,100 @@ class TraceRecorder:
         return buf
 
     # -- costs --------------------------------------------------------------------------------
-    def calibrate(self) -> list[DrafterCosts]:
-        """Per-drafter costs from one live round-robin run over the drafters and ``none`` on the
-        first prompt (so every drafter drafts, prefills and catches up as in the engine)."""
-        from ..engine import SpeculativeEngine
-        from ..selection.baselines import RoundRobinPolicy
+    CALIBRATION_PROMPTS = 3  # shortest, median and longest prompt: the drafters' context range
 
+    def _calibration_prompts(self) -> list[PromptTrace]:
+        by_len = sorted(self.prompts, key=lambda p: p.n_prompt)
+        n = len(by_len)
+        picks = sorted({0, n // 2, n - 1})[: self.CALIBRATION_PROMPTS]
+        return [by_len[i] for i in picks]
+
+    def calibrate(self, surface: VerifyCostSurface) -> tuple[list[DrafterCosts], EngineOverheads]:
+        """Per-drafter cost functions and engine overheads from live runs.
+
+        Drafting, catch-up and prefill: a round-robin run over the drafters and ``none`` on the
+        calibration prompts (every drafter drafts, prefills and catches up as in the engine),
+        fitted as ``LinearCost`` of (tokens, context). Evaluation: the same with full
+        information (every round scores the verified tokens with every other drafter), fitted
+        jointly (a round's eval time is the sum over the other drafters). Engine overheads:
+        the AR runs of the recording, per round ``total - verify`` and the verify step over
+        V(1, L), per request ``total - prefill - sum of rounds`` (medians)."""
+        from ..engine import SpeculativeEngine
+
+        n_d = len(self.drafters)
         if not self.prompts:
-            return [DrafterCosts() for _ in self.drafters]
-        self._say("calibrating drafter costs")
-        fresh = [build_drafter(s, self.loaded) for s in self.specs_in]  # no state from recording
-        engine = SpeculativeEngine(self.loaded, [*fresh, "none"], selector=RoundRobinPolicy(), k=5)
-        first = self.prompts[0]
-        res = engine.generate(first.prompt, GenerationConfig(max_new_tokens=self.max_new_tokens,
-                                                             stop_on_eos=self.stop_on_eos))
-        k = len(fresh) + 1
+            return [DrafterCosts() for _ in self.drafters], EngineOverheads()
+        samples: dict[str, list[list[tuple[int, int, float]]]] = {
+            key: [[] for _ in range(n_d)] for key in ("draft", "catch_up", "prefill")}
+        eval_rows: list[tuple[int, int, float]] = []  # (chosen, emitted, eval seconds)
+        verify_rows: list[tuple[int, float]] = []  # (width, live verify step / surface)
+        gen = GenerationConfig(max_new_tokens=self.max_new_tokens, stop_on_eos=self.stop_on_eos)
+        for full in (False, True):
+            policy = _FullInfoRoundRobin() if full else RoundRobinPolicy()
+            fresh = [build_drafter(s, self.loaded) for s in self.specs_in]  # no state from recording
+            # drafting: blocks up to max_draft, so drafting costs and verify steps of every width are seen
+            engine = SpeculativeEngine(self.loaded, [*fresh, "none"], selector=policy,
+                                       k=5 if full else self.max_draft)
+            for pt in self._calibration_prompts():
+                self._say(f"calibrating drafter costs ({'evaluation' if full else 'drafting'}), "
+                          f"prompt of {pt.n_prompt} tokens")
+                stats = engine.generate(pt.prompt, gen).stats
+                ctx = pt.n_prompt
+                for j, r in enumerate(stats.rounds):
+                    i = j % (n_d + 1)
+                    verify_rows.append((r.drafted + 1, r.verify_s / surface.cost(r.drafted + 1, ctx - 1)))
+                    if full:
+                        eval_rows.append((i, r.emitted, r.eval_s))
+                    elif i < n_d:
+                        if r.k_cap > 0:  # the engine called draft
+                            samples["draft"][i].append((r.drafted, ctx, r.draft_s))
+                        if r.catch_up_tokens:  # ... and catch_up
+                            samples["catch_up"][i].append((r.catch_up_tokens, ctx, r.catch_up_s))
+                        if r.drafter_prefill_s > 0:
+                            samples["prefill"][i].append((pt.n_prompt, 0, r.drafter_prefill_s))
+                    ctx += r.emitted
         out = []
-        for j in range(len(fresh)):
-            rounds = res.stats.rounds[j::k]
-            drafted = sum(r.drafted for r in rounds)
-            caught = sum(r.catch_up_tokens for r in rounds)
-            prefill = sum(r.drafter_prefill_s for r in rounds)
-            tried = sum(r.k_cap > 0 for r in rounds)
-            draft_s = sum(r.draft_s for r in rounds)
-            cost = DrafterCosts(  # no draft at all (no proposal): the cost of one attempt
-                draft_token_s=draft_s / drafted if drafted else draft_s / max(1, tried),
-                catch_up_token_s=sum(r.catch_up_s for r in rounds) / caught if caught else 0.0,
-                prefill_token_s=prefill / first.n_prompt)
-            if not caught:  # never behind: a catch-up token costs about a drafted one
-                cost.catch_up_token_s = cost.draft_token_s
-            out.append(cost)
-        return out
+        for i in range(n_d):
+            draft = LinearCost.fit(samples["draft"][i])
+            catch_up = LinearCost.fit(samples["catch_up"][i])
+            if catch_up == LinearCost():  # never behind: a caught-up token costs about a drafted one
+                catch_up = LinearCost(per_token=draft.per_token, per_context=draft.per_context)
+            out.append(DrafterCosts(draft, catch_up, LinearCost.fit(samples["prefill"][i])))
+        evaluate = _fit_evaluation(eval_rows, n_d + 1)
+        for i in range(n_d):
+            out[i].evaluate = evaluate[i]
+        return out, self._overheads(surface, evaluate[n_d], verify_rows)
+
+    def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost,
+                   verify_rows: list[tuple[int, float]]) -> EngineOverheads:
+        """Medians of the AR runs' per-round and per-request overheads; the live verify step
+        over the surface, fitted in the width over the AR rounds and ``verify_rows`` (width,
+        ratio) of the calibration runs (medians per width, so every width weighs alike)."""
+        per_round, per_request = [], []
+        by_width: dict[int, list[float]] = {}
+        for w, ratio in verify_rows:
+            by_width.setdefault(w, []).append(ratio)
+        for pt, st in zip(self.prompts, self._ar_stats):
+            ctx = pt.n_prompt - 1  # the cache holds all tokens but the newest
+            for r in st.rounds:
+                per_round.append(r.total_s - r.verify_s)
+                by_width.setdefault(1, []).append(r.verify_s / surface.cost(1, ctx))
+                ctx += r.emitted
+            per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
+        if not per_round:
+            return EngineOverheads(none_evaluate=none_evaluate)
+        points = [(w - 1, median(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1]
+        scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
+        return EngineOverheads(round_s=max(0.0, median(per_round)), request_s=max(0.0, median(per_request)),
+                               verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate)
 
     def finish(self, calibrate: bool = True) -> Trace:
         """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``)."""
-        curve = load_or_measure(self.loaded) if calibrate else None
-        costs = self.calibrate() if calibrate else [DrafterCosts() for _ in self.drafters]
+        surface = load_or_measure(self.loaded) if calibrate else None
+        if surface is not None:
+            costs, overheads = self.calibrate(surface)
+        else:
+            costs, overheads = [DrafterCosts() for _ in self.drafters], EngineOverheads()
         info = {
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "record_s": time.perf_counter() - self.started,
@@ -596,8 +650,24 @@ class TraceRecorder:
         return Trace(target=target_fingerprint(self.loaded), specs=self.specs,
                      names=[d.name for d in self.drafters], is_model=[bool(d.is_model) for d in self.drafters],
                      max_new_tokens=self.max_new_tokens, max_draft=self.max_draft, eos_ids=list(self.eos),
-                     stop_on_eos=self.stop_on_eos, curve=curve, drafter_costs=costs,
-                     prompts=list(self.prompts), info=info)
+                     stop_on_eos=self.stop_on_eos, surface=surface, drafter_costs=costs,
+                     prompts=list(self.prompts), info=info, overheads=overheads)
+
+
+class _FullInfoRoundRobin(RoundRobinPolicy):
+    """Round robin that asks for full information, so every round times the evaluation."""
+
+    full_information = True
+
+
+def _fit_evaluation(rows: Sequence[tuple[int, int, float]], n: int) -> list[LinearCost]:
+    """Per-member ``fixed + per_token x tokens`` from rounds whose eval time is the sum over
+    every member but the chosen one: (chosen, verified tokens, seconds) rows."""
+    x = [[v for j in range(n) for v in ((1.0, float(m)) if j != i else (0.0, 0.0))] for i, m, _ in rows]
+    if not x:
+        return [LinearCost() for _ in range(n)]
+    coef = nonneg_lstsq(x, [s for *_, s in rows])
+    return [LinearCost(fixed=coef[2 * j], per_token=coef[2 * j + 1]) for j in range(n)]
 
 
 def _unique_labels(labels: list[str]) -> list[str]:

@@ -265,9 +265,10 @@ def bench(
                 from ..bench.trace import record as record_trace
 
                 t0 = time.perf_counter()
-                record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
-                             progress=lambda m: bar.step("trace", m, total=turns))
+                trace = record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
+                                     progress=lambda m: bar.step("trace", m, total=turns))
                 bar.message(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
+                run.predict_from(trace)
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         written = run.save(out_dir, plots=plots)
     except AdaspecError as exc:
@@ -296,6 +297,12 @@ def _check_record(path: str, drafters: list[str]) -> None:
         raise AdaspecError(f"--record {path!r}: directory {str(parent)!r} does not exist: create it first")
 
 
+def _prediction_cell(row: dict) -> str:
+    if row.get("predicted_tokens_per_s") is None:
+        return "-"
+    return f"{row['predicted_tokens_per_s']:.1f} ({row['prediction_error']:+.1%})"
+
+
 def _print_bench(run, opt: dict, n_prompts: int) -> None:
     """The overall table on the terminal (report.md has the per-category tables and plots)."""
     out = Console() if sys.stdout.isatty() else Console(width=150)
@@ -303,7 +310,9 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     table = Table(title=f"adaspec bench: {opt['model']}, {mode}, {n_prompts} prompts ({opt['suite']}) x "
                         f"{opt['max_new_tokens']} new tokens, {opt['repeats']} repeat(s), median times")
     cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verify",
-            "policy time", "identical to AR"] + (["rounds in cost cliff"] if run.verify_costs else [])
+            "policy time", "identical to AR"] + (["rounds in cost cliff"] if run.verify_costs else []) + (
+            ["replay: pred. tokens/s (error)"] if run.predictions else [])
+    rows = {row["config"]: row for row in run.summary()["overall"]} if run.predictions else {}
     for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     greedy = opt["temperature"] == 0
@@ -314,7 +323,8 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
                       f"{r.verification_rate:.2f}", f"{r.policy_share:.2%}",
                       same if r.identical == r.prompts or not greedy else f"[red]{same}[/]",
                       *([f"{r.cliff_share:.0%}" if r.cliff_share is not None else "-"]
-                        if run.verify_costs else []))
+                        if run.verify_costs else []),
+                      *([_prediction_cell(rows[r.name])] if run.predictions else []))
     out.print(table)
     for r in run.results:
         for m in r.mismatches:
@@ -340,18 +350,31 @@ def costs(
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
+    png: str | None = typer.Option("verify_cost_surface.png", "--png",
+                                   help="write the heat map here ('' for none)"),
 ) -> None:
-    """Measure (or show the cached) verify-cost curve of a target."""
-    from ..costs import load_or_measure
+    """Measure (or show the cached) verify-cost surface of a target: the time of one forward
+    over k new tokens on caches of several lengths, with the cost cliffs of each length."""
+    from ..costs import DEFAULT_CONTEXTS, DEFAULT_KS, load_or_measure
     from ..models import load_model
 
     try:
         check_target(model, device, dtype)
-        curve = load_or_measure(load_model(model, device=device, dtype=dtype), refresh=refresh)
+        loaded = load_model(model, device=device, dtype=dtype)
+        with StageProgress(err) as bar:
+            surface = load_or_measure(loaded, DEFAULT_KS, DEFAULT_CONTEXTS, refresh=refresh,
+                                      progress=lambda done, total: bar("measuring the cost grid", done, total))
     except AdaspecError as exc:
         _fail(exc)
         return
-    print(curve.table())
+    print(surface.table())
+    print(f"{len(surface.contexts)} cache lengths x {len(surface.ks)} widths; measuring the grid took "
+          f"{surface.measure_s:.1f} s (once per model, device, dtype and thread count: cache key {surface.key})")
+    if png:
+        from ..bench.report import plot_verify_surface
+
+        path = plot_verify_surface(surface.to_dict(), Path(png))
+        print(f"heat map: {path}")
 
 
 @app.command("train-head")

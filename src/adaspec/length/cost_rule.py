@@ -18,8 +18,10 @@ class CostModelRule(LengthPolicy):
     SpecDec++ eq. (3.1)-(3.2) writes the total time as t_draft N_draft + t_target N_target,
     and Theorem 4.3 says: stop once P(at least one drafted token is rejected) exceeds a
     threshold set by the draft and target costs. Here the target cost is not one constant:
-    a forward over w tokens costs V(w), measured (``costs.verify_cost``; on this CPU V(2..3)
-    is 1.5-2x V(1) while V(5..9) is only 1.2-1.4x), and drafting costs d seconds per token
+    a forward over w tokens costs V(w), measured at the round's cache length L
+    (``costs.verify_cost``, the surface V(w, L); on this CPU V(2..3) is 1.5-2x V(1) while
+    V(5..9) is only 1.2-1.4x, and V grows faster with w on a long cache, where the rule
+    therefore drafts shorter blocks), and drafting costs d seconds per token
     (``costs.draft_cost``). After the k-th drafted token, with a_i the estimated acceptance
     probability of token i given that tokens < i were accepted and P_k = prod_{i<=k} a_i:
 
@@ -45,9 +47,11 @@ class CostModelRule(LengthPolicy):
     (``feedback.chosen_gammas()``: realised 0/1 under greedy, p(y) or 1 - TV under sampling),
     starting from ``prior_acceptance``.
 
-    Costs: with a measured curve, V is the curve and d the engine's observed seconds per
+    Costs: with a measured surface, V is the surface at the round's cache length and d the
+    marginal seconds of one more drafted token (``costs.draft_cost``: the drafter's measured
+    function if the cost model has one, else the engine's observed seconds per
     drafted token (``draft_prior`` x V(1) until the drafter has been observed). Without a
-    curve V is a linear fit of the observed verify times per width (a cliff is then only seen
+    surface V is a linear fit of the observed verify times per width (a cliff is then only seen
     once measured), and without any cost model (no engine) V = 1 and d = ``draft_prior``.
     Catch-up time is not counted (it is paid whatever the length).
     """
@@ -92,14 +96,15 @@ class CostModelRule(LengthPolicy):
     def _cost_functions(self, drafter: int) -> tuple[float, Callable[[int], float]]:
         """(seconds per drafted token, verify cost of a width) in consistent units."""
         c = self.costs
-        if c is not None and c.curve is not None:
-            verify = c.verify_cost
+        if c is not None and c.surface is not None:
+            verify = c.verify_cost  # at c.context, the round's cache length
         elif c is not None and c.verify_width_s:
             verify = _linear_fit(c.verify_width_s)
         else:
             return self.draft_prior, lambda w: 1.0
-        d = c.draft_token_s.get(drafter)
-        return (d if d is not None else self.draft_prior * verify(1)), verify
+        if drafter in c.drafters or drafter in c.draft_token_s:  # marginal seconds of one more token
+            return c.draft_cost(drafter, 1) - c.draft_cost(drafter, 0), verify
+        return self.draft_prior * verify(1), verify
 
     # -- the round -----------------------------------------------------------------------
     def _new_round(self, drafter: int) -> None:
