@@ -247,7 +247,21 @@ class AutoController:
             yield d, gam, ca.get(d, gam), (bool(props[0]) if props else None)
 
 
-class AutoSelector(DrafterPolicy):
+class _SharedCosts:
+    """``costs`` (set by the engine: ``wants_costs``) is the controller's, whichever view gets it."""
+
+    controller: AutoController
+
+    @property
+    def costs(self) -> Any:
+        return self.controller.costs
+
+    @costs.setter
+    def costs(self, value: Any) -> None:
+        self.controller.costs = value
+
+
+class AutoSelector(_SharedCosts, DrafterPolicy):
     """``--selector auto``: the drafter of the controller's best (drafter, cap) plan; paired
     with ``AutoLength`` (the same controller) unless a length policy is given."""
 
@@ -262,14 +276,6 @@ class AutoSelector(DrafterPolicy):
         self.controller = AutoController(max_k, prior_weight, request_decay, global_decay,
                                          model_eval_every, scope)
         self._is_model: list[bool] | None = None
-
-    @property
-    def costs(self) -> Any:
-        return self.controller.costs
-
-    @costs.setter
-    def costs(self, value: Any) -> None:
-        self.controller.costs = value
 
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine tells; evaluated less often)."""
@@ -292,7 +298,7 @@ class AutoSelector(DrafterPolicy):
         self.controller.observe(feedback)
 
 
-class AutoLength(LengthPolicy):
+class AutoLength(_SharedCosts, LengthPolicy):
     """``--length auto``: the cap of the controller's plan for the chosen drafter. Paired with
     ``--selector auto`` it shares its controller; alone it learns from the chosen drafter's own
     rounds (bandit feedback)."""
@@ -308,14 +314,6 @@ class AutoLength(LengthPolicy):
         self.controller = controller or AutoController(max_k, prior_weight, request_decay, global_decay,
                                                        scope=scope)
         self._names: list[str] = []
-
-    @property
-    def costs(self) -> Any:
-        return self.controller.costs
-
-    @costs.setter
-    def costs(self, value: Any) -> None:
-        self.controller.costs = value
 
     def begin_request(self) -> None:
         if not self.shared:  # alone: one arm per drafter index, names learnt lazily
