@@ -96,15 +96,20 @@ class SpeculativeEngine:
                  tokenizer: Any = None):
         self.target: LoadedModel = as_loaded(target, tokenizer)
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
-        self.selector, self.length = build_policies(selector, length, k)
-        if hasattr(self.selector, "bind_drafters"):
-            self.selector.bind_drafters([d.is_model for d in self.drafters])
+        self._set_policies(selector, length, k)
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostSurface | None = None
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
         #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
         self.cost_model = CostModel()
         self._attach_costs()
+
+    def _set_policies(self, selector: Any, length: Any, k: int) -> None:
+        """Build the drafter and length policies (paired when the selector sets the length too)
+        and tell a selector that asks which drafters run a network."""
+        self.selector, self.length = build_policies(selector, length, k)
+        if hasattr(self.selector, "bind_drafters"):
+            self.selector.bind_drafters([d.is_model for d in self.drafters])
 
     def _attach_costs(self) -> None:
         for policy in (self.selector, self.length):
@@ -124,9 +129,7 @@ class SpeculativeEngine:
                 raise ConfigError(f"drafter indices {list(drafters)} do not select from the "
                                   f"{len(self.drafters)} loaded drafter(s)")
             view.drafters = [self.drafters[i] for i in drafters]
-        view.selector, view.length = build_policies(selector, length, k)
-        if hasattr(view.selector, "bind_drafters"):
-            view.selector.bind_drafters([d.is_model for d in view.drafters])
+        view._set_policies(selector, length, k)
         view._attach_costs()
         return view
 
@@ -429,7 +432,7 @@ class SpeculativeEngine:
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
-            self.cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
+            cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
@@ -475,9 +478,9 @@ class SpeculativeEngine:
         out: dict[int, list[float]] = {} if score_chosen else {chosen: feedback.chosen_gammas()}
         alphas: dict[int, list[float]] = {}
         proposed: dict[int, list[bool]] = {}
-        wanted = getattr(self.selector, "evaluate", None)
+        evaluate = getattr(self.selector, "evaluate", None)
         for j, d in enumerate(self.drafters):
-            if (j == chosen and not score_chosen) or (wanted is not None and not wanted(j)):
+            if (j == chosen and not score_chosen) or (evaluate is not None and not evaluate(j)):
                 continue
             props = d.score(context, emitted, sampling)
             out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)

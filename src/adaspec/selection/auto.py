@@ -313,7 +313,6 @@ class AutoLength(_SharedCosts, LengthPolicy):
         self.shared = controller is not None
         self.controller = controller or AutoController(max_k, prior_weight, request_decay, global_decay,
                                                        scope=scope)
-        self._names: list[str] = []
 
     def begin_request(self) -> None:
         if not self.shared:  # alone: one arm per drafter index, names learnt lazily
