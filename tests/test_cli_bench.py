@@ -145,14 +145,21 @@ def test_cli_bench_runs_and_writes_the_report(model_dir, tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads((out / "summary.json").read_text())
     assert [r["config"] for r in data["overall"]] == [
-        "AR (no drafter)", "prompt-lookup k=3", "suffix k=3", "ucbspec over [prompt-lookup, suffix]", "hf-pld"]
+        "AR (no drafter)", "prompt-lookup k=3", "suffix k=3", "ucbspec over [prompt-lookup, suffix]",
+        "prompt-lookup + cost-model", "suffix + cost-model", "hf-pld"]  # -l cost-model by default
     assert all(r["identical"] == r["prompts"] == 2 for r in data["overall"])
+    # adaptive configurations, greedy: a trace is recorded, replay predicts, the per-round oracle is shown
+    assert (out / "trace.npz").is_file()
+    ro = data["round_oracle"]
+    assert ro["speedup"] > 0 and ro["speedup"] >= ro["static_per_prompt_speedup"] * 0.999
+    assert "## Per-round oracle (replay)" in (out / "report.md").read_text()
+    assert all(r["predicted_tokens_per_s"] for r in data["overall"] if r["config"] != "hf-pld")
     assert (out / "report.md").is_file() and (out / "rounds.csv").is_file()
     assert any(p.suffix == ".png" for p in out.iterdir())
     assert json.loads((tmp_path / "s.json").read_text())["schema"] == data["schema"]
     # stderr is not a terminal here: progress comes as plain lines, the first and the last item included
-    total = 2 * 5
-    assert "bench: 1/10 (10%)" in res.output and f"bench: {total}/{total} (100%)" in res.output
+    total = 2 * 7
+    assert f"bench: 1/{total} (7%)" in res.output and f"bench: {total}/{total} (100%)" in res.output
 
 
 def test_cli_bench_bad_input(model_dir, tmp_path):

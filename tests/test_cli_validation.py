@@ -105,6 +105,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         # bench
         (["bench", "--record", str(tmp / "t2.npz"), "-d", "none"], r"--record: drafter 'none' cannot be recorded"),
         (["bench", "--record", str(tmp / "t.json")], r"a trace is a .npz file"),
+        (["bench", "--record", str(tmp / "t3.npz"), "--no-record"], r"--record and --no-record contradict"),
+        (["generate", "hi", "-s", "auto:peek=3"], r"peek must be 0 or 1"),
         (["bench", "--record", str(tmp / "no" / "t.npz")], r"does not exist: create it first"),
         (["bench", "--device", "cuda"], r"--device cuda: this torch build has no CUDA"),
         (["bench", "--repeats", "0"], r"--repeats 0: must be an integer >= 1"),

@@ -196,6 +196,44 @@ def test_plain_decoding_when_drafting_does_not_pay():
     assert c3.choose() .k == 0  # no none arm: cap 0 on the drafter itself
 
 
+def test_peeked_proposals_decide_among_model_free_drafters():
+    """Looking first: a drafter known to have no proposal this round is not chosen however good
+    its record, and the cap never exceeds the proposal's length."""
+    c = controller_with({0: (0.9, 0.9, 0.9), 1: (0.6, 0.6, 0.6)}, FixedCosts(flat(1.0, 0.02)),
+                        ["suffix", "lookup", "none"])
+    assert c.choose().drafter == 0
+    c.observe_proposals({0: 0, 1: 3})
+    plan = c.choose()
+    assert plan.drafter == 1 and 1 <= plan.k <= 3
+    c.observe_proposals({0: 0, 1: 0})
+    assert c.choose().k == 0
+    c.observe_proposals({0: 2, 1: 16})  # 0's short block still beats 1's long one here
+    assert (c.choose().drafter, c.choose().k) == (0, 2)
+
+
+def test_peek_option_is_validated_and_off_means_no_looking():
+    assert AutoSelector().peek_tokens == 16 and AutoSelector(peek=0).peek_tokens == 0
+    with pytest.raises(ConfigError, match="peek must be 0 or 1"):
+        AutoSelector(peek=2)
+    with pytest.raises(ConfigError, match="objective must be 'time' or 'length'"):
+        AutoSelector(objective="speed")
+    with pytest.raises(ConfigError, match="feedback must be 'full' or 'bandit'"):
+        AutoSelector(feedback="partial")
+    assert not AutoSelector(feedback="bandit").full_information
+
+
+def test_length_objective_ignores_costs():
+    """objective=length (ablation): the longest cap always, whatever the verify curve says."""
+    est = {0: (1.0, 0.6, 0.7)}
+    steep = FixedCosts({w: 1.0 + 0.5 * (w - 1) for w in range(1, 21)})
+    assert controller_with(est, steep, ["a"]).choose().k < 4
+    c = AutoController(prior_weight=1e-9, objective="length")
+    c.costs = steep
+    c.begin_request(["a"])
+    c.request_counts[0].s, c.request_counts[0].t = [1e6, 0.6e6, 0.7e6], [1e6, 1e6, 1e6]
+    assert c.choose().k == c.max_k
+
+
 # -- learning ---------------------------------------------------------------------------------
 def test_follows_the_drafter_that_pays_per_prompt_family():
     """Family X: drafter 0 copies long runs, 1 is poor; family Y the reverse. One request per
@@ -251,9 +289,10 @@ def sharp_model():
     return as_loaded(make_tiny_model(seed=3, init_std=0.3, lm_head_scale=3.0), word_tokenizer(WORDS), "tiny")
 
 
+@pytest.mark.parametrize("selector", ["auto", "auto:peek=0"])
 @pytest.mark.parametrize("drafters", [["prompt-lookup", "suffix", "none"], ["suffix"], ["prompt-lookup", "self"]])
-def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters):
-    engine = SpeculativeEngine(sharp_model, drafters, selector="auto")
+def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters, selector):
+    engine = SpeculativeEngine(sharp_model, drafters, selector=selector)
     plain = SpeculativeEngine(sharp_model, [], k=1)
     rng = random.Random(0)
     for _ in range(4):
@@ -263,6 +302,29 @@ def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters):
         want = plain.generate(ids, max_new_tokens=24)
         assert got.token_ids == want.token_ids
     assert isinstance(engine.length, AutoLength)
+
+
+def test_auto_is_the_default_over_several_drafters(sharp_model):
+    """No drafters: auto over prompt-lookup, suffix and none; several drafters and no selector:
+    auto; one drafter: that drafter at static k (what -d X -k K has always meant)."""
+    engine = SpeculativeEngine(sharp_model)
+    assert engine.drafter_names == ["prompt-lookup", "suffix", "none"]
+    assert isinstance(engine.selector, AutoSelector) and isinstance(engine.length, AutoLength)
+    assert isinstance(SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix"]).selector, AutoSelector)
+    one = SpeculativeEngine(sharp_model, ["suffix"], k=3)
+    assert one.selector.name == "static" and one.length.name == "static"
+    assert one.with_policies(None).selector.name == "static"
+    assert isinstance(engine.with_policies([0, 2]).selector, AutoSelector)
+
+
+def test_peeked_block_is_the_drafted_block(sharp_model):
+    """With looking on, the engine drafts the peeked block (no second proposal) and the rounds
+    are the same as with looking off whenever the choices agree: same drafter, same block."""
+    ids = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    on = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto").generate(ids, max_new_tokens=20)
+    off = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=0").generate(ids, max_new_tokens=20)
+    assert on.token_ids == off.token_ids
+    assert sum(r.drafted for r in on.stats.rounds) > 0
 
 
 def test_sampling_distribution_is_exact():

@@ -22,6 +22,7 @@ from adaspec.length import LengthPolicy
 from adaspec.length.rules import (AdaEDL, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy,
                                   stats_of, step_confidence)
 from adaspec.models import as_loaded
+from adaspec.selection.auto import AutoController, AutoSelector
 from adaspec.bench.replay import oracle_bounds, replay, replay_command
 from adaspec.bench.trace import Trace, TraceRecorder, record, record_trace
 
@@ -70,7 +71,7 @@ def live_keys(target, drafters, selector, length, k, prompts=PROMPTS, n=N):
 
 ALL = ["noisy", "prompt-lookup", "suffix"]
 COMBOS = {
-    "static-k3": (None, None, 3, ALL),
+    "static-k3": ("static", None, 3, ALL),
     "static-pld-k3": (None, None, 3, ["prompt-lookup"]),
     "static-suffix-k6": (None, None, 6, ["suffix"]),
     "ucbspec": ("ucbspec", None, 4, ALL),
@@ -149,7 +150,7 @@ def test_eos_and_drafts_past_it_match_live(env, tmp_path, monkeypatch):
     for p in trace.prompts:
         if p.stop_reason == "eos":
             assert p.output[-1] == 8 and len(p.path) > p.n_prompt + p.n_out  # continuation recorded
-    for selector, length, k in [(None, None, 6), ("ucbspec", None, 4), ("hedgespec", None, 5)]:
+    for selector, length, k in [("static", None, 6), ("ucbspec", None, 4), ("hedgespec", None, 5)]:
         want = live_keys(with_eos, [md, "prompt-lookup"], selector, length, k)
         got = replay(trace, selector, length, k=k)
         assert [got.keys(i) for i in range(len(PROMPTS))] == want
@@ -195,6 +196,43 @@ def test_fingerprint_mismatch_is_an_error(env):
     trace.check_target(as_loaded(copy.deepcopy(target), name="renamed"))  # the name may differ
     with pytest.raises(ModelLoadError, match="differs in"):
         trace.check_target(make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=2.0))
+
+
+class _FixedCosts:
+    """Costs that no observation changes: a live run and a replay price alike."""
+
+    round_overhead_s = 0.001
+
+    def verify_cost(self, width: int, context: int | None = None) -> float:
+        return 0.01 * (1.0 + 0.08 * (width - 1))
+
+    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        return 0.0002 * n_tokens
+
+
+class _FixedCostController(AutoController):
+    costs = property(lambda self: _FixedCosts(), lambda self, value: None)
+
+
+def _auto_with_fixed_costs(peek: int) -> AutoSelector:
+    sel = AutoSelector(max_k=L, peek=peek)
+    sel.controller = _FixedCostController(max_k=L)
+    return sel
+
+
+@pytest.mark.parametrize("peek", [1, 0])
+def test_auto_replays_like_live_when_costs_are_fixed(env, peek):
+    """auto reads costs, so its replay is not a live run in general (the live cost model learns
+    measured seconds); with costs that nothing changes, replay equals live round for round, the
+    peeked blocks (from the trace's recorded chains) included."""
+    target, md, trace = env
+    names = ["prompt-lookup", "suffix", "none"]
+    want = live_keys(target, _pool(md, names), _auto_with_fixed_costs(peek), None, 5)
+    got = replay(trace, _auto_with_fixed_costs(peek), None, k=5, drafters=names)
+    assert got.clipped_rounds == 0
+    for i in range(len(PROMPTS)):
+        assert got.keys(i) == want[i], f"prompt {i}"
+    assert len({r.drafter for r in got.rounds}) >= 2 and len({r.k_cap for r in got.rounds}) > 2
 
 
 def test_time_dependent_policies_replay_deterministically(env):

@@ -24,6 +24,7 @@ import torch
 from .config import GenerationConfig, SamplingConfig
 from .costs import CostModel, VerifyCostSurface, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
+from .drafters.base import apply_decisions
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
@@ -36,6 +37,10 @@ from .selection import DrafterPolicy, build_policies
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict]
+
+#: what ``SpeculativeEngine`` drafts with when no drafters are given: the model-free drafters
+#: and plain decoding, chosen among (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
+DEFAULT_DRAFTERS = ("prompt-lookup", "suffix", "none")
 
 
 @dataclass
@@ -84,17 +89,21 @@ class SpeculativeEngine:
     Args:
         target: a ``LoadedModel`` or a ``PreTrainedModel`` (then pass ``tokenizer``).
         drafters: drafter specs (``"prompt-lookup"``, ``"suffix"``, ``"model:REF"``, ``"none"``)
-            or ``Drafter`` instances. Empty means plain autoregressive decoding.
-        selector: drafter policy (name or instance); default: always the first drafter.
-        length: length policy (name, int K, or instance); default: static ``k``.
-        k: draft length for the default static length policy.
+            or ``Drafter`` instances; None (default): ``DEFAULT_DRAFTERS``. Empty means plain
+            autoregressive decoding.
+        selector: drafter policy (name or instance); default: ``auto`` (drafter and length
+            chosen online) over several drafters, the drafter itself when there is one.
+        length: length policy (name, int K, or instance); default: the selector's own (``auto``)
+            or static ``k``.
+        k: draft length for the static length policy.
     """
 
-    def __init__(self, target: Any, drafters: Sequence[str | Drafter] = ("prompt-lookup",), *,
+    def __init__(self, target: Any, drafters: Sequence[str | Drafter] | None = None, *,
                  selector: str | DrafterPolicy | None = None,
                  length: str | int | LengthPolicy | None = None, k: int = 5,
                  tokenizer: Any = None):
         self.target: LoadedModel = as_loaded(target, tokenizer)
+        drafters = DEFAULT_DRAFTERS if drafters is None else drafters
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
         self._set_policies(selector, length, k)
         self._timer = _Timer(self.target.device)
@@ -107,7 +116,7 @@ class SpeculativeEngine:
     def _set_policies(self, selector: Any, length: Any, k: int) -> None:
         """Build the drafter and length policies (paired when the selector sets the length too)
         and tell a selector that asks which drafters run a network."""
-        self.selector, self.length = build_policies(selector, length, k)
+        self.selector, self.length = build_policies(selector, length, k, n_drafters=len(self.drafters))
         if hasattr(self.selector, "bind_drafters"):
             self.selector.bind_drafters([d.is_model for d in self.drafters])
 
@@ -121,8 +130,8 @@ class SpeculativeEngine:
                       selector: str | DrafterPolicy | None = None,
                       length: str | int | LengthPolicy | None = None, k: int = 5) -> SpeculativeEngine:
         """A view that shares this engine's target, drafter instances and cost model but drafts
-        with the drafters at indices ``drafters`` (default: all) and its own policies (None:
-        static first drafter / static ``k``): per-request configurations in a server."""
+        with the drafters at indices ``drafters`` (default: all) and its own policies (None: as
+        in the constructor): per-request configurations in a server."""
         view = copy.copy(self)
         if drafters is not None:
             if not drafters or any(not 0 <= i < len(self.drafters) for i in drafters):
@@ -135,7 +144,7 @@ class SpeculativeEngine:
 
     @classmethod
     def from_pretrained(cls, model: str = DEFAULT_MODEL,
-                        drafters: Sequence[str | Drafter] = ("prompt-lookup",), *,
+                        drafters: Sequence[str | Drafter] | None = None, *,
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
                         **kwargs: Any) -> SpeculativeEngine:
         """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the engine."""
@@ -364,9 +373,15 @@ class SpeculativeEngine:
             return verdict
 
         cost_model = self.cost_model
+        # a selector that looks before it chooses gets every cheap drafter's proposal first
+        peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
+        peeked: dict[int, list[int]] = {}
         while True:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
+            if peek_k:
+                peeked = self._peek(tokens, min(peek_k, remaining - 1), seen)
+                selector.observe_proposals({j: len(p) for j, p in peeked.items()})
             i = selector.select()
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
@@ -387,7 +402,9 @@ class SpeculativeEngine:
                 drafter.catch_up(tokens)
             t2 = now()
             policy_in_draft = 0.0
-            if cap > 0:
+            if cap > 0 and i in peeked:  # already proposed: drafted exactly as the drafter would
+                draft = Draft(tokens=apply_decisions(peeked[i][:cap], decide))
+            elif cap > 0:
                 draft = drafter.draft(tokens, cap, sampling, generator, decide,
                                       want_hidden=length.needs_hidden and drafter.is_model)
             else:
@@ -448,6 +465,19 @@ class SpeculativeEngine:
         for d in drafters:
             d.end_request(tokens[n_prompt:])
         return stats
+
+    def _peek(self, tokens: list[int], max_tokens: int, seen: list[int]) -> dict[int, list[int]]:
+        """Every drafter's proposal that costs no model call (``Drafter.peek``), by index; the
+        time counts as the round's policy overhead, which the cost model prices."""
+        out: dict[int, list[int]] = {}
+        for j, d in enumerate(self.drafters):
+            if d.is_model:
+                continue
+            props = d.peek(tokens, max_tokens)
+            if props is not None:
+                out[j] = props
+                seen[j] = len(tokens)
+        return out
 
     def _apply_stops(self, emitted: list[int], tokens: list[int], n_prompt: int, remaining: int,
                      cfg: GenerationConfig, stop_max: int, eos: set[int]) -> tuple[list[int], str]:

@@ -332,8 +332,8 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     may lower the recorded budget. ``strict``: raise instead of clipping a round at the
     recorded ``max_draft``."""
     validate_k(k)
-    sel, ln = build_policies(selector, length, k)
     pool = _Pool.of(trace, drafters)
+    sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
     if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "
@@ -389,8 +389,24 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     t, remaining = n_prompt, budget
     rounds: list[ReplayRound] = []
     evaluate = getattr(sel, "evaluate", None)
+    peek_k = int(getattr(sel, "peek_tokens", 0) or 0)
+    cheap = [j for j, sj in enumerate(pool.src) if sj is not None and not trace.is_model[sj]]
     while True:
         cost_model.context = t - 1  # the target's cache length, as in the engine
+        peek_s, peeked = 0.0, set()
+        if peek_k:  # as SpeculativeEngine._peek: every model-free drafter's block, from the trace
+            x0, top = t - n_prompt, min(peek_k, remaining - 1)
+            lengths = {}
+            for j in cheap:
+                lengths[j] = min(len(views[pool.src[j]].chains[x0]), top)
+                peek_s += price.catch_up(j, t - seen[j], t) if 0 < seen[j] < t else 0.0
+                peek_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
+                peek_s += price.draft(j, lengths[j], t)
+                seen[j] = t
+            peeked = set(lengths)
+            c = clock()
+            sel.observe_proposals(lengths)
+            policy_s += clock() - c
         c = clock()
         i = sel.select()
         if not 0 <= i < n_drafters:
@@ -399,7 +415,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         cap = min(wanted, remaining - 1)
         policy_s += clock() - c
         src = pool.src[i]
-        seconds = price.round_overhead()
+        seconds = price.round_overhead() + peek_s
         if seen[i] == 0:  # first use in this request: drafter prefill of the prompt
             seen[i] = n_prompt
             seconds += price.drafter_prefill(i, n_prompt)
@@ -432,7 +448,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         n = min(views[src].accepted[x], kd) if kd else 0
         emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
         m = len(emitted)
-        draft_s = price.draft(i, kd, t) if cap > 0 else 0.0
+        draft_s = price.draft(i, kd, t) if cap > 0 and i not in peeked else 0.0
         verify_s = price.verify(kd + 1, t)
         catch_up_s = price.catch_up(i, catch_up, t)
         fb = _ReplayFeedback(
@@ -459,7 +475,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         remaining -= m
         seen[i] = t
         cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
-        cost_model.observe_overhead(price.round_overhead() + eval_s)  # as the engine's: outside draft/verify/catch-up
+        cost_model.observe_overhead(price.round_overhead() + peek_s + eval_s)  # as the engine's: outside draft/verify/catch-up
         c = clock()
         sel.update(fb)
         ln.update(fb)

@@ -661,6 +661,18 @@ def _mismatches(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def round_oracle_lines(ro: dict[str, Any] | None) -> list[str]:
+    """The per-round oracle of a recorded run (replay's least-time dynamic programme)."""
+    if not ro:
+        return []
+    return ["## Per-round oracle (replay)", "",
+            f"The best drafter and draft length of every round, chosen in hindsight on the recorded trace "
+            f"(up to {ro['max_draft']} tokens), priced by the cost model: **{ro['tokens_per_s']:.1f} tokens/s, "
+            f"{ro['speedup']:.2f}x** over replay's AR, MAT {ro['mat']:.2f} (per-prompt static oracle on the "
+            f"same basis, k={ro['k']}: {ro['static_per_prompt_speedup']:.2f}x). A bound no policy reaches: "
+            "it knows every round's outcome and pays no policy or catch-up time.", ""]
+
+
 def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None = None) -> list[Path]:
     """Write report.md and the plots into out_dir; return the written paths (report.md first).
 
@@ -723,6 +735,7 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
                   f"**{oracle['tokens_per_s']:.1f} tokens/s, {oracle['speedup']:.2f}x** over AR, MAT "
                   f"{oracle['mat']:.2f}. Picks: "
                   + ", ".join(f"{_cell(n)} ({c})" for n, c in sorted(picks.items(), key=lambda x: -x[1])) + ".", ""]
+    lines += round_oracle_lines(summary.get("round_oracle"))
     hetero = heterogeneity_matrix(summary)
     lines += ["## Heterogeneity matrix", "",
               "Static single-drafter configurations per category, cells `MAT / speed-up`, the best of each "

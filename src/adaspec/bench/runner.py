@@ -168,6 +168,9 @@ class BenchRun:
     #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
     #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}
     predictions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: replay's hindsight bounds on that trace: the per-round oracle and, on the same basis,
+    #: AR and the per-prompt static oracle (``predict_from``); None without a trace
+    round_oracle: dict[str, Any] | None = None
 
     # -- aggregation ----------------------------------------------------------------------
     def of(self, config: str, category: str | None = None) -> list[PromptRecord]:
@@ -229,8 +232,15 @@ class BenchRun:
         and keep its predicted seconds (total and per category; the policies' measured time is
         shared out by rounds), so every report shows the cost model's error next to the live
         times."""
-        from .replay import predict_configs
+        from .replay import oracle_bounds, predict_configs
 
+        ks = [c.k for c in self.configs if c.kind == "static"] or [5]
+        bounds = oracle_bounds(trace, ks[0])
+        per_round = bounds["dp_time"]
+        self.round_oracle = {
+            "tokens_per_s": per_round["tokens_per_s"], "speedup": per_round["speedup"], "mat": per_round["mat"],
+            "static_per_prompt_speedup": bounds["best_fixed"]["by_time"]["speedup"], "k": bounds["k"],
+            "max_draft": bounds["max_draft"]}
         cats = [p.meta.get("category", "") for p in trace.prompts]
         ids = [p.meta.get("id", str(i)) for i, p in enumerate(trace.prompts)]
         for name, res in predict_configs(trace, self.configs).items():
@@ -379,6 +389,7 @@ class BenchRun:
             "verify_costs": self.verify_costs,
             "regret": regret,
             "oracle": self.oracle(),
+            "round_oracle": self.round_oracle,
         }
 
     def markdown(self) -> str:

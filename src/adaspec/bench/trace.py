@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from statistics import median
+from statistics import fmean
 from pathlib import Path
 from typing import Any
 
@@ -556,7 +556,7 @@ class TraceRecorder:
         information (every round scores the verified tokens with every other drafter), fitted
         jointly (a round's eval time is the sum over the other drafters). Engine overheads:
         the AR runs of the recording, per round ``total - verify`` and the verify step over
-        V(1, L), per request ``total - prefill - sum of rounds`` (medians)."""
+        V(1, L), per request ``total - prefill - sum of rounds`` (means: replay predicts sums)."""
         from ..engine import SpeculativeEngine
 
         n_d = len(self.drafters)
@@ -605,9 +605,11 @@ class TraceRecorder:
 
     def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost,
                    verify_rows: list[tuple[int, float]]) -> EngineOverheads:
-        """Medians of the AR runs' per-round and per-request overheads; the live verify step
-        over the surface, fitted in the width over the AR rounds and ``verify_rows`` (width,
-        ratio) of the calibration runs (medians per width, so every width weighs alike)."""
+        """Means of the AR runs' per-round and per-request overheads; the live verify step over
+        the surface, fitted in the width over the AR rounds and ``verify_rows`` (width, ratio)
+        of the calibration runs (one mean per width, so every width weighs alike). Means, not
+        medians: replay predicts total seconds, and a round's time is skewed to the right (a
+        median under-prices a run by 1-3% here)."""
         per_round, per_request = [], []
         by_width: dict[int, list[float]] = {}
         for w, ratio in verify_rows:
@@ -621,9 +623,9 @@ class TraceRecorder:
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
         if not per_round:
             return EngineOverheads(none_evaluate=none_evaluate)
-        points = [(w - 1, median(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1]
+        points = [(w - 1, fmean(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1]
         scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
-        return EngineOverheads(round_s=max(0.0, median(per_round)), request_s=max(0.0, median(per_request)),
+        return EngineOverheads(round_s=max(0.0, fmean(per_round)), request_s=max(0.0, fmean(per_request)),
                                verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate)
 
     def finish(self, calibrate: bool = True) -> Trace:

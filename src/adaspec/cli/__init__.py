@@ -37,10 +37,13 @@ def _fail(exc: Exception) -> None:
 def generate(
     prompt: str = typer.Argument(..., help="the prompt (the chat template is applied)"),
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
-    drafter: list[str] = typer.Option(["prompt-lookup"], "--drafter", "-d", help=DRAFTER_HELP),
+    drafter: list[str] = typer.Option([], "--drafter", "-d",
+                                      help=DRAFTER_HELP + " (default: prompt-lookup, suffix, none under auto)"),
     k: int = typer.Option(5, "--k", "-k", help="tokens drafted per round (static length policy)"),
-    selector: str | None = typer.Option(None, help="drafter policy (default: static, first drafter)"),
-    length: str | None = typer.Option(None, help="length policy (default: static K)"),
+    selector: str | None = typer.Option(None, "--selector", "-s", help="drafter policy (default: auto over "
+                                        "several drafters, the drafter itself when -d names one)"),
+    length: str | None = typer.Option(None, "--length", "-l",
+                                      help="length policy (default: the selector's own (auto), else static K)"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
     top_p: float = typer.Option(1.0, help="nucleus sampling mass in (0, 1]"),
     top_k: int = typer.Option(0, help="0 = off"),
@@ -64,7 +67,7 @@ def generate(
         check_target(model, device, dtype)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
-        engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
+        engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
                                                    selector=selector, length=length, k=k)
         if as_json:
             result = engine.generate(prompt, cfg)
@@ -83,11 +86,11 @@ def generate(
 def serve(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
     drafter: list[str] = typer.Option([], "--drafter", "-d",
-                                      help=DRAFTER_HELP + " (default: prompt-lookup and suffix)"),
+                                      help=DRAFTER_HELP + " (default: prompt-lookup, suffix, none)"),
     selector: str | None = typer.Option(None, "--selector", "-s", help="drafter policy (default: "
-                                        "cost-ucb:scope=global, which keeps learning across requests)"),
+                                        "auto, which keeps learning across requests)"),
     length: str | None = typer.Option(None, "--length", "-l", help="length policy, or 'static' for a "
-                                      "fixed K (-k) (default: cost-model:scope=global)"),
+                                      "fixed K (-k) (default: the selector's own, auto)"),
     k: int = typer.Option(5, "--k", "-k", help="draft length of the static length policy"),
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(8000, help="port to listen on"),
@@ -159,8 +162,8 @@ def serve(
 
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": "float32", "suite": "mixed", "per_category": 2,
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
-                  "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["hedgespec"],
-                  "lengths": [], "peers": ["hf-pld"], "static": True, "costs": True, "out": None}
+                  "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["auto"],
+                  "lengths": ["cost-model"], "peers": ["hf-pld"], "static": True, "costs": True, "out": None}
 
 
 @app.command()
@@ -173,9 +176,10 @@ def bench(
     k: list[int] | None = typer.Option(None, "--k", "-k", help="draft length(s), repeatable [default: 5]"),
     selector: list[str] | None = typer.Option(
         None, "--selector", "-s",
-        help="drafter policy over all drafters, repeatable; 'none' for no selector [default: hedgespec]"),
+        help="drafter policy over all drafters, repeatable; 'none' for no selector [default: auto]"),
     length: list[str] | None = typer.Option(None, "--length", "-l",
-                                            help="length policy, run with each drafter, repeatable"),
+                                            help="length policy, run with each drafter, repeatable; "
+                                            "'none' for none [default: cost-model]"),
     peer: list[str] | None = typer.Option(
         None, "--peer", "-p", help="Hugging Face assisted generation: hf-pld[:k=10], "
         "hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; 'none' for no peer [default: hf-pld]"),
@@ -201,7 +205,10 @@ def bench(
     pool_kinds: str | None = typer.Option(None, help="with --pool: kinds to use, comma-separated "
                                           "(feature-head, tiny-lm, suffix; default all)"),
     record: str | None = typer.Option(None, "--record", help="also record a replay trace of the workload "
-                                      "(greedy) for the drafters to FILE (.npz); see adaspec replay"),
+                                      "(greedy) for the drafters to FILE (.npz); see adaspec replay [default: "
+                                      "OUT/trace.npz when the matrix has an adaptive configuration]"),
+    no_record: bool = typer.Option(False, "--no-record", help="do not record a trace (no replay predictions "
+                                   "and no per-round oracle; saves about 4 AR runs of time)"),
 ) -> None:
     """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
     every configuration and Hugging Face's assisted generation, side by side in one process.
@@ -224,6 +231,7 @@ def bench(
             opt["static"] = False
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
         opt["selectors"] = [x for x in opt["selectors"] if x != "none"]
+        opt["lengths"] = [x for x in opt["lengths"] if x != "none"]
         check_number("--repeats", opt["repeats"], low=1, integer=True)
         check_number("--max-new-tokens", opt["max_new_tokens"], low=1, integer=True)
         check_number("--per-category", opt["per_category"], low=0, integer=True)
@@ -242,6 +250,8 @@ def bench(
             kinds = [x.strip() for x in pool_kinds.split(",")] if pool_kinds else None
             opt["drafters"] = list(opt["drafters"]) + pool_specs(root, kinds=kinds)
         check_drafters(opt["drafters"])
+        if record and no_record:
+            raise AdaspecError("--record and --no-record contradict each other: pass one of them")
         if record:
             _check_record(record, opt["drafters"])
         work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
@@ -250,6 +260,14 @@ def bench(
         configs = default_configs(opt["drafters"], opt["ks"], opt["selectors"], opt["lengths"],
                                   static=opt["static"], peers=opt["peers"])
         configs += explicit_configs(file_cfg.get("config", []))
+        out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        if (record is None and not no_record and opt["temperature"] == 0
+                and any(c.kind == "adaptive" for c in configs)):
+            if any(str(d).strip().partition(":")[0].lower() == "none" for d in opt["drafters"]):
+                err.print("[dim]no trace recorded (drafter 'none' cannot be recorded): no per-round oracle[/]")
+            else:  # the per-round oracle and replay's predictions need a trace of this workload
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                record = str(Path(out_dir) / "trace.npz")
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"])
         turns = sum(len(p.turns) for p in work)
@@ -269,7 +287,6 @@ def bench(
                                      progress=lambda m: bar.step("trace", m, total=turns))
                 bar.message(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
                 run.predict_from(trace)
-        out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         written = run.save(out_dir, plots=plots)
     except AdaspecError as exc:
         _fail(exc)
@@ -333,6 +350,11 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     if oracle:
         out.print(f"per-prompt oracle (fastest static configuration of each prompt, in hindsight): "
                   f"{oracle['tokens_per_s']:.1f} tokens/s, {oracle['speedup']:.2f}x")
+    ro = run.round_oracle
+    if ro:
+        out.print(f"per-round oracle (best drafter and length of every round, in hindsight, replay-priced): "
+                  f"{ro['speedup']:.2f}x over replay's AR (per-prompt static oracle on that basis: "
+                  f"{ro['static_per_prompt_speedup']:.2f}x)")
     if run.verify_costs:
         c = run.verify_costs
         out.print(f"verify-cost curve (target forward over k new tokens, {c['context']}-token cache, "

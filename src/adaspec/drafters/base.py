@@ -99,6 +99,20 @@ class Proposals:
 StepDecider = Callable[[DraftStep], Decision]
 
 
+def apply_decisions(tokens: Sequence[int], decide: StepDecider) -> list[int]:
+    """The prefix of ``tokens`` a length policy keeps when asked after each one (CONTINUE,
+    STOP after it, DISCARD it): drafting a precomputed proposal exactly as it would be drafted."""
+    kept: list[int] = []
+    for j, tok in enumerate(tokens):
+        verdict = decide(DraftStep(j, tok))
+        if verdict is Decision.DISCARD:
+            break
+        kept.append(tok)
+        if verdict is Decision.STOP:
+            break
+    return kept
+
+
 class Drafter(ABC):
     """One source of draft tokens. Implementations: model, prompt lookup, suffix."""
 
@@ -133,6 +147,12 @@ class Drafter(ABC):
     @abstractmethod
     def score(self, context: Sequence[int], verified: Sequence[int], sampling: SamplingConfig) -> Proposals:
         """What the drafter would propose at each of ``verified`` (teacher forcing) after ``context``."""
+
+    def peek(self, context: Sequence[int], max_tokens: int) -> list[int] | None:
+        """The block this drafter would propose after ``context`` (up to ``max_tokens``), or None
+        when looking costs a model call. Deterministic drafters answer; a later ``catch_up``
+        undoes whatever looking changed, so the engine can reuse the answer as the draft."""
+        return None
 
     def end_request(self, output_ids: Sequence[int]) -> None:
         """Called once per request with the generated tokens (datastores may learn from them)."""

@@ -7,7 +7,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 
 from ..config import SamplingConfig
-from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
+from .base import Draft, Drafter, Proposals, StepDecider, apply_decisions
 from .index import NgramIndex
 
 
@@ -41,20 +41,20 @@ class IndexedDrafter(Drafter):
 
     def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,
               want_hidden: bool = False) -> Draft:
+        return Draft(tokens=apply_decisions(self.peek(context, max_tokens), decide))
+
+    def peek(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Proposed tokens are appended to the index (a match continues through them); the next
+        ``catch_up`` rolls back the ones the target rejected."""
         self.catch_up(context)
         tokens: list[int] = []
-        for j in range(max_tokens):
+        for _ in range(max_tokens):
             tok = self.propose()
             if tok is None:
                 break
-            verdict = decide(DraftStep(j, tok))
-            if verdict is Decision.DISCARD:
-                break
             tokens.append(tok)
             self._index.append(tok)
-            if verdict is Decision.STOP:
-                break
-        return Draft(tokens=tokens)
+        return tokens
 
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
         self.catch_up(context)

@@ -61,11 +61,19 @@ def build_selector(spec: str | DrafterPolicy | None) -> DrafterPolicy:
         raise ConfigError(f"bad parameters for selector {name!r}: {exc}") from None
 
 
-def build_policies(selector: str | DrafterPolicy | None, length: Any, k: int = 5) -> tuple[DrafterPolicy, Any]:
-    """The drafter and length policies of a configuration. A selector that decides the length
+#: the selector when several drafters are given without one (engine, bench, replay, server)
+DEFAULT_SELECTOR = "auto"
+
+
+def build_policies(selector: str | DrafterPolicy | None, length: Any, k: int = 5,
+                   n_drafters: int = 1) -> tuple[DrafterPolicy, Any]:
+    """The drafter and length policies of a configuration. No selector: ``auto`` over several
+    drafters, the one drafter itself (static) otherwise. A selector that decides the length
     too (``auto``) supplies its paired length policy when no length policy is given."""
     from ..length import build_length
 
+    if selector is None and n_drafters > 1:
+        selector = DEFAULT_SELECTOR
     sel = build_selector(selector)
     paired = getattr(sel, "paired_length", None)
     return sel, (paired() if length is None and paired is not None else build_length(length, k))
@@ -81,5 +89,5 @@ def parse_number(text: str) -> int | float | str:
     return text
 
 
-__all__ = ["AutoLength", "AutoSelector", "DrafterPolicy", "StaticPolicy", "SELECTORS", "build_policies",
+__all__ = ["AutoLength", "AutoSelector", "DEFAULT_SELECTOR", "DrafterPolicy", "StaticPolicy", "SELECTORS", "build_policies",
            "build_selector", "parse_number"]

@@ -21,6 +21,12 @@ decoding step, rate 1 / (o + V(1))) always available: drafting stops where it do
 and because every k up to ``max_k`` is priced, a cap never stops inside a verify-cost cliff
 when a longer block is cheaper per expected token (the joint length of the issue).
 
+Looking first (``peek=1``, default). A model-free drafter's proposal is a table lookup, so
+the engine asks each of them for its block before the choice (``Drafter.peek``) and reuses
+the chosen one's block as the draft. For those drafters h is then known (1 if it proposed, 0
+if not), k is capped at the proposal's length and drafting is already paid (the engine counts
+the looking in the round overhead o, which the cost model learns). a and c stay learnt.
+
 Feedback. Model-free drafters are scored on the verified tokens every round at no model cost
 (full information, Not-a-Bandit 3.2: ``feedback.counterfactual`` holds their acceptance
 probability gamma at every emitted position, ``counterfactual_alpha`` the acceptance of the
@@ -126,7 +132,11 @@ class AutoController:
     """
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
-                 global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global"):
+                 global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
+                 objective: str = "time"):
+        if objective not in ("time", "length"):
+            raise ConfigError(f"objective must be 'time' or 'length', got {objective!r}: 'length' maximises "
+                              "the expected accepted length (the papers' objective, for ablations)")
         if isinstance(max_k, bool) or not isinstance(max_k, int) or not 1 <= max_k <= 64:
             raise ConfigError(f"max_k must be an integer in 1..64, got {max_k!r}: pass e.g. max_k=16")
         for name, v in (("request_decay", request_decay), ("global_decay", global_decay)):
@@ -140,7 +150,7 @@ class AutoController:
             raise ConfigError(f"scope must be 'request' or 'global', got {scope!r}")
         self.max_k, self.prior_weight = max_k, float(prior_weight)
         self.request_decay, self.global_decay = float(request_decay), float(global_decay)
-        self.model_eval_every, self.scope = model_eval_every, scope
+        self.model_eval_every, self.scope, self.objective = model_eval_every, scope, objective
         self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (wants_costs)
         self.names: list[str] = []
         self.is_model: list[bool] = []
@@ -148,6 +158,8 @@ class AutoController:
         self.request_counts: list[ChainCounts] = []
         self.rounds = 0
         self.plan: Plan | None = None
+        #: this round's proposal length of every drafter the engine let us look at (peek)
+        self.peeked: dict[int, int] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def begin_request(self, names: Sequence[str], is_model: Sequence[bool] | None = None) -> None:
@@ -159,6 +171,7 @@ class AutoController:
         self.request_counts = [ChainCounts() for _ in names]
         self.rounds = 0
         self.plan = None
+        self.peeked = {}
 
     # -- estimates and costs ----------------------------------------------------------------
     def estimate(self, d: int) -> tuple[float, float, float]:
@@ -168,7 +181,7 @@ class AutoController:
 
     def _cost_fns(self) -> tuple[Callable[[int], float], Callable[[int, int], float], float]:
         c = self.costs
-        if c is None:
+        if c is None or self.objective == "length":  # unit costs: the rate is the expected length
             return (lambda w: 1.0), (lambda d, n: 0.0), 0.0
         return c.verify_cost, c.draft_cost, float(getattr(c, "round_overhead_s", 0.0) or 0.0)
 
@@ -182,8 +195,12 @@ class AutoController:
         if self.names[d] in NONE_NAMES:
             return best
         h, a, c = self.estimate(d)
+        top = self.max_k
+        if d in self.peeked:  # its proposal is known: h is 0 or 1, k <= its length, drafting done
+            top = min(top, self.peeked[d])
+            h, draft = 1.0, (lambda _d, _n: 0.0)
         miss = (1.0 - h) * (v1 + draft(d, 0))
-        for k in range(1, self.max_k + 1):
+        for k in range(1, top + 1):
             t = overhead + h * (draft(d, k) + verify(k + 1)) + miss
             rate = expected_tokens(h, a, c, k) / max(t, 1e-12)
             if rate > best.rate:
@@ -205,6 +222,10 @@ class AutoController:
                     break
         self.plan = best
         return best
+
+    def observe_proposals(self, lengths: dict[int, int]) -> None:
+        """This round's proposal lengths of the drafters that can be looked at for free."""
+        self.peeked = dict(lengths)
 
     def cap_for(self, d: int) -> int:
         if self.plan is not None and self.plan.drafter == d:
@@ -271,10 +292,19 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
-                 seed: int | None = 0):
+                 peek: int | bool = 1, objective: str = "time", feedback: str = "full", seed: int | None = 0):
         super().__init__(seed=seed, scope=scope)
+        if peek not in (0, 1, True, False):
+            raise ConfigError(f"peek must be 0 or 1, got {peek!r}: pass peek=1 to look at model-free "
+                              "drafters' proposals before choosing, peek=0 not to")
+        if feedback not in ("full", "bandit"):
+            raise ConfigError(f"feedback must be 'full' or 'bandit', got {feedback!r}: 'bandit' learns from "
+                              "the chosen drafter's rounds only (for ablations)")
         self.controller = AutoController(max_k, prior_weight, request_decay, global_decay,
-                                         model_eval_every, scope)
+                                         model_eval_every, scope, objective)
+        self.full_information = feedback == "full"
+        #: > 0: the engine shows this many tokens of every model-free drafter's proposal first
+        self.peek_tokens = max_k if peek else 0
         self._is_model: list[bool] | None = None
 
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
@@ -287,6 +317,9 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 
     def paired_length(self) -> AutoLength:
         return AutoLength(controller=self.controller)
+
+    def observe_proposals(self, lengths: dict[int, int]) -> None:
+        self.controller.observe_proposals(lengths)
 
     def select(self) -> int:
         return self.controller.choose().drafter

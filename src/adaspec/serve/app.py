@@ -24,10 +24,12 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig, SamplingConfig
+from ..engine import DEFAULT_DRAFTERS as ENGINE_DEFAULT_DRAFTERS
 from ..engine import SpeculativeEngine
 from ..errors import AdaspecError
 from ..length import build_length
 from ..models import target_fingerprint
+from ..selection import DEFAULT_SELECTOR as SELECTION_DEFAULT
 from ..selection import build_selector
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, AdaspecOptions, bad_request,
@@ -40,9 +42,11 @@ log = logging.getLogger(__name__)
 
 #: the server's default configuration (``adaspec serve`` without -d/-s/-l): the cheapest
 #: drafters, a cost-aware selector and the cost-model length rule, learning across requests
-DEFAULT_DRAFTERS = ("prompt-lookup", "suffix")
-DEFAULT_SELECTOR = "cost-ucb:scope=global"
-DEFAULT_LENGTH = "cost-model:scope=global"
+#: the engine's defaults: ``auto`` (global scope: it keeps learning across requests) picks the
+#: drafter and the length; ``None`` length = auto's own
+DEFAULT_DRAFTERS = ENGINE_DEFAULT_DRAFTERS
+DEFAULT_SELECTOR = SELECTION_DEFAULT
+DEFAULT_LENGTH: str | None = None
 
 Kind = Literal["chat", "text"]
 
