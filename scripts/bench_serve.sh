@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # AR against the server's default configuration: start `adaspec serve` on 127.0.0.1 twice (plain
-# autoregressive: -d none; default: prompt-lookup + suffix, cost-ucb, cost-model), drive each with
+# autoregressive: -d none; default: auto over prompt-lookup, suffix, none), drive each with
 # `adaspec bench-serve` at concurrency 1, 4 and 16, print both tables. Usage:
 #   scripts/bench_serve.sh [MODEL] [OUT_DIR]      (defaults: smollm2, bench-serve/)
 # Environment: SERVE_ARGS (e.g. "--threads 1"), BENCH_ARGS (e.g. "--max-tokens 32 --requests 8"), PORT.

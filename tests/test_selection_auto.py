@@ -202,17 +202,17 @@ def test_peeked_proposals_decide_among_model_free_drafters():
     c = controller_with({0: (0.9, 0.9, 0.9), 1: (0.6, 0.6, 0.6)}, FixedCosts(flat(1.0, 0.02)),
                         ["suffix", "lookup", "none"])
     assert c.choose().drafter == 0
-    c.observe_proposals({0: 0, 1: 3})
+    c.observe_proposals({0: [], 1: [7, 8, 9]})
     plan = c.choose()
     assert plan.drafter == 1 and 1 <= plan.k <= 3
-    c.observe_proposals({0: 0, 1: 0})
+    c.observe_proposals({0: [], 1: []})
     assert c.choose().k == 0
-    c.observe_proposals({0: 2, 1: 16})  # 0's short block still beats 1's long one here
+    c.observe_proposals({0: [1, 2], 1: [3] * 16})  # 0's short block still beats 1's long one here
     assert (c.choose().drafter, c.choose().k) == (0, 2)
 
 
 def test_peek_option_is_validated_and_off_means_no_looking():
-    assert AutoSelector().peek_tokens == 16 and AutoSelector(peek=0).peek_tokens == 0
+    assert AutoSelector(peek=1).peek_tokens == 16 and AutoSelector().peek_tokens == 0
     with pytest.raises(ConfigError, match="peek must be 0 or 1"):
         AutoSelector(peek=2)
     with pytest.raises(ConfigError, match="objective must be 'time' or 'length'"):
@@ -289,7 +289,7 @@ def sharp_model():
     return as_loaded(make_tiny_model(seed=3, init_std=0.3, lm_head_scale=3.0), word_tokenizer(WORDS), "tiny")
 
 
-@pytest.mark.parametrize("selector", ["auto", "auto:peek=0"])
+@pytest.mark.parametrize("selector", ["auto", "auto:peek=1"])
 @pytest.mark.parametrize("drafters", [["prompt-lookup", "suffix", "none"], ["suffix"], ["prompt-lookup", "self"]])
 def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters, selector):
     engine = SpeculativeEngine(sharp_model, drafters, selector=selector)
@@ -321,8 +321,8 @@ def test_peeked_block_is_the_drafted_block(sharp_model):
     """With looking on, the engine drafts the peeked block (no second proposal) and the rounds
     are the same as with looking off whenever the choices agree: same drafter, same block."""
     ids = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
-    on = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto").generate(ids, max_new_tokens=20)
-    off = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=0").generate(ids, max_new_tokens=20)
+    on = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=1").generate(ids, max_new_tokens=20)
+    off = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto").generate(ids, max_new_tokens=20)
     assert on.token_ids == off.token_ids
     assert sum(r.drafted for r in on.stats.rounds) > 0
 

@@ -381,7 +381,7 @@ class SpeculativeEngine:
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
             if peek_k:
                 peeked = self._peek(tokens, min(peek_k, remaining - 1), seen)
-                selector.observe_proposals({j: len(p) for j, p in peeked.items()})
+                selector.observe_proposals(peeked)
             i = selector.select()
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")

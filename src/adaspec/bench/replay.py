@@ -349,7 +349,9 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
         if getattr(policy, "wants_costs", False):
             policy.costs = cost_model
     time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
-    result = ReplayResult(_label(selector, "selector", k), _label(length, "length", k), k, pool.labels, [],
+    result = ReplayResult(sel.name if selector is None else _label(selector, "selector", k),
+                          ln.name if length is None and ln.name != "static" else _label(length, "length", k),
+                          k, pool.labels, [],
                           time_dep)
     t0 = time.perf_counter()
     for p in range(len(trace.prompts)):
@@ -396,16 +398,17 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         peek_s, peeked = 0.0, set()
         if peek_k:  # as SpeculativeEngine._peek: every model-free drafter's block, from the trace
             x0, top = t - n_prompt, min(peek_k, remaining - 1)
-            lengths = {}
+            blocks = {}
             for j in cheap:
-                lengths[j] = min(len(views[pool.src[j]].chains[x0]), top)
+                chain = views[pool.src[j]].chains[x0]
+                blocks[j] = chain[: min(len(chain), top)]
                 peek_s += price.catch_up(j, t - seen[j], t) if 0 < seen[j] < t else 0.0
                 peek_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
-                peek_s += price.draft(j, lengths[j], t)
+                peek_s += price.draft(j, len(blocks[j]), t)
                 seen[j] = t
-            peeked = set(lengths)
+            peeked = set(blocks)
             c = clock()
-            sel.observe_proposals(lengths)
+            sel.observe_proposals(blocks)
             policy_s += clock() - c
         c = clock()
         i = sel.select()

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -284,7 +285,7 @@ def bench(
 
                 t0 = time.perf_counter()
                 trace = record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
-                                     progress=lambda m: bar.step("trace", m, total=turns))
+                                     progress=_trace_progress(bar, turns))
                 bar.message(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
                 run.predict_from(trace)
         written = run.save(out_dir, plots=plots)
@@ -300,6 +301,16 @@ def bench(
                   + f" and {sum(p.suffix == '.png' for p in written)} plots")
     if any(r.mismatches for r in run.results):
         raise typer.Exit(1)
+
+
+def _trace_progress(bar: StageProgress, total: int) -> Callable[[str], None]:
+    """Recording reports several lines per prompt ("prompt 3: position 48/128"): count prompts
+    done (the later calibration lines count as all done)."""
+    def report(msg: str) -> None:
+        words = msg.split(":", 1)[0].split()
+        done = int(words[1]) if len(words) == 2 and words[0] == "prompt" and words[1].isdigit() else total
+        bar("trace", min(done, total), total, msg)
+    return report
 
 
 def _check_record(path: str, drafters: list[str]) -> None:

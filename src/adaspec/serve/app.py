@@ -40,10 +40,9 @@ from .state import LearntState
 
 log = logging.getLogger(__name__)
 
-#: the server's default configuration (``adaspec serve`` without -d/-s/-l): the cheapest
-#: drafters, a cost-aware selector and the cost-model length rule, learning across requests
-#: the engine's defaults: ``auto`` (global scope: it keeps learning across requests) picks the
-#: drafter and the length; ``None`` length = auto's own
+#: the server's default configuration (``adaspec serve`` without -d/-s/-l) is the engine's:
+#: ``auto`` (global scope: it keeps learning across requests) picks the drafter among the
+#: model-free ones and ``none``, and the length (``None`` length = auto's own)
 DEFAULT_DRAFTERS = ENGINE_DEFAULT_DRAFTERS
 DEFAULT_SELECTOR = SELECTION_DEFAULT
 DEFAULT_LENGTH: str | None = None
