@@ -24,7 +24,7 @@ import torch
 from .config import GenerationConfig, SamplingConfig
 from .costs import CostModel, VerifyCostSurface, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
-from .drafters.base import apply_decisions
+from .drafters.base import Peek, apply_decisions
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
@@ -375,7 +375,7 @@ class SpeculativeEngine:
         cost_model = self.cost_model
         # a selector that looks before it chooses gets every cheap drafter's proposal first
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
-        peeked: dict[int, list[int]] = {}
+        peeked: dict[int, Peek] = {}
         while True:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
@@ -403,7 +403,7 @@ class SpeculativeEngine:
             t2 = now()
             policy_in_draft = 0.0
             if cap > 0 and i in peeked:  # already proposed: drafted exactly as the drafter would
-                draft = Draft(tokens=apply_decisions(peeked[i][:cap], decide))
+                draft = Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
             elif cap > 0:
                 draft = drafter.draft(tokens, cap, sampling, generator, decide,
                                       want_hidden=length.needs_hidden and drafter.is_model)
@@ -466,10 +466,10 @@ class SpeculativeEngine:
             d.end_request(tokens[n_prompt:])
         return stats
 
-    def _peek(self, tokens: list[int], max_tokens: int, seen: list[int]) -> dict[int, list[int]]:
+    def _peek(self, tokens: list[int], max_tokens: int, seen: list[int]) -> dict[int, Peek]:
         """Every drafter's proposal that costs no model call (``Drafter.peek``), by index; the
         time counts as the round's policy overhead, which the cost model prices."""
-        out: dict[int, list[int]] = {}
+        out: dict[int, Peek] = {}
         for j, d in enumerate(self.drafters):
             if d.is_model:
                 continue

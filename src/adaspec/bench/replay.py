@@ -48,7 +48,8 @@ import typer
 
 from ..config import SamplingConfig, validate_k
 from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
-from ..drafters.base import Decision, Draft, DraftStep, StepStats
+from ..drafters import Drafter, build_drafter
+from ..drafters.base import Decision, Draft, DraftStep, Peek, StepStats
 from ..errors import AdaspecError, ConfigError
 from ..feedback import RoundFeedback
 from ..engine import cut_at_stops
@@ -361,6 +362,22 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     return result
 
 
+def _peekers(trace: Trace, pool: _Pool, cheap: Sequence[int], prompt: Sequence[int]) -> dict[int, Drafter]:
+    """Fresh model-free drafters rebuilt from the trace's specs, so that replay looks at blocks
+    the way the engine does (with the match length behind them); a drafter that cannot be
+    rebuilt without the target (e.g. a corpus to tokenize) falls back to the recorded chains."""
+    out: dict[int, Drafter] = {}
+    for j in cheap:
+        try:
+            d = build_drafter(trace.specs[pool.src[j]], None)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - any failure: use the recorded chains
+            continue
+        if not d.is_model:
+            d.begin_request(list(prompt))
+            out[j] = d
+    return out
+
+
 def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: LengthPolicy,
                    cost_model: CostModel, price: _RoundPricer, budget: int, strict: bool,
                    result: ReplayResult) -> PromptReplay:
@@ -393,6 +410,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     evaluate = getattr(sel, "evaluate", None)
     peek_k = int(getattr(sel, "peek_tokens", 0) or 0)
     cheap = [j for j, sj in enumerate(pool.src) if sj is not None and not trace.is_model[sj]]
+    peekers = _peekers(trace, pool, cheap, pt.prompt) if peek_k else {}
     while True:
         cost_model.context = t - 1  # the target's cache length, as in the engine
         peek_s, peeked = 0.0, set()
@@ -400,11 +418,12 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
             x0, top = t - n_prompt, min(peek_k, remaining - 1)
             blocks = {}
             for j in cheap:
-                chain = views[pool.src[j]].chains[x0]
-                blocks[j] = chain[: min(len(chain), top)]
+                chain = views[pool.src[j]].chains[x0][:top]
+                look = peekers[j].peek(path[:t], top) if j in peekers else None
+                blocks[j] = look if look is not None and look.tokens == chain else Peek(chain)
                 peek_s += price.catch_up(j, t - seen[j], t) if 0 < seen[j] < t else 0.0
                 peek_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
-                peek_s += price.draft(j, len(blocks[j]), t)
+                peek_s += price.draft(j, len(blocks[j].tokens), t)
                 seen[j] = t
             peeked = set(blocks)
             c = clock()

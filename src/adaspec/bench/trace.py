@@ -628,9 +628,13 @@ class TraceRecorder:
         return EngineOverheads(round_s=max(0.0, fmean(per_round)), request_s=max(0.0, fmean(per_request)),
                                verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate)
 
-    def finish(self, calibrate: bool = True) -> Trace:
-        """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``)."""
-        surface = load_or_measure(self.loaded) if calibrate else None
+    def finish(self, calibrate: bool = True, fresh_costs: bool = False) -> Trace:
+        """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``).
+        ``fresh_costs``: measure the verify-cost surface now instead of loading the cached one:
+        this machine's speed, and the surface's shape, drift by tens of percent over an hour
+        (measured here: V(6)/V(1) at 1,024 cached tokens went from 1.64 to 1.81), and a trace
+        should carry the costs of the time it was recorded."""
+        surface = load_or_measure(self.loaded, refresh=fresh_costs) if calibrate else None
         if surface is not None:
             costs, overheads = self.calibrate(surface)
         else:
@@ -706,10 +710,12 @@ def record_trace(target: Any, drafter_specs: Sequence[str | Drafter], prompts: S
 
 
 def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any], max_new_tokens: int,
-           path: str | Path, *, max_draft: int = 16, progress: Progress | None = None) -> Trace:
+           path: str | Path, *, max_draft: int = 16, progress: Progress | None = None,
+           fresh_costs: bool = True) -> Trace:
     """``adaspec bench --record FILE``: record the workload and save it. ``prompts`` are token
     ids, strings, chat messages, or bench prompts (``BenchPrompt``: every turn is one request,
-    and a later turn's history holds AR's earlier answers, as in ``run_bench``)."""
+    and a later turn's history holds AR's earlier answers, as in ``run_bench``). The verify-cost
+    surface is measured afresh at the end (``fresh_costs``, ~20 s for SmolLM2 here)."""
     rec = TraceRecorder(target, drafters, max_new_tokens, max_draft, progress=progress)
     for p in prompts:
         turns = getattr(p, "turns", None)
@@ -723,6 +729,8 @@ def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any
             got = rec.add(_turn_prompt(p, j, answers, rec.ar),
                           {"id": getattr(p, "id", ""), "category": getattr(p, "category", ""), "turn": j})
             answers.append(rec.ar.decode(got.output))
-    trace = rec.finish()
+    if progress is not None and fresh_costs:
+        progress("measuring the verify-cost surface for the trace")
+    trace = rec.finish(fresh_costs=fresh_costs)
     trace.save(path)
     return trace

@@ -84,6 +84,18 @@ class Draft:
 
 
 @dataclass
+class Peek:
+    """A deterministic drafter's block, looked at before the round's choice (``Drafter.peek``).
+
+    ``match``: length of the context match the first token comes from (the n-gram size of
+    prompt lookup, the suffix length of suffix matching; 0 = unknown), a free signal of how
+    likely the block is accepted (SuffixDecoding scores candidates by it)."""
+
+    tokens: list[int]
+    match: int = 0
+
+
+@dataclass
 class Proposals:
     """Teacher-forced proposals at each verified position (full-information feedback).
 
@@ -148,7 +160,7 @@ class Drafter(ABC):
     def score(self, context: Sequence[int], verified: Sequence[int], sampling: SamplingConfig) -> Proposals:
         """What the drafter would propose at each of ``verified`` (teacher forcing) after ``context``."""
 
-    def peek(self, context: Sequence[int], max_tokens: int) -> list[int] | None:
+    def peek(self, context: Sequence[int], max_tokens: int) -> Peek | None:
         """The block this drafter would propose after ``context`` (up to ``max_tokens``), or None
         when looking costs a model call. Deterministic drafters answer; a later ``catch_up``
         undoes whatever looking changed, so the engine can reuse the answer as the draft."""

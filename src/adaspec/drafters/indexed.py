@@ -7,7 +7,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 
 from ..config import SamplingConfig
-from .base import Draft, Drafter, Proposals, StepDecider, apply_decisions
+from .base import Draft, Drafter, Peek, Proposals, StepDecider, apply_decisions
 from .index import NgramIndex
 
 
@@ -21,6 +21,7 @@ class IndexedDrafter(Drafter):
     def __init__(self, sizes: Sequence[int]):
         self._index = NgramIndex(sizes)
         self._trusted = 0
+        self._match = 0  # match length behind the last proposal (set by ``propose``)
 
     @abstractmethod
     def propose(self) -> int | None:
@@ -41,20 +42,23 @@ class IndexedDrafter(Drafter):
 
     def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,
               want_hidden: bool = False) -> Draft:
-        return Draft(tokens=apply_decisions(self.peek(context, max_tokens), decide))
+        return Draft(tokens=apply_decisions(self.peek(context, max_tokens).tokens, decide))
 
-    def peek(self, context: Sequence[int], max_tokens: int) -> list[int]:
+    def peek(self, context: Sequence[int], max_tokens: int) -> Peek:
         """Proposed tokens are appended to the index (a match continues through them); the next
         ``catch_up`` rolls back the ones the target rejected."""
         self.catch_up(context)
         tokens: list[int] = []
+        match = 0
         for _ in range(max_tokens):
             tok = self.propose()
             if tok is None:
                 break
+            if not tokens:
+                match = self._match
             tokens.append(tok)
             self._index.append(tok)
-        return tokens
+        return Peek(tokens, match)
 
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
         self.catch_up(context)

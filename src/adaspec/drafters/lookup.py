@@ -32,6 +32,7 @@ class PromptLookupDrafter(IndexedDrafter):
                 continue
             hits = self._index.continuations(tuple(toks[-n:]))
             if hits:
+                self._match = n
                 return toks[hits[-1]]
         return None
 

@@ -162,6 +162,7 @@ class SuffixDrafter(IndexedDrafter):
                                  self.datastore.index.continuations(key), seq, best, cands)
         if not cands:
             return None
+        self._match = best
         counts = Counter(cands)
         top = max(counts.values())
         return next(t for t in cands if counts[t] == top)  # cands are most-recent first

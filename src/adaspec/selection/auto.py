@@ -27,7 +27,8 @@ the chosen one's block as the draft. For those drafters h is then known (1 if it
 if not), k is capped at the proposal's length and drafting is already paid (the engine counts
 the looking in the round overhead o, which the cost model learns). a and c stay learnt, but
 conditioned on what the blocks show (``peek_context``: the drafter proposes alone, agrees with
-another's first token, or disagrees), with counts per context on the drafter's overall
+another's first token, or disagrees, and how long the context match behind it is), with counts
+per context on the drafter's overall
 estimate as their prior: the rounds where a drafter is the only one with a proposal are not
 its average rounds.
 
@@ -242,11 +243,13 @@ class AutoController:
         self.plan = best
         return best
 
-    def observe_proposals(self, blocks: dict[int, Sequence[int]]) -> None:
-        """This round's blocks of the drafters that can be looked at for free, and the context
-        each drafter's estimate is conditioned on (``peek_context``)."""
-        self.peeked = {d: list(b) for d, b in blocks.items()}
-        self.contexts = {d: peek_context(d, self.peeked) for d, b in self.peeked.items() if b}
+    def observe_proposals(self, blocks: dict[int, Any]) -> None:
+        """This round's blocks (``drafters.base.Peek``, or token lists) of the drafters that can
+        be looked at for free, and the context each drafter's estimate is conditioned on
+        (``peek_context``)."""
+        self.peeked = {d: list(getattr(b, "tokens", b)) for d, b in blocks.items()}
+        self.contexts = {d: peek_context(d, self.peeked, getattr(blocks[d], "match", 0))
+                         for d, b in self.peeked.items() if b}
 
     def cap_for(self, d: int) -> int:
         if self.plan is not None and self.plan.drafter == d:
@@ -298,18 +301,22 @@ class AutoController:
             yield d, gam, ca.get(d, gam), (bool(props[0]) if props else None)
 
 
-def peek_context(d: int, blocks: dict[int, list[int]]) -> str:
+#: match lengths above this share one context (longer matches are rare and alike)
+MATCH_BUCKETS = 8
+
+
+def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0) -> str:
     """What drafter ``d``'s block says about its chance, given the other looked-at blocks:
     ``alone`` (no other drafter proposes), ``agree`` (another proposes the same first token) or
-    ``disagree``. A drafter that proposes when the others do not is often matching a short,
+    ``disagree``, and the length of the context match behind it (``:m``, capped at
+    ``MATCH_BUCKETS``; a longer suffix match is more often right: SuffixDecoding's score). A drafter that proposes when the others do not is often matching a short,
     unreliable pattern; two that agree are usually right: one overall acceptance estimate
     would be biased in every one of these cases (measured: prompt lookup's first-token
     acceptance on the mixed suite was 9% when chosen because suffix had no proposal)."""
     mine = blocks[d][0]
     others = [b[0] for j, b in blocks.items() if j != d and b]
-    if not others:
-        return "alone"
-    return "agree" if mine in others else "disagree"
+    rel = "alone" if not others else "agree" if mine in others else "disagree"
+    return f"{rel}:{min(match, MATCH_BUCKETS)}" if match > 0 else rel
 
 
 class _SharedCosts:
@@ -362,7 +369,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     def paired_length(self) -> AutoLength:
         return AutoLength(controller=self.controller)
 
-    def observe_proposals(self, blocks: dict[int, Sequence[int]]) -> None:
+    def observe_proposals(self, blocks: dict[int, Any]) -> None:
         self.controller.observe_proposals(blocks)
 
     def select(self) -> int:
