@@ -53,7 +53,9 @@ def test_greedy_equals_hf_generate(smol, references, drafter):
 
 
 def test_sampling_runs_and_is_reproducible(smol):
-    eng = SpeculativeEngine(smol, ["prompt-lookup", "suffix"], k=4)
+    """A seed reproduces the answer when the policies do not read the clock (here UCBSpec);
+    auto and the cost-aware policies choose from measured times (README, on seeds)."""
+    eng = SpeculativeEngine(smol, ["prompt-lookup", "suffix"], selector="ucbspec", k=4)
     a = eng.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
     b = eng.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0

@@ -406,7 +406,7 @@ def test_smollm2_replay_equals_live():
     engine = SpeculativeEngine(target, ["prompt-lookup", "suffix"])
     ids = [engine.encode_prompt(p) for p in prompts]
     trace = record_trace(target, ["prompt-lookup", "suffix"], ids, 24, calibrate=False)
-    for selector, k in [(None, 5), ("ucbspec", 5), ("hedgespec", 3)]:
+    for selector, k in [("static", 5), ("ucbspec", 5), ("hedgespec", 3)]:
         want = live_keys(target, ["prompt-lookup", "suffix"], selector, None, k, prompts=ids, n=24)
         got = replay(trace, selector, k=k)
         assert [got.keys(i) for i in range(len(ids))] == want
