@@ -21,16 +21,14 @@ decoding step, rate 1 / (o + V(1))) always available: drafting stops where it do
 and because every k up to ``max_k`` is priced, a cap never stops inside a verify-cost cliff
 when a longer block is cheaper per expected token (the joint length of the issue).
 
-Looking first (``peek=1``; off by default: measured, it does not pay yet). A model-free drafter's proposal is a table lookup, so
-the engine asks each of them for its block before the choice (``Drafter.peek``) and reuses
-the chosen one's block as the draft. For those drafters h is then known (1 if it proposed, 0
-if not), k is capped at the proposal's length and drafting is already paid (the engine counts
-the looking in the round overhead o, which the cost model learns). a and c stay learnt, but
-conditioned on what the blocks show (``peek_context``: the drafter proposes alone, agrees with
-another's first token, or disagrees, and how long the context match behind it is), with counts
-per context on the drafter's overall
-estimate as their prior: the rounds where a drafter is the only one with a proposal are not
-its average rounds.
+Looking first (``peek=1``; off by default: measured, it does not pay yet). A model-free
+drafter's proposal is a table lookup, so the engine asks each of them for its block before the
+choice (``Drafter.peek``) and reuses the chosen one's block as the draft. For those drafters h
+is then known (1 if it proposed, 0 if not), k is capped at the proposal's length and drafting
+is already paid (the engine counts the looking in the round overhead o, which the cost model
+learns). a and c stay learnt, but conditioned on what the blocks show (``peek_context``), with
+counts per context on the drafter's overall estimate as their prior: the rounds where a
+drafter is the only one with a proposal are not its average rounds.
 
 Feedback. Model-free drafters are scored on the verified tokens every round at no model cost
 (full information, Not-a-Bandit 3.2: ``feedback.counterfactual`` holds their acceptance
@@ -267,8 +265,8 @@ class AutoController:
             counts.decay(self.request_decay)
         for counts in self.global_counts:
             counts.decay(self.global_decay)
-        for level in (self.request_ctx, self.global_ctx):
-            keep = self.request_decay if level is self.request_ctx else self.global_decay
+        levels = ((self.request_ctx, self.request_decay), (self.global_ctx, self.global_decay))
+        for level, keep in levels:
             for by_ctx in level:
                 for counts in by_ctx.values():
                     counts.decay(keep)
@@ -277,7 +275,7 @@ class AutoController:
             self.global_counts[d].observe(gammas, alphas, proposed)
             ctx = self.contexts.get(d)
             if ctx is not None:
-                for level in (self.request_ctx, self.global_ctx):
+                for level, _ in levels:
                     level[d].setdefault(ctx, ChainCounts()).observe(gammas, alphas, proposed)
         self.rounds += 1
 
@@ -309,8 +307,8 @@ def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0) -> str:
     """What drafter ``d``'s block says about its chance, given the other looked-at blocks:
     ``alone`` (no other drafter proposes), ``agree`` (another proposes the same first token) or
     ``disagree``, and the length of the context match behind it (``:m``, capped at
-    ``MATCH_BUCKETS``; a longer suffix match is more often right: SuffixDecoding's score). A drafter that proposes when the others do not is often matching a short,
-    unreliable pattern; two that agree are usually right: one overall acceptance estimate
+    ``MATCH_BUCKETS``; a longer suffix match is more often right: SuffixDecoding's score). A
+    drafter that proposes when the others do not is often matching a short, unreliable pattern; two that agree are usually right: one overall acceptance estimate
     would be biased in every one of these cases (measured: prompt lookup's first-token
     acceptance on the mixed suite was 9% when chosen because suffix had no proposal)."""
     mine = blocks[d][0]
