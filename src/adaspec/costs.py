@@ -26,7 +26,8 @@ from statistics import median
 import torch
 
 from .errors import ConfigError
-from .models import LoadedModel, cache_dir
+from .backends.base import TargetBackend
+from .models import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -294,15 +295,12 @@ class EngineOverheads:
                    none_evaluate=LinearCost(**data.get("none_evaluate", {})))
 
 
-def _surface_key(loaded: LoadedModel, contexts: Sequence[int], ks: Sequence[int]) -> str:
-    model = loaded.model
-    n_params = sum(p.numel() for p in model.parameters())
-    ident = (f"{SURFACE_FORMAT}|{loaded.name}|{type(model).__name__}|{n_params}|{loaded.device}|{loaded.dtype}|"
-             f"threads={torch.get_num_threads()}|ctx={list(contexts)}|ks={list(ks)}|torch={torch.__version__}")
+def _surface_key(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> str:
+    ident = f"{SURFACE_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|ks={list(ks)}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def grid_contexts(loaded: LoadedModel, contexts: Sequence[int], ks: Sequence[int]) -> list[int]:
+def grid_contexts(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> list[int]:
     """The grid's contexts that fit the model's window with the widest forward (the largest
     fitting length replaces those that do not)."""
     if not contexts or any(not isinstance(c, int) or c < 1 for c in contexts):
@@ -321,58 +319,62 @@ def grid_contexts(loaded: LoadedModel, contexts: Sequence[int], ks: Sequence[int
 
 
 @torch.inference_mode()
-def measure_verify_surface(loaded: LoadedModel, contexts: Sequence[int] = DEFAULT_CONTEXTS,
+def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                            ks: Sequence[int] = DEFAULT_KS, repeats: int = 2, warmup: int = 1,
                            progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
     """Time target forwards over k new tokens on caches of every grid length (medians of
     ``repeats`` after ``warmup`` passes), and the prefill of each length (once, after an
     untimed warm-up prefill: the first forwards of a shape allocate and page in). Contexts and
     ks are interleaved within each pass so machine noise hits the grid alike.
-    ``progress(done, total)`` after every pass."""
-    from transformers import DynamicCache
-
+    ``progress(done, total)`` after every pass. Runs on any backend (``TargetBackend``)."""
     t_start = time.perf_counter()
     contexts = grid_contexts(loaded, contexts, ks)
-    model, device, vocab = loaded.model, loaded.device, loaded.vocab_size
+    device, vocab = loaded.device, loaded.vocab_size
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def timed(ids: torch.Tensor, cache: DynamicCache, keep: int) -> float:
+    def timed(ids: list[int], cache: object, keep: int) -> float:
         sync()
         t0 = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        loaded.forward(cache, ids, keep)
         sync()
         return time.perf_counter() - t0
 
-    prefix = torch.randint(0, vocab, (1, max(contexts)), generator=gen).to(device)
-    caches: list[DynamicCache] = []
+    prefix = torch.randint(0, vocab, (max(contexts),), generator=gen).tolist()
+    caches: list[object] = []
     pre: list[float] = []
     times: dict[tuple[int, int], list[float]] = {(c, k): [] for c in contexts for k in ks}
     total = warmup + repeats
-    for rep in range(total):
-        if rep <= warmup:  # prefills: untimed in the warm-up (first shapes allocate), then timed once
-            caches = [DynamicCache(config=model.config) for _ in contexts]
-            pre = [timed(prefix[:, :c], cache, 1) for c, cache in zip(contexts, caches)]
-        for cache, c in zip(caches, contexts):
-            for k in ks:
-                ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
-                dt = timed(ids, cache, k)
-                cache.crop(-k)
-                if rep >= warmup:
-                    times[(c, k)].append(dt)
-        if progress is not None:
-            progress(rep + 1, total)
+    try:
+        for rep in range(total):
+            if rep <= warmup:  # prefills: untimed in the warm-up (first shapes allocate), then timed once
+                for cache in caches:
+                    loaded.release(cache)
+                caches = [loaded.new_state() for _ in contexts]
+                pre = [timed(prefix[:c], cache, 1) for c, cache in zip(contexts, caches)]
+            for cache, c in zip(caches, contexts):
+                for k in ks:
+                    ids = torch.randint(0, vocab, (k,), generator=gen).tolist()
+                    dt = timed(ids, cache, k)
+                    loaded.truncate(cache, c)
+                    if rep >= warmup:
+                        times[(c, k)].append(dt)
+            if progress is not None:
+                progress(rep + 1, total)
+    finally:
+        for cache in caches:
+            loaded.release(cache)
     seconds = [[median(times[(c, k)]) for k in ks] for c in contexts]
     return VerifyCostSurface(list(contexts), list(ks), seconds, pre, measure_s=time.perf_counter() - t_start)
 
 
-def measure_verify_costs(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
+def measure_verify_costs(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
                          context: int = 200, repeats: int = 3, warmup: int = 1) -> VerifyCostCurve:
     """One row of the surface: forwards over k new tokens on a ``context``-token cache."""
     return measure_verify_surface(loaded, (context,), ks, repeats, warmup).curve(context)
 
 
-def load_or_measure(loaded: LoadedModel, ks: Sequence[int] = DEFAULT_KS,
+def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
                     contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 2, refresh: bool = False,
                     progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
     """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""

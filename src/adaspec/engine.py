@@ -30,7 +30,8 @@ from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
 from .length import LengthPolicy, StaticLength
 from .metrics import RequestStats, RoundRecord
-from .models import DEFAULT_MODEL, LoadedModel, as_loaded, load_model
+from .backends import DEFAULT_BACKEND, TargetBackend
+from .models import DEFAULT_MODEL, as_loaded, load_model
 from .sampling import process_logits, verify_greedy, verify_sampling
 from .selection import DrafterPolicy, build_policies
 
@@ -87,7 +88,8 @@ class SpeculativeEngine:
     """Lossless speculative decoding over a Hugging Face causal LM with pluggable drafters.
 
     Args:
-        target: a ``LoadedModel`` or a ``PreTrainedModel`` (then pass ``tokenizer``).
+        target: a ``TargetBackend`` (``LoadedModel`` for Hugging Face models, ``LlamaCppTarget``
+            for llama.cpp) or a ``PreTrainedModel`` (then pass ``tokenizer``).
         drafters: drafter specs (``"prompt-lookup"``, ``"suffix"``, ``"model:REF"``, ``"none"``)
             or ``Drafter`` instances; None (default): ``DEFAULT_DRAFTERS``. Empty means plain
             autoregressive decoding.
@@ -102,7 +104,7 @@ class SpeculativeEngine:
                  selector: str | DrafterPolicy | None = None,
                  length: str | int | LengthPolicy | None = None, k: int = 5,
                  tokenizer: Any = None):
-        self.target: LoadedModel = as_loaded(target, tokenizer)
+        self.target: TargetBackend = as_loaded(target, tokenizer)
         drafters = DEFAULT_DRAFTERS if drafters is None else drafters
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
         self._set_policies(selector, length, k)
@@ -146,9 +148,13 @@ class SpeculativeEngine:
     def from_pretrained(cls, model: str = DEFAULT_MODEL,
                         drafters: Sequence[str | Drafter] | None = None, *,
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
+                        backend: str = DEFAULT_BACKEND, threads: int | None = None,
                         **kwargs: Any) -> SpeculativeEngine:
-        """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the engine."""
-        return cls(load_model(model, device=device, dtype=dtype), drafters, **kwargs)
+        """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the
+        engine; ``backend="llama.cpp"`` runs a GGUF target on llama.cpp (``threads``: its
+        thread count)."""
+        return cls(load_model(model, device=device, dtype=dtype, backend=backend, threads=threads),
+                   drafters, **kwargs)
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -173,16 +179,8 @@ class SpeculativeEngine:
         return self._costs
 
     def eos_ids(self) -> set[int]:
-        """End-of-sequence ids: the model's generation config and the tokenizer's EOS."""
-        ids: set[int] = set()
-        gc = getattr(self.target.model, "generation_config", None)
-        eos = getattr(gc, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
-        tok = self.target.tokenizer
-        if tok is not None and tok.eos_token_id is not None:
-            ids.add(int(tok.eos_token_id))
-        return ids
+        """End-of-sequence ids: the model's (generation config) and the tokenizer's EOS."""
+        return self.target.eos_ids()
 
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
@@ -307,6 +305,7 @@ class SpeculativeEngine:
         users = [d for d in drafters if getattr(d, "uses_target_features", False)]
         if not users:
             return None
+        self.target.require_hidden_states(f"drafter {users[0].name!r}")
         if self._feature_forward is None:
             self._feature_forward = TargetFeatureForward(self.target.model)
         cfg = self.target.model.config
@@ -319,38 +318,45 @@ class SpeculativeEngine:
     def _forward(self, cache: Any, ids: Sequence[int], keep: int,
                  features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits of the last ``keep`` inputs; with ``features`` also the final hidden
-        state of every input (same logits, one pass), for drafters that draft from them."""
-        x = torch.tensor([list(ids)], device=self.target.device)
+        state of every input (same logits, one pass; transformers backend only), for drafters
+        that draft from them."""
         if features:
+            x = torch.tensor([list(ids)], device=self.target.device)
             logits, hidden = self._feature_forward(x, cache, keep)
             return logits[0], hidden[0]
-        out = self.target.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0], None
+        return self.target.forward(cache, ids, keep)
 
     def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generator[list[int], None, RequestStats]:
         """Generator over accepted-token chunks; its return value is the request's statistics."""
-        from transformers import DynamicCache
-
         self._check_fits(len(prompt_ids), cfg.max_new_tokens)
-        eos = self.eos_ids()
-        now = self._timer
         sampling = cfg.sampling
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.target.device).manual_seed(seed)
         stats = RequestStats(prompt_tokens=len(prompt_ids), seed=None if sampling.greedy else seed)
-        t_start = now()
-
+        t_start = self._timer()
         tokens = list(prompt_ids)
-        cache = DynamicCache(config=self.target.model.config)
+        cache = self.target.new_state()
+        try:
+            return (yield from self._rounds(cache, tokens, cfg, stats, generator, t_start))
+        finally:
+            self.target.release(cache)
+
+    def _rounds(self, cache: Any, tokens: list[int], cfg: GenerationConfig, stats: RequestStats,
+                generator: torch.Generator | None,
+                t_start: float) -> Generator[list[int], None, RequestStats]:
+        """The request's prefill and rounds on ``cache`` (see the module docstring)."""
+        prompt_ids = list(tokens)
+        now, sampling, eos = self._timer, cfg.sampling, self.eos_ids()
         drafters, selector, length = self.drafters, self.selector, self.length
         # features[j] = the target's final hidden state at position j, for every token but the newest
         features = self._features_for(drafters)
-        if len(tokens) > 1:  # the last prompt token is fed with the first round's drafts
-            _, hidden = self._forward(cache, tokens[:-1], keep=1, features=features is not None)
-            if features is not None:
-                features.append(hidden)
+        if features is not None:  # the last prompt token is fed with the first round's drafts
+            if len(tokens) > 1:
+                features.append(self._forward(cache, tokens[:-1], keep=1, features=True)[1])
+        else:
+            self.target.prefill(cache, tokens)
         stats.prefill_s = now() - t_start
 
         for d in drafters:
@@ -421,7 +427,7 @@ class SpeculativeEngine:
                                           draft.probs, generator)
             n = verdict.n_accepted
             if k > n:
-                cache.crop(n - k)
+                self.target.truncate(cache, len(tokens) + n)
             t4 = now()
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], verdict.next_token],

@@ -14,6 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+#: a greedy output that differs from plain decoding where the two tokens' log-probabilities are
+#: this close (nats) differs at a numeric near-tie (batched vs one-token forwards, bf16, quantized
+#: kernels), not from a verification error
+NEAR_TIE_NATS = 0.05
+
 
 @torch.inference_mode()
 def greedy_reference(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -57,3 +62,22 @@ def check_tie_aware(model: Any, prompt_ids: Sequence[int], output_ids: Sequence[
     viol = [(j, g) for j, g in enumerate(gaps) if not argmax_hit[j] and g > max_gap]
     n_ties = len(output_ids) - n_exact - len(viol)
     return TieCheck(not viol, len(output_ids), n_exact, n_ties, viol)
+
+
+@torch.inference_mode()
+def divergence_gap(target: Any, prompt_ids: Sequence[int], reference: Sequence[int],
+                   output: Sequence[int]) -> tuple[int, float | None]:
+    """Where ``output`` first differs from the ``reference`` greedy output, and how close the two
+    tokens were there: |log p(reference token) - log p(output token)| in nats under the target's
+    logits after the shared prefix (one forward on any ``TargetBackend``). The gap is None where
+    one output is a prefix of the other (they differ in length only)."""
+    at = next((j for j, (a, b) in enumerate(zip(output, reference)) if a != b), None)
+    if at is None:
+        return min(len(output), len(reference)), None
+    state = target.new_state()
+    try:
+        logits, _ = target.forward(state, [*prompt_ids, *reference[:at]], keep=1)
+    finally:
+        target.release(state)
+    logp = torch.log_softmax(logits[-1].float(), dim=-1)
+    return at, abs(float(logp[reference[at]] - logp[output[at]]))

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
+from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,16 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 @dataclass
-class LoadedModel:
-    """A causal LM with its tokenizer and the name it was loaded from."""
+class LoadedModel(TargetBackend):
+    """A Hugging Face causal LM with its tokenizer and the name it was loaded from: the
+    ``transformers`` backend (KV states are ``DynamicCache`` objects)."""
 
     model: Any
     tokenizer: Any | None
     name: str
+
+    backend = "transformers"
+    has_hidden_states = True
 
     @property
     def device(self) -> torch.device:
@@ -60,6 +65,38 @@ class LoadedModel:
     @property
     def context_window(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
+
+    def model_eos_ids(self) -> set[int]:
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    def new_state(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
+                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = torch.tensor([list(ids)], device=self.device)
+        out = self.model(input_ids=x, past_key_values=state, use_cache=True, logits_to_keep=keep,
+                         output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states[-1][0, -keep:] if hidden else None)
+
+    def truncate(self, state: Any, length: int) -> None:
+        drop = int(state.get_seq_length()) - length
+        if drop > 0:
+            state.crop(-drop)  # this transformers accepts only a negative count
+
+    def state_length(self, state: Any) -> int:
+        return int(state.get_seq_length())
+
+    def identity(self) -> str:
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
+                f"threads={torch.get_num_threads()}|torch={torch.__version__}")
 
 
 def target_fingerprint(target: LoadedModel) -> dict[str, Any]:
@@ -229,19 +266,31 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     convert_cache: bool = True,
-) -> LoadedModel:
+    backend: str = DEFAULT_BACKEND,
+    threads: int | None = None,
+) -> TargetBackend:
     """Load a causal LM and its tokenizer.
 
     ``spec`` is ``"smollm2"`` (the embedded default), a fetched model (``"qwen2.5-coder-1.5b"``,
     ``"qwen2.5-coder-0.5b"``: see ``adaspec.fetch``), a path to a ``.gguf`` file, a local
     directory saved by ``save_pretrained``, or a Hugging Face model id (found in the local
-    Hugging Face cache, or downloaded when the hub is reachable).
+    Hugging Face cache, or downloaded when the hub is reachable). ``backend="llama.cpp"`` runs
+    a GGUF model on llama.cpp (``backends.llamacpp``; ``threads`` its thread count, default
+    torch's) instead of de-quantising it for PyTorch.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    backend = check_backend(backend)
+    gguf = locate_model(spec)
+    if backend == "llama.cpp":
+        from .backends.llamacpp import load_llamacpp
+
+        return load_llamacpp(spec, gguf, device=device, dtype=dtype, threads=threads)
+    if threads is not None:
+        raise ConfigError("threads= is for the llama.cpp backend: on transformers, set torch's "
+                          "threads (torch.set_num_threads or --threads)")
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
-    gguf = locate_model(spec)
     spec = str(spec)
     if gguf is not None:
         tok, model = _load_gguf(gguf, torch_dtype, convert_cache)
@@ -264,9 +313,10 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tok, name=spec)
 
 
-def as_loaded(model: Any, tokenizer: Any | None = None, name: str | None = None) -> LoadedModel:
-    """Wrap an already constructed model (e.g. a tiny test model) as a LoadedModel."""
-    if isinstance(model, LoadedModel):
+def as_loaded(model: Any, tokenizer: Any | None = None, name: str | None = None) -> TargetBackend:
+    """A backend as is, or an already constructed HF model (e.g. a tiny test model) wrapped
+    as a ``LoadedModel``."""
+    if isinstance(model, TargetBackend):
         return model
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer,

@@ -150,6 +150,7 @@ class PeerRun:
     drafted: int  # draft tokens the target verified (0 for hf-greedy)
     assistant_forwards: int | None = None  # forwards of the assistant model (hf-assisted only)
     verify_widths: dict[int, int] = field(default_factory=dict)  # width -> count, forwards after the first
+    error: str | None = None  # the peer failed on this prompt (llama.cpp peers): what it raised
 
     @property
     def new_tokens(self) -> int:
@@ -173,7 +174,8 @@ class PeerRun:
                 "tokens_per_s": self.tokens_per_s, "target_forwards": self.target_forwards,
                 "rounds": self.rounds, "mat": self.mat, "prefill_tokens": self.prefill_tokens,
                 "drafted": self.drafted, "accepted": self.accepted,
-                "assistant_forwards": self.assistant_forwards, "verify_widths": self.verify_widths}
+                "assistant_forwards": self.assistant_forwards, "verify_widths": self.verify_widths,
+                "error": self.error}
 
 
 class _ForwardCounter:
@@ -365,6 +367,30 @@ def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype
             assistant = assistants[spec.model]
         peers.append(HFPeer(target, spec, device, dtype, assistant=assistant))
     return peers
+
+
+def check_peer(text: str) -> None:
+    """A peer spec parses (HF's or llama.cpp's); raises ``ConfigError`` naming the fix."""
+    from .llamacpp_peer import LLAMACPP_PEER_NAMES, is_llamacpp_peer, parse_llamacpp_peer
+
+    if is_llamacpp_peer(text):
+        parse_llamacpp_peer(text)
+    elif is_peer_spec(text):
+        parse_peer(text)
+    else:
+        raise ConfigError(f"unknown peer {text!r}: use one of {', '.join(PEER_NAMES + LLAMACPP_PEER_NAMES)}")
+
+
+def make_peer(target: Any, text: str, device: Any = None, dtype: Any = None) -> Any:
+    """The peer a spec names, on ``target``: an ``HFPeer`` or a llama.cpp peer."""
+    from .llamacpp_peer import LlamaCppPeer, is_llamacpp_peer
+
+    if is_llamacpp_peer(text):
+        return LlamaCppPeer(target, text)
+    if target.backend != "transformers":
+        raise ConfigError(f"peer {text!r} runs Hugging Face generate on a transformers model, and this target "
+                          f"runs on {target.backend}: use the peers llama.cpp and llama.cpp-pld there")
+    return HFPeer(target, text, device=device, dtype=dtype)
 
 
 def run_peer(peer: HFPeer, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:

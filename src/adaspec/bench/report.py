@@ -164,10 +164,18 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def mismatched(row: dict[str, Any]) -> bool:
+    """Does the configuration's output differ from AR other than at numeric near-ties?"""
+    return bool(row["mismatches"]) or row["identical"] + len(row.get("near_ties") or []) != row["prompts"]
+
+
 def _identical(row: dict[str, Any], greedy: bool = True) -> str:
     same = f"{row['identical']}/{row['prompts']}"
-    if row["identical"] != row["prompts"] or row["mismatches"]:
+    if mismatched(row):
         return f"**{same} MISMATCH**"
+    ties = len(row.get("near_ties") or [])
+    if ties:
+        same += f" (+{ties} near-tie)"
     return same if greedy else "n/a (sampling)"
 
 
@@ -642,7 +650,8 @@ def _header(summary: dict[str, Any]) -> list[str]:
             f"sampling, temperature {temp:g} (speed-up from tokens/s: sampled answers differ in length)")
     cats = ", ".join(summary["categories"]) or "none"
     return [f"# adaspec bench report: {g('model', '?')}", "",
-            f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}), {mode}",
+            f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}, backend "
+            f"`{g('backend', 'transformers')}`), {mode}",
             f"- suite `{g('suite', '?')}`: {g('n_prompts', '?')} prompts, categories: {cats}",
             f"- max {g('max_new_tokens', '?')} new tokens, {g('repeats', '?')} timed repeat(s) per prompt "
             "(median), configurations interleaved",
@@ -655,7 +664,11 @@ def _mismatches(summary: dict[str, Any]) -> list[str]:
     for r in summary["overall"]:
         for m in r["mismatches"]:
             lines.append(f"- **MISMATCH** {_cell(r['config'])}: {m}")
-        if r["identical"] != r["prompts"] and not r["mismatches"]:
+        for m in r.get("near_ties") or []:
+            lines.append(f"- near-tie {_cell(r['config'])}: {m} (a numeric near-tie, not a verification error)")
+        for m in r.get("failed") or []:
+            lines.append(f"- **FAILED** {_cell(r['config'])}: {_cell(m)} (left out of its totals)")
+        if mismatched(r) and not r["mismatches"]:
             lines.append(f"- **MISMATCH** {_cell(r['config'])}: {r['prompts'] - r['identical']} prompt(s) "
                          "differ from AR (no details recorded)")
     return lines
@@ -718,7 +731,7 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
 
     lines = _header(summary)
     mism = _mismatches(summary)
-    bad = [r["config"] for r in summary["overall"] if r["identical"] != r["prompts"] or r["mismatches"]]
+    bad = [r["config"] for r in summary["overall"] if mismatched(r)]
     if bad:
         lines += [f"> **MISMATCH**: {len(bad)} configuration(s) produced output "
                   "different from AR. A lossless method must not; see [Mismatches](#mismatches).", ""]
@@ -791,5 +804,5 @@ def report_command(
         typer.echo(markdown_tables(summary))
     for p in paths:
         typer.echo(f"wrote {p}")
-    if any(r["identical"] != r["prompts"] or r["mismatches"] for r in summary["overall"]):
+    if any(mismatched(r) for r in summary["overall"]):
         typer.echo("MISMATCH: some outputs differ from AR (see report.md)", err=True)

@@ -28,6 +28,7 @@ from ..config import GenerationConfig, SamplingConfig, validate_k
 from ..drafters import Drafter, build_drafter
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
+from ..exactness import NEAR_TIE_NATS, divergence_gap
 from ..metrics import Rates, RequestStats
 from ..models import LoadedModel
 from .workloads import BUILTIN_PROMPTS, BenchPrompt
@@ -83,6 +84,10 @@ class PromptRecord:
     policy_s: float = 0.0
     identical: bool = True
     first_mismatch: int | None = None
+    #: at the first difference from AR: |log p(AR's token) - log p(this token)| under the target's
+    #: logits there (nats); a near-tie (``exactness.NEAR_TIE_NATS``) when small
+    mismatch_gap: float | None = None
+    error: str | None = None  # a peer that failed on this prompt: what it raised (not in the totals)
     drafter_usage: dict[str, int] = field(default_factory=dict)
     overhead_shares: list[float] = field(default_factory=list)
     verify_widths: dict[int, int] = field(default_factory=dict)
@@ -101,7 +106,10 @@ class ConfigResult(Rates):
     identical: int = 0
     prompts: int = 0
     policy_s: float = 0.0
-    mismatches: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)  # differences from AR that are not near-ties
+    near_ties: list[str] = field(default_factory=list)  # differences at a numeric near-tie
+    failed: list[str] = field(default_factory=list)  # prompts a peer failed on (left out of the totals)
+    failed_ids: set[str] = field(default_factory=set)
     overhead_shares: list[float] = field(default_factory=list)
     verify_widths: dict[int, int] = field(default_factory=dict)
     cliff_share: float | None = None  # share of rounds whose verify width is in a cost cliff
@@ -132,6 +140,10 @@ class ConfigResult(Rates):
     def total(cls, name: str, records: Sequence[PromptRecord]) -> ConfigResult:
         r = cls(name)
         for p in records:
+            if p.error is not None:
+                r.failed.append(f"prompt {p.prompt_id} ({p.category}): {p.error}")
+                r.failed_ids.add(p.prompt_id)
+                continue
             r.prompts += 1
             r.tokens += p.tokens
             r.seconds += p.seconds
@@ -144,8 +156,13 @@ class ConfigResult(Rates):
                 r.verify_widths[w] = r.verify_widths.get(w, 0) + c
             if p.identical:
                 r.identical += 1
+                continue
+            where = "" if p.first_mismatch is None else f": first difference at token {p.first_mismatch}"
+            if p.mismatch_gap is not None:
+                where += f", gap {p.mismatch_gap:.3g} nats"
+            if p.mismatch_gap is not None and p.mismatch_gap <= NEAR_TIE_NATS:
+                r.near_ties.append(f"prompt {p.prompt_id} ({p.category}){where}")
             else:
-                where = "" if p.first_mismatch is None else f": first difference at token {p.first_mismatch}"
                 r.mismatches.append(f"prompt {p.prompt_id} ({p.category}){where}")
         return r
 
@@ -165,6 +182,7 @@ class BenchRun:
     device: str = "cpu"
     dtype: str = "float32"
     verify_costs: dict[str, Any] | None = None
+    backend: str = "transformers"  # what ran the target (``backends``)
     #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
     #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}
     predictions: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -209,6 +227,9 @@ class BenchRun:
     def speedup(self, r: ConfigResult, category: str | None = None) -> float:
         """AR's time / the configuration's time: on the same answers (greedy), or per token (sampling)."""
         base = self.result(self.configs[0].name, category)
+        if r.failed_ids:  # a peer that failed on some prompts: compared on the others
+            base = ConfigResult.total(base.name, [p for p in self.of(base.name, category)
+                                                  if p.prompt_id not in r.failed_ids])
         if self.per_token:
             return r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
         return base.seconds / r.seconds if r.seconds else 0.0
@@ -359,6 +380,7 @@ class BenchRun:
                 "discard_rate": r.discard_rate, "verification_rate": r.verification_rate,
                 "policy_overhead_share": r.policy_share, "engine_overhead_share": r.overhead_share,
                 "cliff_share": r.cliff_share, "identical": r.identical, "mismatches": r.mismatches,
+                "near_ties": r.near_ties, "failed": r.failed,
                 "stopping_time_regret": reg["stopping_time_regret"] if reg else None,
                 "best_arm_ratio": reg["best_arm_ratio"] if reg else None,
                 **(self._predicted(cfg.name, category, r) if self.predictions else {})}
@@ -377,7 +399,8 @@ class BenchRun:
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "adaspec_version": __version__, "model": self.model, "device": self.device,
-            "dtype": self.dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+            "dtype": self.dtype, "backend": self.backend, "temperature": self.temperature,
+            "max_new_tokens": self.max_new_tokens,
             "speedup_basis": "per_token" if self.per_token else "seconds",
             "repeats": self.repeats, "suite": self.suite,
             "n_prompts": len({r.prompt_id for r in self.records}), "categories": self.categories,
@@ -469,9 +492,9 @@ class _Runner:
         self.engine: SpeculativeEngine | None = None
         self.peer: Any = None
         if cfg.peer:
-            from .peers import HFPeer
+            from .peers import make_peer
 
-            self.peer = HFPeer(target, cfg.peer, device=device, dtype=dtype)
+            self.peer = make_peer(target, cfg.peer, device=device, dtype=dtype)
         else:
             self.engine = SpeculativeEngine(target, [drafter(d) for d in cfg.drafters], k=cfg.k,
                                             selector=cfg.selector, length=cfg.length)
@@ -500,6 +523,8 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
         for w, c in out.verify_widths().items():
             rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
     else:  # a peer (adaspec.peers.PeerRun): counts from the target's forwards, no time split
+        if out.error is not None and rec.error is None:
+            rec.error = out.error
         rec.tokens += out.new_tokens
         rec.rounds += out.rounds
         rec.drafted += out.drafted or 0
@@ -586,11 +611,11 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             for ci, rec in enumerate(recs):
                 _record_into(rec, last[ci], statistics.median(times[ci]))
                 wrong = next((o for o in outs[ci] if o != ref), None)  # every repeat is checked
-                if greedy and wrong is not None and rec.identical:
+                if greedy and wrong is not None and rec.identical and rec.error is None:
                     rec.identical = False
                     offset = rec.tokens - len(outs[ci][-1])  # tokens of earlier turns
-                    rec.first_mismatch = offset + next(
-                        (j for j, (a, b) in enumerate(zip(wrong, ref)) if a != b), min(len(wrong), len(ref)))
+                    at, rec.mismatch_gap = divergence_gap(target, ids, ref, wrong)
+                    rec.first_mismatch = offset + at
                 per_round = last[ci].rounds if isinstance(last[ci], RequestStats) else []  # peers: none
                 for j, rr in enumerate(per_round):
                     rounds.append({"config": configs[ci].name, "prompt_id": prompt.id,
@@ -609,12 +634,13 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         typical = int(statistics.median(prompt_lens)) + max_new_tokens // 2
         costs = surface.curve(typical).to_dict() | {"surface": surface.to_dict()}
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
-                    suite, device, dtype, costs)
+                    suite, device, dtype, costs, backend=target.backend)
 
 
 # -- config files -------------------------------------------------------------------------
 #: keys a bench config file may set (TOML or YAML); CLI flags override them
-FILE_KEYS = {"model", "device", "dtype", "suite", "per_category", "seed", "max_new_tokens", "repeats",
+FILE_KEYS = {"model", "device", "dtype", "backend", "suite", "per_category", "seed", "max_new_tokens",
+             "repeats",
              "temperature", "drafters", "ks", "selectors", "lengths", "peers", "static", "costs",
              "out", "config"}
 

@@ -22,6 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="adaspec: adaptive, lossless speculative decoding.")
 err = Console(stderr=True)
 
+BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF models on llama.cpp's "
+                "kernels; pip install 'adaspec[llamacpp]')")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
 DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_ngram=1], "
@@ -53,7 +55,9 @@ def generate(
     stop: list[str] = typer.Option([], help="stop string, repeatable"),
     no_chat_template: bool = typer.Option(False, help="feed the prompt as raw text"),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda"),
-    dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16 (faster, not batch-invariant)"),
+    dtype: str | None = typer.Option(None, help="float32 (exact; the default) or bfloat16 (faster, not "
+                                     "batch-invariant); transformers backend only"),
+    backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, token_ids, stats"),
     rounds: bool = typer.Option(False, help="with --json: include per-round records"),
 ) -> None:
@@ -65,11 +69,11 @@ def generate(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                chat_template=not no_chat_template,
                                sampling=SamplingConfig(temperature, top_k, top_p, seed))
-        check_target(model, device, dtype)
+        check_target(model, device, dtype, backend)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
-                                                   selector=selector, length=length, k=k)
+                                                   backend=backend, selector=selector, length=length, k=k)
         if as_json:
             result = engine.generate(prompt, cfg)
             print(json.dumps(result.to_dict(rounds=rounds), ensure_ascii=False))
@@ -107,7 +111,9 @@ def serve(
     grace: float = typer.Option(30.0, help="seconds in-flight requests get to finish at shutdown"),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)"),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda"),
-    dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16"),
+    dtype: str | None = typer.Option(None, help="float32 (exact; the default) or bfloat16; transformers "
+                                     "backend only"),
+    backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
@@ -124,7 +130,7 @@ def serve(
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
     try:  # every option before the model loads
-        check_target(model, device, dtype)
+        check_target(model, device, dtype, backend)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         check_number("--port", port, low=1, high=65535, integer=True)
@@ -145,11 +151,12 @@ def serve(
         torch.set_num_threads(threads)
     try:
         engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
-                                                   selector=selector, length=length, k=k)
+                                                   backend=backend, selector=selector, length=length, k=k)
         if no_state:
             state_file = None
         elif state_file is None:
-            digest = hashlib.sha256(json.dumps([model, drafter]).encode()).hexdigest()[:12]
+            digest = hashlib.sha256(json.dumps([model, drafter] + ([backend] if backend != "transformers"
+                                                                   else [])).encode()).hexdigest()[:12]
             state_file = cache_dir() / "serve" / f"state-{digest}.json"
         config = ServeConfig(model_id=served_name or model, selector=selector, length=length, k=k,
                              max_queue=max_queue, timeout_s=timeout, state_file=state_file,
@@ -161,7 +168,8 @@ def serve(
     run_server(engine, config, host=host, port=port, log_level=log_level)
 
 
-BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": "float32", "suite": "mixed", "per_category": 2,
+BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers",
+                  "suite": "mixed", "per_category": 2,
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["auto"],
                   "lengths": ["cost-model"], "peers": ["hf-pld"], "static": True, "costs": True, "out": None}
@@ -195,7 +203,9 @@ def bench(
                                              help="0 = greedy (outputs checked against AR)"),
     seed: int | None = typer.Option(None, help="seed of the mixed shuffle and of sampling"),
     device: str | None = typer.Option(None),
-    dtype: str | None = typer.Option(None),
+    dtype: str | None = typer.Option(None, help="float32 (the default) or bfloat16; transformers backend only"),
+    backend: str | None = typer.Option(None, "--backend", help=BACKEND_HELP + " [default: transformers; "
+                                       "on llama.cpp the default peers are llama.cpp and llama.cpp-pld]"),
     costs: bool | None = typer.Option(None, "--costs/--no-costs", help="measure the verify-cost curve"),
     out: str | None = typer.Option(None, "--out", "-o",
                                    help="report directory [default: adaspec-bench/<date-time>]"),
@@ -216,6 +226,8 @@ def bench(
     Writes report.md, summary.json, rounds.csv and plots."""
     import datetime as dt
 
+    from ..backends import check_backend
+    from ..bench.peers import check_peer
     from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench
     from ..models import load_model
     from ..bench.workloads import load_workload
@@ -223,11 +235,14 @@ def bench(
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
              "repeats": repeats, "temperature": temperature, "seed": seed, "device": device,
-             "dtype": dtype, "costs": costs, "out": out}
+             "dtype": dtype, "backend": backend, "costs": costs, "out": out}
     try:
         file_cfg = load_bench_file(config_file) if config_file else {}
         opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
         opt |= {key: v for key, v in flags.items() if v is not None}
+        opt["backend"] = check_backend(opt["backend"])
+        if opt["backend"] == "llama.cpp" and "peers" not in file_cfg and peer is None:
+            opt["peers"] = ["llama.cpp", "llama.cpp-pld"]  # what a CPU user runs instead
         if no_static:
             opt["static"] = False
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
@@ -238,12 +253,14 @@ def bench(
         check_number("--per-category", opt["per_category"], low=0, integer=True)
         check_number("--prompts", prompts, low=0, integer=True)
         check_sampling(opt["temperature"])
-        check_target(opt["model"], opt["device"], opt["dtype"])
+        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"])
         check_policies(opt["selectors"], opt["lengths"], opt["ks"])
+        for p in opt["peers"]:
+            check_peer(p)
         if record and opt["temperature"] > 0:
             raise AdaspecError("--record needs greedy decoding (temperature 0): traces replay greedy runs")
         if opt["temperature"] > 0 and opt["peers"]:
-            raise AdaspecError("Hugging Face peers run greedy only: add --peer none for a sampling bench")
+            raise AdaspecError("peers run greedy only: add --peer none for a sampling bench")
         if pool:
             from ..training.pool import default_pool_root, pool_specs
 
@@ -254,7 +271,7 @@ def bench(
         if record and no_record:
             raise AdaspecError("--record and --no-record contradict each other: pass one of them")
         if record:
-            _check_record(record, opt["drafters"])
+            _check_record(record, opt["drafters"], opt["backend"])
         work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
         if prompts > 0:
             work = work[:prompts]
@@ -264,13 +281,16 @@ def bench(
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         if (record is None and not no_record and opt["temperature"] == 0
                 and any(c.kind == "adaptive" for c in configs)):
-            if any(str(d).strip().partition(":")[0].lower() == "none" for d in opt["drafters"]):
+            if opt["backend"] != "transformers":
+                err.print(f"[dim]no trace recorded (traces are recorded on the transformers backend, not "
+                          f"{opt['backend']}): no replay predictions and no per-round oracle[/]")
+            elif any(str(d).strip().partition(":")[0].lower() == "none" for d in opt["drafters"]):
                 err.print("[dim]no trace recorded (drafter 'none' cannot be recorded): no per-round oracle[/]")
             else:  # the per-round oracle and replay's predictions need a trace of this workload
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 record = str(Path(out_dir) / "trace.npz")
         err.print(f"loading {opt['model']} ...")
-        target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"])
+        target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"])
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
         with StageProgress(err) as bar:
@@ -279,7 +299,8 @@ def bench(
 
             run = run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"],
                             measure_costs=opt["costs"], progress=step, temperature=opt["temperature"],
-                            seed=opt["seed"], suite=opt["suite"], device=opt["device"], dtype=opt["dtype"])
+                            seed=opt["seed"], suite=opt["suite"], device=opt["device"],
+                            dtype=opt["dtype"] or ("float32" if opt["backend"] == "transformers" else "gguf"))
             if record:
                 from ..bench.trace import record as record_trace
 
@@ -313,8 +334,11 @@ def _trace_progress(bar: StageProgress, total: int) -> Callable[[str], None]:
     return report
 
 
-def _check_record(path: str, drafters: list[str]) -> None:
+def _check_record(path: str, drafters: list[str], backend: str = "transformers") -> None:
     """``bench --record FILE``: checked before the benchmark runs, not after it."""
+    if backend != "transformers":
+        raise AdaspecError(f"--record: traces are recorded on the transformers backend, not {backend}: "
+                           "drop --record, or use --backend transformers")
     if any(str(d).strip().partition(":")[0].lower() == "none" for d in drafters):
         raise AdaspecError("--record: drafter 'none' cannot be recorded (replay always offers it): "
                            "remove -d none, or drop --record")
@@ -345,11 +369,12 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     greedy = opt["temperature"] == 0
     for r in run.results:
-        same = f"{r.identical}/{r.prompts}" if greedy else "n/a (sampling)"
+        same = (f"{r.identical}/{r.prompts}" + (f" +{len(r.near_ties)} tie" if r.near_ties else "")
+                if greedy else "n/a (sampling)")
         table.add_row(escape(r.name), f"{r.tokens_per_s:.1f}", f"{run.speedup(r):.2f}x", f"{r.mat:.2f}",
                       f"{r.acceptance_rate:.1%}" if r.drafted else "-", f"{r.discard_rate:.2f}",
                       f"{r.verification_rate:.2f}", f"{r.policy_share:.2%}",
-                      same if r.identical == r.prompts or not greedy else f"[red]{same}[/]",
+                      same if not r.mismatches or not greedy else f"[red]{same}[/]",
                       *([f"{r.cliff_share:.0%}" if r.cliff_share is not None else "-"]
                         if run.verify_costs else []),
                       *([_prediction_cell(rows[r.name])] if run.predictions else []))
@@ -357,6 +382,10 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     for r in run.results:
         for m in r.mismatches:
             out.print(f"[red]MISMATCH[/] {escape(r.name)}: {escape(m)}")
+        for m in r.near_ties:
+            out.print(f"near-tie {escape(r.name)}: {escape(m)}")
+        for m in r.failed:
+            out.print(f"[red]FAILED[/] {escape(r.name)}: {escape(m)} (left out of its totals)")
     oracle = run.oracle()
     if oracle:
         out.print(f"per-prompt oracle (fastest static configuration of each prompt, in hindsight): "
@@ -381,7 +410,8 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
 def costs(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
     device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
+    dtype: str | None = typer.Option(None, help="float32 (the default) or bfloat16; transformers backend only"),
+    backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
     png: str | None = typer.Option("verify_cost_surface.png", "--png",
                                    help="write the heat map here ('' for none)"),
@@ -392,8 +422,8 @@ def costs(
     from ..models import load_model
 
     try:
-        check_target(model, device, dtype)
-        loaded = load_model(model, device=device, dtype=dtype)
+        check_target(model, device, dtype, backend)
+        loaded = load_model(model, device=device, dtype=dtype, backend=backend)
         with StageProgress(err) as bar:
             surface = load_or_measure(loaded, DEFAULT_KS, DEFAULT_CONTEXTS, refresh=refresh,
                                       progress=lambda done, total: bar("measuring the cost grid", done, total))

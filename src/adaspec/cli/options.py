@@ -29,11 +29,30 @@ class _TargetProbe:
         raise _NeedsTarget(name)
 
 
-def check_target(model: str, device: str = "cpu", dtype: str | None = None) -> None:
-    """``--model``, ``--device`` and ``--dtype`` of a command that loads a target."""
+def check_target(model: str, device: str = "cpu", dtype: str | None = None,
+                 backend: str = "transformers") -> None:
+    """``--model``, ``--device``, ``--dtype`` and ``--backend`` of a command that loads a target."""
+    import importlib.util
+
+    from ..backends.base import check_backend
     from ..models import check_device, locate_model, resolve_dtype
 
-    locate_model(model)
+    backend = check_backend(backend)
+    gguf = locate_model(model)
+    if backend == "llama.cpp":
+        from ..backends.llamacpp import INSTALL_HINT
+
+        if gguf is None:
+            raise AdaspecError(f"--backend llama.cpp runs GGUF files, and --model {model!r} is not one: "
+                               "pass a .gguf file, 'smollm2' or a fetched model, or use --backend transformers")
+        if dtype is not None:
+            raise AdaspecError("--dtype is not an option with --backend llama.cpp (it computes with the "
+                               "GGUF file's own weights): drop --dtype")
+        if str(device) != "cpu":
+            check_device(device, "--device")
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise AdaspecError(f"--backend llama.cpp: {INSTALL_HINT}")
+        return
     check_device(device, "--device")
     resolve_dtype(dtype)
 

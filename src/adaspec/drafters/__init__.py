@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import AdaspecError, UnknownNameError
+from ..backends.base import TargetBackend
+from ..errors import AdaspecError, ConfigError, UnknownNameError
 from ..models import LoadedModel, load_model
 from .base import Decision, Draft, Drafter, DraftStep, Proposals
 from .feature_head import FeatureHeadDrafter
@@ -110,11 +111,20 @@ def _self(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     return ModelDrafter(target, target.vocab_size, name="self")
 
 
+def _need_torch_target(target: TargetBackend, kind: str) -> None:
+    """Drafters built from the target's own PyTorch weights need the transformers backend."""
+    if target.backend != "transformers":
+        raise ConfigError(f"{kind} drafters are built from the target's PyTorch weights, which the "
+                          f"{target.backend} backend does not have: use --backend transformers, or "
+                          "model:FILE.gguf, prompt-lookup or suffix on this backend")
+
+
 def _early_exit(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     layers = _take(params, "layers", int, None)
     _no_leftovers(params, "early-exit", "layers")
     if layers is None:
         raise AdaspecError("early-exit needs the number of layers: early-exit:layers=8")
+    _need_torch_target(target, "early-exit")
     return ModelDrafter(early_exit_model(target, layers), target.vocab_size,
                         name=f"early-exit:{layers}")
 
@@ -128,6 +138,7 @@ def _trained(kind: str, cls: Any, what: str) -> Callable[..., Drafter]:
         if not path:
             raise AdaspecError(f"{kind} needs the trained {what}: write {kind}:path={what.upper()} "
                                f"(train one with `adaspec train-drafter --kind {kind}`)")
+        _need_torch_target(target, kind)
         return cls.load(path, target, name=name)
     return factory
 
@@ -163,7 +174,10 @@ def build_drafter(spec: str | Drafter, target: LoadedModel, *, device: Any = Non
     if name == "model":
         if not rest:
             raise AdaspecError("model drafter needs a model: write model:HF_ID, model:DIR or model:FILE.gguf")
-        loaded = load_model(rest, device=device or target.device, dtype=dtype or target.dtype)
+        on_torch = target.backend == "transformers"  # a GGUF drafter of a llama.cpp target: llama.cpp
+        loaded = load_model(rest, device=device or target.device,
+                            dtype=dtype or (target.dtype if on_torch else None), backend=target.backend,
+                            threads=None if on_torch else getattr(target, "threads", None))
         check_same_vocabulary(target, loaded)
         return ModelDrafter(loaded, target.vocab_size)
     factory = _FACTORIES.get(name)

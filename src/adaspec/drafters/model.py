@@ -9,12 +9,13 @@ import torch
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError, VocabularyMismatchError
+from ..backends.base import TargetBackend
 from ..models import LoadedModel
 from ..sampling import process_logits, sample
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
 
 
-def check_same_vocabulary(target: LoadedModel, drafter: LoadedModel) -> None:
+def check_same_vocabulary(target: TargetBackend, drafter: TargetBackend) -> None:
     """Raise a clear error unless both models map the same strings to the same ids."""
     tt, dt = target.tokenizer, drafter.tokenizer
     if tt is not None and dt is not None:
@@ -84,8 +85,9 @@ class ModelDrafter(Drafter):
 
     is_model = True
 
-    def __init__(self, drafter: LoadedModel, target_vocab_size: int, name: str | None = None):
-        self.model = drafter.model
+    def __init__(self, drafter: TargetBackend, target_vocab_size: int, name: str | None = None):
+        self.lm = drafter  # runs on any backend: a GGUF drafter of a llama.cpp target on llama.cpp
+        self.model = getattr(drafter, "model", None)
         self.name = name or f"model:{drafter.name}"
         self._vocab = target_vocab_size
         self._device = drafter.device
@@ -96,16 +98,21 @@ class ModelDrafter(Drafter):
 
     # -- state --------------------------------------------------------------------------
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache(config=self.model.config)
+        if self._cache is not None:
+            self.lm.release(self._cache)
+        self._cache = self.lm.new_state()
         self._fed, self._trusted, self._unfed = [], 0, None
+
+    def end_request(self, output_ids: Sequence[int]) -> None:
+        if self._cache is not None:  # a llama.cpp sequence goes back to its context's pool
+            self.lm.release(self._cache)
+            self._cache = None
 
     def _sync(self, context: Sequence[int]) -> None:
         """Crop cached tokens that are not a prefix of ``context`` (rejected drafts)."""
         c = _common_prefix(self._fed, context, self._trusted)
         if c < len(self._fed):
-            self._cache.crop(c - len(self._fed))
+            self.lm.truncate(self._cache, c)
             del self._fed[c:]
         self._trusted = c
 
@@ -114,8 +121,8 @@ class ModelDrafter(Drafter):
         logits that follow ``context`` (re-feeds that token if it was already cached)."""
         self._sync(context)
         if len(self._fed) == len(context):
-            self._cache.crop(-1)
             self._fed.pop()
+            self.lm.truncate(self._cache, len(self._fed))
         self._trusted = min(self._trusted, len(self._fed))
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
@@ -130,13 +137,9 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], keep: int = 1, hidden: bool = False):
-        ids = torch.tensor([list(tokens)], device=self._device)
-        out = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True,
-                         logits_to_keep=keep, output_hidden_states=hidden)
+        logits, h = self.lm.forward(self._cache, tokens, keep, hidden=hidden)
         self._fed.extend(tokens)
-        logits = self._align(out.logits[0].float())
-        h = out.hidden_states[-1][0, -keep:] if hidden else None
-        return logits, h
+        return self._align(logits.float()), h
 
     def catch_up(self, context: Sequence[int]) -> None:
         self._sync(context)

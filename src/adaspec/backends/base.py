@@ -1,0 +1,112 @@
+"""The target backend interface (see the package docstring)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+#: backend names accepted by ``load_model(..., backend=)`` and ``--backend``
+BACKENDS = ("transformers", "llama.cpp")
+DEFAULT_BACKEND = "transformers"
+
+
+def check_backend(name: str) -> str:
+    """The canonical backend name for ``name`` (``llamacpp`` and ``hf`` are accepted too)."""
+    key = str(name).strip().lower()
+    key = {"hf": "transformers", "torch": "transformers", "pytorch": "transformers",
+           "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama_cpp": "llama.cpp"}.get(key, key)
+    if key not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}: use one of {', '.join(BACKENDS)}")
+    return key
+
+
+class TargetBackend(ABC):
+    """A causal LM the engine can run: forwards over new tokens on a per-sequence KV state.
+
+    ``new_state()`` makes an empty state (a KV cache) for one sequence; ``forward`` appends
+    tokens to it and returns float logits ``[keep, vocab]`` of the last ``keep`` inputs (and,
+    with ``hidden``, the final hidden states of the same positions where the backend has them);
+    ``truncate`` keeps the first ``length`` tokens of a state (rejected drafts are removed, the
+    accepted prefix is not recomputed).
+    """
+
+    #: the backend's name (one of ``BACKENDS``); implementations also have ``name`` (what
+    #: the model was loaded from) and ``tokenizer`` (Hugging Face style, or None)
+    backend: str = ""
+    #: whether ``forward(..., hidden=True)`` and feature drafters work on this backend
+    has_hidden_states: bool = False
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where logits live."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """The dtype of the computation (a quantized backend reports its logits' dtype)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Width of the logits."""
+
+    @property
+    @abstractmethod
+    def context_window(self) -> int | None:
+        """Most tokens a sequence may hold (None: unlimited)."""
+
+    @abstractmethod
+    def model_eos_ids(self) -> set[int]:
+        """End-of-sequence ids the model itself declares (besides the tokenizer's)."""
+
+    def eos_ids(self) -> set[int]:
+        """End-of-sequence ids: the model's and the tokenizer's EOS."""
+        ids = set(self.model_eos_ids())
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        return ids
+
+    @abstractmethod
+    def new_state(self) -> Any:
+        """An empty KV state for one sequence."""
+
+    @abstractmethod
+    def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
+                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``ids`` to ``state``; logits of the last ``keep`` of them (and hidden states)."""
+
+    def prefill(self, state: Any, prompt: Sequence[int]) -> None:
+        """Feed a prompt into an empty ``state``: every token but the last, which the first round
+        feeds with its drafts (``forward(state, [prompt[-1], *drafts])``). A backend may compute
+        the last token here too, as its own plain decoding does, and answer that first row from
+        it (llama.cpp: the same batches as its greedy, hence the same numbers)."""
+        if len(prompt) > 1:
+            self.forward(state, prompt[:-1], keep=1)
+
+    @abstractmethod
+    def truncate(self, state: Any, length: int) -> None:
+        """Keep the first ``length`` tokens of ``state`` (drop the rest of its KV)."""
+
+    @abstractmethod
+    def state_length(self, state: Any) -> int:
+        """Tokens held by ``state``."""
+
+    def release(self, state: Any) -> None:
+        """Free what ``state`` holds (a no-op where memory is garbage collected)."""
+
+    @abstractmethod
+    def identity(self) -> str:
+        """What distinguishes this model and runtime for cached measurements (cost surfaces)."""
+
+    def require_hidden_states(self, what: str) -> None:
+        """A clear error when ``what`` needs hidden states this backend does not expose."""
+        if not self.has_hidden_states:
+            raise ConfigError(f"{what} needs the target's hidden states, which the {self.backend} "
+                              "backend does not expose: use --backend transformers")

@@ -1,0 +1,292 @@
+"""The llama.cpp backend: GGUF targets (and GGUF draft models) on llama.cpp's CPU kernels.
+
+Runs through llama-cpp-python's C API (``pip install 'adaspec[llamacpp]'``, built from source).
+One llama.cpp context per model holds up to ``n_seq_max`` sequences in a unified KV cache; a
+KV state is a sequence id. A forward puts the new tokens in one ``llama_batch`` (chunked by
+``n_batch`` for long prompts) and asks for logits at the last ``keep`` positions only;
+``truncate`` removes the rejected tail with ``llama_memory_seq_rm`` (the accepted prefix is
+kept, never recomputed). The tokenizer is the Hugging Face one read from the same GGUF file
+(chat templates and token ids as on the transformers backend).
+
+Exactness: quantized kernels need not give a batched forward of k tokens bit-identical logits
+to k one-token forwards. Measured on SmolLM2 Q4_1 with 2 threads: with flash attention (used
+here) they are bit-identical for k = 2..16; without it the logits differ by up to 0.55. The
+prompt is fed in one batch as llama.cpp feeds it (``prefill``), so greedy speculative output
+equals llama.cpp's own greedy decoding with the same settings (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ModelLoadError
+from .base import TargetBackend
+
+INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'adaspec[llamacpp]' "
+                "(it builds llama.cpp from source: cmake and a C++ compiler must be installed)")
+
+
+def import_llama_cpp() -> Any:
+    """The ``llama_cpp`` module with its logging quiet (errors only), or a clear error."""
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as exc:
+        raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
+    _logger.set_verbose(False)
+    return llama_cpp
+
+
+@dataclass(eq=False)
+class LlamaSequence:
+    """A KV state on a llama.cpp context: its sequence id and the tokens it holds. Its id goes
+    back to the context's pool on ``release`` or, failing that, when the object is collected."""
+
+    seq_id: int
+    length: int = 0  # tokens fed by forward/prefill (the KV holds one more while ``pending``)
+    released: bool = False
+    finalizer: Any = field(default=None, repr=False)
+    #: (token, logits row): the prompt's last token, computed by ``prefill`` in the prompt's
+    #: batch, whose row answers the next forward that starts with it
+    pending: tuple[int, torch.Tensor] | None = None
+
+
+class LlamaCppTarget(TargetBackend):
+    """A GGUF model on llama.cpp (see the module docstring).
+
+    Args:
+        path: the .gguf file.
+        tokenizer: a Hugging Face tokenizer for the same vocabulary (None: token ids only).
+        threads: llama.cpp threads (default: torch's thread count, as on the other backend).
+        n_ctx: tokens of KV cache shared by all sequences (default: the model's training window).
+        n_seq_max: sequences (KV states) that can be live at once (engine, model drafters that
+            share the context, the cost measurement's grid).
+        n_batch: most tokens per llama_decode call (longer prompts are fed in chunks).
+        gpu_layers: layers to offload (0: CPU only; -1: all, on a GPU build of llama.cpp).
+    """
+
+    backend = "llama.cpp"
+    has_hidden_states = False
+
+    def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
+                 threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
+                 n_batch: int = 512, gpu_layers: int = 0):
+        L = import_llama_cpp()
+        self._L = L
+        self.path = Path(path)
+        self.name = name or str(path)
+        self.tokenizer = tokenizer
+        self.threads = int(threads or torch.get_num_threads())
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = gpu_layers
+        model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a GGUF model file "
+                                 "of an architecture this llama.cpp build knows?")
+        vocab = L.llama_model_get_vocab(model)
+        self._n_vocab = int(L.llama_vocab_n_tokens(vocab))
+        self._train_ctx = int(L.llama_model_n_ctx_train(model))
+        self._eos = {int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0}
+        cp = L.llama_context_default_params()
+        cp.n_ctx = int(n_ctx or self._train_ctx)
+        cp.n_batch = cp.n_ubatch = int(n_batch)
+        cp.n_seq_max = int(n_seq_max)
+        cp.kv_unified = True  # sequences share the cells: any one may use the whole window
+        cp.n_threads = cp.n_threads_batch = self.threads
+        # flash attention (llama.cpp's own choice on CPUs): measured here, it makes a forward over
+        # k tokens give bit-identical logits to k one-token forwards, so verification is exact
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:  # a model or build without flash attention: llama.cpp's automatic choice
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_AUTO
+            ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            L.llama_model_free(model)
+            raise ModelLoadError(f"llama.cpp could not create a context of {cp.n_ctx} tokens for "
+                                 f"{self.path}: pass a smaller n_ctx")
+        self._n_ctx, self._n_batch, self._n_seq_max = int(cp.n_ctx), int(n_batch), int(n_seq_max)
+        self._ctx, self._model = ctx, model
+        self._mem = L.llama_get_memory(ctx)
+        self._batch = L.llama_batch_init(self._n_batch, 0, 1)
+        self._free_ids = list(range(int(n_seq_max)))[::-1]
+        self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
+
+    # -- TargetBackend ------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # logits are copied to host memory
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def context_window(self) -> int | None:
+        return self._n_ctx
+
+    def model_eos_ids(self) -> set[int]:
+        return set(self._eos)
+
+    def new_state(self) -> LlamaSequence:
+        if not self._free_ids:
+            raise ConfigError(f"all {self._n_seq_max} KV sequences of this llama.cpp "
+                              "context are in use: release states, or load with a larger n_seq_max")
+        seq = LlamaSequence(self._free_ids.pop())
+        self._L.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
+        seq.finalizer = weakref.finalize(seq, self._reclaim, seq.seq_id)
+        return seq
+
+    def _reclaim(self, seq_id: int) -> None:
+        self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._free_ids.append(seq_id)
+
+    def prefill(self, state: LlamaSequence, prompt: Sequence[int]) -> None:
+        """The whole prompt in one batch (chunks of ``n_batch``), as llama.cpp's own decoding
+        feeds it: the last token's KV and logits then carry the same numbers as there (batches of
+        other sizes may not), and its row answers the first round (``pending``)."""
+        prompt = list(prompt)
+        if not prompt:
+            return
+        logits, _ = self.forward(state, prompt, keep=1)
+        state.length -= 1
+        state.pending = (prompt[-1], logits[-1:])
+
+    def _resolve_pending(self, state: LlamaSequence, first: int | None) -> torch.Tensor | None:
+        """Consume a pending prompt token: its logits row when ``first`` is that token (the KV is
+        there already), else drop its KV."""
+        tok, row = state.pending  # type: ignore[misc]
+        state.pending = None
+        if first == tok:
+            state.length += 1
+            return row
+        self._L.llama_memory_seq_rm(self._mem, state.seq_id, state.length, -1)
+        return None
+
+    def forward(self, state: LlamaSequence, ids: Sequence[int], keep: int = 1,
+                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if hidden:
+            self.require_hidden_states("forward(hidden=True)")
+        self._check_live(state)
+        ids = list(ids)
+        if state.pending is not None and ids:
+            row = self._resolve_pending(state, ids[0])
+            if row is not None:
+                if len(ids) == 1:
+                    return row.clone(), None
+                rest, _ = self.forward(state, ids[1:], keep=min(keep, len(ids) - 1))
+                return (torch.cat([row, rest]) if keep == len(ids) else rest), None
+        n = len(ids)
+        if not 1 <= keep <= min(n, self._n_batch):
+            raise ConfigError(f"keep={keep} logits of a {n}-token forward: need 1 <= keep <= "
+                              f"{min(n, self._n_batch)}")
+        if state.length + n > self._n_ctx:
+            raise ConfigError(f"{state.length + n} tokens exceed this llama.cpp context of "
+                              f"{self._n_ctx}: shorten the prompt or lower max_new_tokens")
+        L, b, seq = self._L, self._batch, state.seq_id
+        for start in range(0, n, self._n_batch):
+            chunk = ids[start:start + self._n_batch]
+            m = len(chunk)
+            first_out = n - keep - start  # index within this chunk of the first kept position
+            b.n_tokens = m
+            pos = state.length
+            for i, t in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = pos + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = i >= first_out
+            rc = L.llama_decode(self._ctx, b)
+            if rc != 0:
+                # the failed batch may have left cells behind: drop everything past the old length
+                L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
+                raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch")
+            state.length += m
+        out = L.llama_get_logits(self._ctx)
+        rows = np.ctypeslib.as_array(out, shape=(keep, self._n_vocab))
+        return torch.from_numpy(rows.copy()), None
+
+    def truncate(self, state: LlamaSequence, length: int) -> None:
+        self._check_live(state)
+        if state.pending is not None:
+            self._resolve_pending(state, None)
+        if length < state.length:
+            self._L.llama_memory_seq_rm(self._mem, state.seq_id, int(length), -1)
+            state.length = int(length)
+
+    def state_length(self, state: LlamaSequence) -> int:
+        return state.length
+
+    def release(self, state: LlamaSequence) -> None:
+        if not state.released:
+            state.released = True
+            state.finalizer()  # _reclaim, once
+
+    def _check_live(self, state: Any) -> None:
+        if not isinstance(state, LlamaSequence) or state.released:
+            raise ConfigError("this KV state is not a live sequence of this llama.cpp target "
+                              "(released, or made by another backend)")
+
+    def identity(self) -> str:
+        st = self.path.stat()
+        return (f"llama.cpp|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|threads={self.threads}|"
+                f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}")
+
+
+def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The Hugging Face tokenizer stored in a GGUF file (from the transformers backend's
+    conversion cache when that model was loaded there before: much faster)."""
+    from transformers import AutoTokenizer
+
+    from ..models import _gguf_cache_path
+
+    cached = _gguf_cache_path(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(f"could not read the tokenizer of {path}: {exc}") from exc
+
+
+def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: Any = None,
+                  threads: int | None = None) -> LlamaCppTarget:
+    """``load_model(spec, backend="llama.cpp")``: checks that the model is a GGUF file and that
+    the options make sense on llama.cpp before loading."""
+    if gguf is None:
+        raise ConfigError(f"the llama.cpp backend runs GGUF files, and {spec!r} is not one: pass a .gguf "
+                          "file (or 'smollm2', or a model fetched with `adaspec fetch`), or use "
+                          "--backend transformers")
+    if dtype is not None:
+        raise ConfigError("dtype is not an option on the llama.cpp backend: it computes with the GGUF "
+                          "file's own (quantized) weights; leave dtype unset")
+    L = import_llama_cpp()
+    dev = str(device)
+    if dev == "cpu":
+        gpu_layers = 0
+    elif dev.startswith("cuda") and L.llama_supports_gpu_offload():
+        gpu_layers = -1
+    else:
+        raise ConfigError(f"device {dev!r} on the llama.cpp backend: this llama.cpp build runs on the "
+                          "CPU only: use device cpu (or a GPU build of llama-cpp-python for cuda)")
+    return LlamaCppTarget(gguf, name=str(spec), tokenizer=gguf_tokenizer(gguf), threads=threads,
+                          gpu_layers=gpu_layers)

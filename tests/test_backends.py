@@ -1,0 +1,269 @@
+"""The target backend interface, tested with the same cases on both implementations: a tiny
+Hugging Face model (transformers) and SmolLM2's GGUF file on llama.cpp (skipped when
+llama-cpp-python is not installed; the README's test command installs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import chisquare_gof, make_tiny_model
+
+from adaspec import SpeculativeEngine
+from adaspec.backends import TargetBackend, check_backend
+from adaspec.errors import AdaspecError, ConfigError, PromptError
+from adaspec.exactness import NEAR_TIE_NATS, divergence_gap
+from adaspec.models import as_loaded, embedded_gguf, load_model
+
+HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
+needs_llama = pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed")
+LLAMA_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def llama() -> TargetBackend:
+    if not HAVE_LLAMA:
+        pytest.skip("llama-cpp-python is not installed")
+    from adaspec.backends.llamacpp import LlamaCppTarget
+
+    return LlamaCppTarget(embedded_gguf(), name="smollm2", threads=2, n_ctx=2048, n_seq_max=LLAMA_SEQS)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TargetBackend:
+    return as_loaded(make_tiny_model(3, 64, init_std=0.3, lm_head_scale=3.0))
+
+
+@pytest.fixture(params=["transformers", "llama.cpp"])
+def backend(request) -> TargetBackend:
+    return request.getfixturevalue("tiny" if request.param == "transformers" else "llama")
+
+
+def _ids(backend: TargetBackend, n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    hi = min(backend.vocab_size, 5000)  # SmolLM2: ordinary word pieces
+    return torch.randint(100 if hi > 1000 else 1, hi, (n,), generator=g).tolist()
+
+
+def test_backend_names():
+    assert check_backend("llamacpp") == "llama.cpp" and check_backend("HF") == "transformers"
+    with pytest.raises(ConfigError, match="unknown backend"):
+        check_backend("onnx")
+
+
+def test_forward_keep_rows_match_one_token_forwards(backend):
+    """``keep`` rows of one forward are the logits of each position (as one-token forwards
+    give them, up to the kernels' numerics: same argmax, close values)."""
+    ids = _ids(backend, 12)
+    a = backend.new_state()
+    b = backend.new_state()
+    try:
+        block, _ = backend.forward(a, ids, keep=4)
+        assert block.shape == (4, backend.vocab_size)
+        assert backend.state_length(a) == 12
+        rows = [backend.forward(b, ids[:9], keep=1)[0][-1]]
+        rows += [backend.forward(b, [t], keep=1)[0][-1] for t in ids[9:12]]
+        single = torch.stack(rows)
+        assert torch.equal(block.argmax(-1), single.argmax(-1))
+        tol = 1e-4 if backend.backend == "transformers" else 0.2  # quantized batched kernels differ
+        assert (block.float() - single.float()).abs().max() < tol
+    finally:
+        backend.release(a)
+        backend.release(b)
+
+
+def test_truncate_keeps_the_prefix_exactly(backend):
+    """After truncating to n tokens, a forward gives what a fresh state holding those n tokens
+    gives (bit for bit: the same shapes run the same kernels)."""
+    ids, more = _ids(backend, 10, 1), _ids(backend, 3, 2)
+    a, b = backend.new_state(), backend.new_state()
+    try:
+        backend.forward(a, ids, keep=1)
+        backend.truncate(a, 6)
+        assert backend.state_length(a) == 6
+        backend.truncate(a, 8)  # truncating past the end is a no-op
+        assert backend.state_length(a) == 6
+        got, _ = backend.forward(a, more, keep=3)
+        backend.forward(b, ids[:6], keep=1)
+        want, _ = backend.forward(b, more, keep=3)
+        assert torch.equal(got, want)
+    finally:
+        backend.release(a)
+        backend.release(b)
+
+
+def test_states_are_independent(backend):
+    """Interleaved forwards on two states do not see each other's tokens."""
+    x, y = _ids(backend, 8, 3), _ids(backend, 8, 4)
+    a, b = backend.new_state(), backend.new_state()
+    try:
+        backend.forward(a, x[:4])
+        backend.forward(b, y[:4])
+        la, _ = backend.forward(a, x[4:], keep=1)
+        lb, _ = backend.forward(b, y[4:], keep=1)
+        c = backend.new_state()
+        try:
+            ref, _ = backend.forward(c, x[:4])
+            ref, _ = backend.forward(c, x[4:], keep=1)
+        finally:
+            backend.release(c)
+        assert torch.equal(la, ref) and not torch.equal(la, lb)
+    finally:
+        backend.release(a)
+        backend.release(b)
+
+
+def test_eos_vocab_and_window(backend):
+    assert backend.vocab_size > 0 and backend.context_window and backend.context_window > 0
+    eos = backend.eos_ids()
+    assert eos == backend.model_eos_ids() | ({int(backend.tokenizer.eos_token_id)}
+                                             if getattr(backend.tokenizer, "eos_token_id", None) is not None
+                                             else set())
+    if backend.backend == "llama.cpp":
+        assert 2 in eos  # SmolLM2's <|im_end|>
+
+
+def test_engine_rejects_prompts_past_the_window(backend):
+    window = backend.context_window
+    engine = SpeculativeEngine(backend, [])
+    with pytest.raises(PromptError, match="context window"):
+        engine.generate([5] * window, max_new_tokens=4)
+    with pytest.raises(PromptError, match="lower max_new_tokens"):
+        engine.generate([5] * (window - 2), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("drafters", [["prompt-lookup"], ["suffix"], None, ["self"]])
+def test_speculative_greedy_equals_plain_decoding(backend, drafters):
+    """Greedy speculative output equals plain decoding on the same backend: token for token on
+    transformers (fp32), and on llama.cpp too unless a difference sits at a numeric near-tie."""
+    base = _ids(backend, 6, 5)
+    prompt = base * 3 + base[:2]  # repetitive: prompt lookup and suffix draft
+    ar = SpeculativeEngine(backend, []).generate(prompt, max_new_tokens=24)
+    spec = SpeculativeEngine(backend, drafters, k=4).generate(prompt, max_new_tokens=24)
+    if spec.token_ids != ar.token_ids:
+        assert backend.backend == "llama.cpp"
+        at, gap = divergence_gap(backend, prompt, ar.token_ids, spec.token_ids)
+        assert gap is not None and gap <= NEAR_TIE_NATS, (at, gap)
+    if drafters is not None:
+        assert spec.stats.drafted > 0
+
+
+def test_release_frees_a_sequence_and_stale_states_are_refused(llama):
+    states = [llama.new_state() for _ in range(LLAMA_SEQS)]
+    with pytest.raises(ConfigError, match="in use"):
+        llama.new_state()
+    llama.release(states[0])
+    llama.release(states[0])  # twice is harmless
+    with pytest.raises(ConfigError, match="not a live sequence"):
+        llama.forward(states[0], [5])
+    fresh = llama.new_state()
+    assert llama.state_length(fresh) == 0
+    for s in [fresh, *states[1:]]:
+        llama.release(s)
+
+
+def test_llamacpp_forward_errors(llama):
+    s = llama.new_state()
+    try:
+        with pytest.raises(ConfigError, match="keep"):
+            llama.forward(s, [5, 6], keep=3)
+        with pytest.raises(ConfigError, match="exceed"):
+            llama.forward(s, [5] * (llama.context_window + 1))
+        with pytest.raises(ConfigError, match="hidden states"):
+            llama.forward(s, [5], hidden=True)
+    finally:
+        llama.release(s)
+
+
+@needs_llama
+def test_load_model_checks_llamacpp_options(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not one: pass a .gguf"):
+        load_model(str(tmp_path), backend="llama.cpp")  # a directory: no GGUF
+    with pytest.raises(ConfigError, match="dtype"):
+        load_model("smollm2", backend="llama.cpp", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="CPU only"):
+        load_model("smollm2", backend="llama.cpp", device="mps")
+    with pytest.raises(ConfigError, match="threads= is for the llama.cpp backend"):
+        load_model("smollm2", threads=2)
+
+
+def test_cli_checks_backend_before_loading(tmp_path):
+    from adaspec.cli.options import check_target
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(AdaspecError, match="--backend llama.cpp runs GGUF files"):
+        check_target(str(tmp_path), backend="llama.cpp")
+    with pytest.raises(AdaspecError, match="--dtype is not an option"):
+        check_target("smollm2", dtype="float32", backend="llama.cpp")
+    with pytest.raises(AdaspecError, match="unknown backend"):
+        check_target("smollm2", backend="tensorrt")
+
+
+def test_torch_weight_drafters_are_refused_on_llamacpp(llama):
+    from adaspec.drafters import build_drafter
+
+    with pytest.raises(ConfigError, match="--backend transformers"):
+        build_drafter("early-exit:layers=4", llama)
+
+
+def test_llamacpp_cost_surface(llama):
+    from adaspec.costs import measure_verify_surface
+
+    surface = measure_verify_surface(llama, contexts=(16, 64), ks=(1, 2, 4), repeats=1)
+    assert surface.contexts == [16, 64] and all(s > 0 for row in surface.seconds for s in row)
+    assert len(surface.prefill_seconds) == 2
+    assert llama.identity().startswith("llama.cpp|")
+    assert llama._free_ids and len(llama._free_ids) == LLAMA_SEQS  # every grid state was released
+
+
+@pytest.mark.slow
+def test_llamacpp_sampling_is_exact(llama):
+    """Speculative sampling on llama.cpp emits tokens distributed as the target's softmax: the
+    first token after a prompt that prompt lookup drafts from (one-hot drafts, rejection rule),
+    chi-square against the target's own distribution at that position (significance 0.001)."""
+    base = _ids(llama, 5, 7)
+    prompt = base * 3 + base[:2]
+    s = llama.new_state()
+    try:
+        logits, _ = llama.forward(s, prompt, keep=1)
+    finally:
+        llama.release(s)
+    p = torch.softmax(logits[-1].double(), -1)
+    engine = SpeculativeEngine(llama, ["prompt-lookup"], k=3)
+    n = 400
+    counts = torch.zeros(llama.vocab_size, dtype=torch.float64)
+    drafted = 0
+    for seed in range(n):
+        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)  # drafts 1
+        counts[r.token_ids[0]] += 1
+        drafted += r.stats.drafted
+    assert drafted > 0
+    top = torch.argsort(p, descending=True)[:20]
+    obs = [*counts[top].tolist(), n - counts[top].sum().item()]
+    exp = [*p[top].tolist(), 1 - p[top].sum().item()]
+    _, pval, _ = chisquare_gof(obs, exp)
+    assert pval > 1e-3
+
+
+def test_prefill_then_first_round_rows(backend):
+    """``prefill`` + a forward that starts with the prompt's last token give that token's row
+    and the drafts' rows, as one forward over the whole sequence's tail would."""
+    prompt, drafts = _ids(backend, 9, 8), _ids(backend, 3, 9)
+    a, b = backend.new_state(), backend.new_state()
+    try:
+        backend.prefill(a, prompt)
+        assert backend.state_length(a) == len(prompt) - 1
+        got, _ = backend.forward(a, [prompt[-1], *drafts], keep=4)
+        assert backend.state_length(a) == len(prompt) + 3
+        backend.forward(b, prompt, keep=1)
+        want, _ = backend.forward(b, drafts, keep=3)
+        assert got.shape == (4, backend.vocab_size)
+        assert torch.equal(got[1:].argmax(-1), want.argmax(-1))
+        backend.truncate(a, len(prompt) - 1)  # back to before the last prompt token
+        again, _ = backend.forward(a, [prompt[-1]], keep=1)
+        assert torch.equal(again.argmax(-1), got[:1].argmax(-1))
+    finally:
+        backend.release(a)
+        backend.release(b)
