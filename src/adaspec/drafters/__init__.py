@@ -113,7 +113,7 @@ def _self(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
 
 def _need_torch_target(target: TargetBackend, kind: str) -> None:
     """Drafters built from the target's own PyTorch weights need the transformers backend."""
-    if target.backend != "transformers":
+    if isinstance(target, TargetBackend) and target.backend != "transformers":
         raise ConfigError(f"{kind} drafters are built from the target's PyTorch weights, which the "
                           f"{target.backend} backend does not have: use --backend transformers, or "
                           "model:FILE.gguf, prompt-lookup or suffix on this backend")
