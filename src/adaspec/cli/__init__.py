@@ -23,7 +23,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 err = Console(stderr=True)
 
 BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF models on llama.cpp's "
-                "kernels; pip install 'adaspec[llamacpp]')")
+                "kernels; pip install 'adaspec\\[llamacpp]')")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
 DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_ngram=1], "
@@ -32,7 +32,7 @@ DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_
 
 
 def _fail(exc: Exception) -> None:
-    err.print(f"[bold red]error:[/] {exc}")
+    err.print(f"[bold red]error:[/] {escape(str(exc))}")
     raise typer.Exit(2)
 
 
