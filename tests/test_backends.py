@@ -218,6 +218,22 @@ def test_llamacpp_cost_surface(llama):
     assert llama._free_ids and len(llama._free_ids) == LLAMA_SEQS  # every grid state was released
 
 
+def test_cost_surface_with_fewer_free_states_than_contexts(llama):
+    """A llama.cpp context with fewer free sequences than grid contexts (here 1 free, 3 contexts)
+    is measured one state at a time, and every state goes back to the pool."""
+    from adaspec.costs import measure_verify_surface
+
+    held = [llama.new_state() for _ in range(LLAMA_SEQS - 1)]
+    try:
+        assert llama.free_states() == 1
+        surface = measure_verify_surface(llama, contexts=(8, 16, 32), ks=(1, 3), repeats=1)
+        assert surface.contexts == [8, 16, 32] and all(s > 0 for row in surface.seconds for s in row)
+        assert all(p > 0 for p in surface.prefill_seconds) and llama.free_states() == 1
+    finally:
+        for s in held:
+            llama.release(s)
+
+
 @pytest.mark.slow
 def test_llamacpp_sampling_is_exact(llama):
     """Speculative sampling on llama.cpp emits tokens distributed as the target's softmax: the

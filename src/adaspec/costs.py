@@ -341,24 +341,41 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
         return time.perf_counter() - t0
 
     prefix = torch.randint(0, vocab, (max(contexts),), generator=gen).tolist()
+    # one live state per context, prefilled twice (untimed warm-up, then timed); a backend with
+    # fewer free states (llama.cpp's n_seq_max) gets one state at a time, prefilled every pass
+    free = loaded.free_states()
+    together = free is None or free >= len(contexts)
     caches: list[object] = []
-    pre: list[float] = []
+    pre: list[float] = [0.0] * len(contexts)
     times: dict[tuple[int, int], list[float]] = {(c, k): [] for c in contexts for k in ks}
     total = warmup + repeats
+
+    def measure(cache: object, c: int, rep: int) -> None:
+        for k in ks:
+            ids = torch.randint(0, vocab, (k,), generator=gen).tolist()
+            dt = timed(ids, cache, k)
+            loaded.truncate(cache, c)
+            if rep >= warmup:
+                times[(c, k)].append(dt)
+
     try:
         for rep in range(total):
-            if rep <= warmup:  # prefills: untimed in the warm-up (first shapes allocate), then timed once
+            if together and rep <= warmup:  # prefills: untimed in the warm-up, then timed once
                 for cache in caches:
                     loaded.release(cache)
                 caches = [loaded.new_state() for _ in contexts]
                 pre = [timed(prefix[:c], cache, 1) for c, cache in zip(contexts, caches)]
-            for cache, c in zip(caches, contexts):
-                for k in ks:
-                    ids = torch.randint(0, vocab, (k,), generator=gen).tolist()
-                    dt = timed(ids, cache, k)
-                    loaded.truncate(cache, c)
-                    if rep >= warmup:
-                        times[(c, k)].append(dt)
+            for j, c in enumerate(contexts):
+                if together:
+                    measure(caches[j], c, rep)
+                    continue
+                cache = loaded.new_state()
+                try:
+                    t = timed(prefix[:c], cache, 1)
+                    pre[j] = t if rep == warmup else pre[j]
+                    measure(cache, c, rep)
+                finally:
+                    loaded.release(cache)
             if progress is not None:
                 progress(rep + 1, total)
     finally:

@@ -101,6 +101,10 @@ class TargetBackend(ABC):
     def release(self, state: Any) -> None:
         """Free what ``state`` holds (a no-op where memory is garbage collected)."""
 
+    def free_states(self) -> int | None:
+        """How many more states ``new_state`` can make now (None: no fixed limit)."""
+        return None
+
     @abstractmethod
     def identity(self) -> str:
         """What distinguishes this model and runtime for cached measurements (cost surfaces)."""

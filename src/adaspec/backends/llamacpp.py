@@ -235,6 +235,9 @@ class LlamaCppTarget(TargetBackend):
             state.released = True
             state.finalizer()  # _reclaim, once
 
+    def free_states(self) -> int:
+        return len(self._free_ids)
+
     def _check_live(self, state: Any) -> None:
         if not isinstance(state, LlamaSequence) or state.released:
             raise ConfigError("this KV state is not a live sequence of this llama.cpp target "
