@@ -13,7 +13,7 @@ from conftest import chisquare_gof, make_tiny_model
 from adaspec import SpeculativeEngine
 from adaspec.backends import TargetBackend, check_backend
 from adaspec.errors import AdaspecError, ConfigError, PromptError
-from adaspec.exactness import NEAR_TIE_NATS, divergence_gap
+from adaspec.exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP, divergence_gap
 from adaspec.models import as_loaded, embedded_gguf, load_model
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
@@ -144,9 +144,81 @@ def test_speculative_greedy_equals_plain_decoding(backend, drafters):
     if spec.token_ids != ar.token_ids:
         assert backend.backend == "llama.cpp"
         at, gap = divergence_gap(backend, prompt, ar.token_ids, spec.token_ids)
-        assert gap is not None and gap <= NEAR_TIE_NATS, (at, gap)
+        assert gap is not None and gap <= backend.near_tie_nats, (at, gap)
     if drafters is not None:
         assert spec.stats.drafted > 0
+
+
+def _single_and_block_rows(backend: TargetBackend, prompt: list[int], more: list[int]):
+    """Rows of ``[prompt[-1], *more]`` after ``prefill(prompt)``: one token at a time, and in one block."""
+    rows = []
+    for block in (1, len(more) + 1):
+        s = backend.new_state()
+        try:
+            backend.prefill(s, prompt)
+            seq, out = [prompt[-1], *more], []
+            for j in range(0, len(seq), block):
+                out.append(backend.forward(s, seq[j:j + block], keep=len(seq[j:j + block]))[0])
+            rows.append(torch.cat(out))
+        finally:
+            backend.release(s)
+    return rows
+
+
+def test_backend_numerics_flags():
+    assert as_loaded(make_tiny_model()).batch_invariant and as_loaded(make_tiny_model()).near_tie_nats == NEAR_TIE_NATS
+    if HAVE_LLAMA:
+        from adaspec.backends.llamacpp import LlamaCppTarget
+
+        assert not LlamaCppTarget.batch_invariant and LlamaCppTarget.near_tie_nats == NEAR_TIE_NATS_LLAMACPP
+
+
+def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells(llama):
+    """Pins llama.cpp's numerics behind ``batch_invariant = False``: a verify block gives the rows
+    of one-token forwards bit for bit while the KV cache holds at most 256 cells, and other
+    numbers past that (split-KV flash attention for one query), within the near-tie bound. When
+    a llama.cpp release makes them equal, this fails: the flag and the threshold can go."""
+    ids = _ids(llama, 320, 11)
+    single, block = _single_and_block_rows(llama, ids[:200], ids[200:205])
+    assert torch.equal(single, block)
+    single, block = _single_and_block_rows(llama, ids[:300], ids[300:305])
+    assert not torch.equal(single, block) and torch.equal(single.argmax(-1), block.argmax(-1))
+    lp_s, lp_b = torch.log_softmax(single.double(), -1), torch.log_softmax(block.double(), -1)
+    top2 = torch.topk(lp_s, 2, dim=-1).indices
+    move = ((lp_s.gather(1, top2) @ torch.tensor([1.0, -1.0], dtype=torch.float64))
+            - (lp_b.gather(1, top2) @ torch.tensor([1.0, -1.0], dtype=torch.float64))).abs()
+    assert move.max() < llama.near_tie_nats
+
+
+def test_divergence_gap_is_the_margin_plain_decoding_saw(llama):
+    """On llama.cpp the gap at a difference is computed along the reference's own path (prompt,
+    then one token at a time), not by one forward that would take other kernels."""
+    ids = _ids(llama, 300, 12)
+    prompt, ref = ids[:290], ids[290:296]
+    other = [*ref[:3], (ref[3] + 1) % llama.vocab_size]
+    at, gap = divergence_gap(llama, prompt, ref, other)
+    single, _ = _single_and_block_rows(llama, prompt, ref[:3])
+    lp = torch.log_softmax(single[-1].float(), -1)
+    assert at == 3 and gap == pytest.approx(abs(float(lp[ref[3]] - lp[other[3]])), abs=1e-6)
+
+
+def test_llamacpp_requests_run_torch_on_one_thread(llama):
+    """While a request runs on llama.cpp, torch uses one thread (its spinning pool would take
+    llama.cpp's cores); the caller's setting is restored afterwards, also when streams nest."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = SpeculativeEngine(llama, ["prompt-lookup"], k=3)
+        seen = []
+        engine.generate(_ids(llama, 12, 13), max_new_tokens=6, on_tokens=lambda _: seen.append(torch.get_num_threads()))
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        with llama.request_scope():  # nested scopes (interleaved streams): the last one restores
+            with llama.request_scope():
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_release_frees_a_sequence_and_stale_states_are_refused(llama):

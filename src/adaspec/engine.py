@@ -339,7 +339,8 @@ class SpeculativeEngine:
         tokens = list(prompt_ids)
         cache = self.target.new_state()
         try:
-            return (yield from self._rounds(cache, tokens, cfg, stats, generator, t_start))
+            with self.target.request_scope():
+                return (yield from self._rounds(cache, tokens, cfg, stats, generator, t_start))
         finally:
             self.target.release(cache)
 

@@ -18,6 +18,11 @@ import torch
 #: this close (nats) differs at a numeric near-tie (batched vs one-token forwards, bf16, quantized
 #: kernels), not from a verification error
 NEAR_TIE_NATS = 0.05
+#: the same on llama.cpp, whose CPU kernels are not batch-invariant once the KV cache holds more
+#: than 256 cells (one query takes flash attention's split-KV path, a verify block does not): the
+#: largest move of the two best tokens' margin between one-token decoding and verify blocks,
+#: measured over the built-in suites (scripts/llamacpp_numerics.py, docs/llamacpp.md), rounded up
+NEAR_TIE_NATS_LLAMACPP = 0.5
 
 
 @torch.inference_mode()
@@ -69,14 +74,21 @@ def divergence_gap(target: Any, prompt_ids: Sequence[int], reference: Sequence[i
                    output: Sequence[int]) -> tuple[int, float | None]:
     """Where ``output`` first differs from the ``reference`` greedy output, and how close the two
     tokens were there: |log p(reference token) - log p(output token)| in nats under the target's
-    logits after the shared prefix (one forward on any ``TargetBackend``). The gap is None where
-    one output is a prefix of the other (they differ in length only)."""
+    logits after the shared prefix. On a batch-invariant backend one forward gives them; on one
+    that is not (llama.cpp), they are computed as plain decoding computed them (the prompt, then
+    one token at a time), so the gap is the margin the reference itself saw. The gap is None
+    where one output is a prefix of the other (they differ in length only)."""
     at = next((j for j, (a, b) in enumerate(zip(output, reference)) if a != b), None)
     if at is None:
         return min(len(output), len(reference)), None
     state = target.new_state()
     try:
-        logits, _ = target.forward(state, [*prompt_ids, *reference[:at]], keep=1)
+        if getattr(target, "batch_invariant", True):
+            logits, _ = target.forward(state, [*prompt_ids, *reference[:at]], keep=1)
+        else:
+            target.prefill(state, prompt_ids)
+            for tok in [prompt_ids[-1], *reference[:at]]:
+                logits, _ = target.forward(state, [tok], keep=1)
     finally:
         target.release(state)
     logp = torch.log_softmax(logits[-1].float(), dim=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..exactness import NEAR_TIE_NATS
 
 #: backend names accepted by ``load_model(..., backend=)`` and ``--backend``
 BACKENDS = ("transformers", "llama.cpp")
@@ -40,6 +42,12 @@ class TargetBackend(ABC):
     backend: str = ""
     #: whether ``forward(..., hidden=True)`` and feature drafters work on this backend
     has_hidden_states: bool = False
+    #: whether a forward over k tokens gives the logits of k one-token forwards (up to float
+    #: rounding); where not, greedy speculative output can differ from plain decoding at near-ties
+    batch_invariant: bool = True
+    #: a greedy difference from plain decoding where the two tokens' log-probabilities were this
+    #: close (nats) is a numeric near-tie of this backend's kernels, not a verification error
+    near_tie_nats: float = NEAR_TIE_NATS
 
     @property
     @abstractmethod
@@ -100,6 +108,11 @@ class TargetBackend(ABC):
 
     def release(self, state: Any) -> None:
         """Free what ``state`` holds (a no-op where memory is garbage collected)."""
+
+    def request_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Held around each request's prefill and rounds (a backend may set up the process for
+        them, e.g. llama.cpp keeps torch's own threads off its cores)."""
+        return contextlib.nullcontext()
 
     def free_states(self) -> int | None:
         """How many more states ``new_state`` can make now (None: no fixed limit)."""

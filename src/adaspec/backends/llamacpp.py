@@ -10,15 +10,19 @@ kept, never recomputed). The tokenizer is the Hugging Face one read from the sam
 
 Exactness: quantized kernels need not give a batched forward of k tokens bit-identical logits
 to k one-token forwards. Measured on SmolLM2 Q4_1 with 2 threads: with flash attention (used
-here) they are bit-identical for k = 2..16; without it the logits differ by up to 0.55. The
-prompt is fed in one batch as llama.cpp feeds it (``prefill``), so greedy speculative output
-equals llama.cpp's own greedy decoding with the same settings (docs/results.md).
+here) they are bit-identical for k = 2..16 while the KV cache holds at most 256 cells (without
+it the logits differ by up to 0.55); past 256, one query takes flash attention's split-KV path
+and a verify block does not, and margins between tokens move by up to a few tenths of a nat.
+The prompt is fed in one batch as llama.cpp feeds it (``prefill``). Greedy speculative output
+therefore equals llama.cpp's own greedy decoding except where its margin between the two best
+tokens is within that noise (``near_tie_nats``; docs/llamacpp.md has the measurement).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ModelLoadError
+from ..exactness import NEAR_TIE_NATS_LLAMACPP
 from .base import TargetBackend
 
 INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'adaspec[llamacpp]' "
@@ -74,6 +79,8 @@ class LlamaCppTarget(TargetBackend):
 
     backend = "llama.cpp"
     has_hidden_states = False
+    batch_invariant = False  # past 256 cached tokens (see the module docstring)
+    near_tie_nats = NEAR_TIE_NATS_LLAMACPP
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
@@ -119,6 +126,7 @@ class LlamaCppTarget(TargetBackend):
         self._mem = L.llama_get_memory(ctx)
         self._batch = L.llama_batch_init(self._n_batch, 0, 1)
         self._free_ids = list(range(int(n_seq_max)))[::-1]
+        self._scopes, self._torch_threads = 0, torch.get_num_threads()  # see request_scope
         self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
 
     # -- TargetBackend ------------------------------------------------------------------
@@ -234,6 +242,23 @@ class LlamaCppTarget(TargetBackend):
         if not state.released:
             state.released = True
             state.finalizer()  # _reclaim, once
+
+    @contextlib.contextmanager
+    def request_scope(self) -> Iterator[None]:
+        """torch on one thread while requests run: the engine's few torch ops per round (argmax,
+        softmax over the vocabulary) would otherwise start torch's thread pool, whose threads
+        spin after each op on the cores llama.cpp's own threads compute on (measured on 2 cores:
+        AR 57 tok/s with torch on 2 threads, 73 on 1, llama.cpp's own greedy 69)."""
+        if self._scopes == 0:
+            self._torch_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        self._scopes += 1
+        try:
+            yield
+        finally:
+            self._scopes -= 1
+            if self._scopes == 0:
+                torch.set_num_threads(self._torch_threads)
 
     def free_states(self) -> int:
         return len(self._free_ids)

@@ -85,8 +85,9 @@ class PromptRecord:
     identical: bool = True
     first_mismatch: int | None = None
     #: at the first difference from AR: |log p(AR's token) - log p(this token)| under the target's
-    #: logits there (nats); a near-tie (``exactness.NEAR_TIE_NATS``) when small
+    #: logits there (nats); a near-tie when at most ``tie_nats`` (the backend's ``near_tie_nats``)
     mismatch_gap: float | None = None
+    tie_nats: float = NEAR_TIE_NATS
     error: str | None = None  # a peer that failed on this prompt: what it raised (not in the totals)
     drafter_usage: dict[str, int] = field(default_factory=dict)
     overhead_shares: list[float] = field(default_factory=list)
@@ -160,7 +161,7 @@ class ConfigResult(Rates):
             where = "" if p.first_mismatch is None else f": first difference at token {p.first_mismatch}"
             if p.mismatch_gap is not None:
                 where += f", gap {p.mismatch_gap:.3g} nats"
-            if p.mismatch_gap is not None and p.mismatch_gap <= NEAR_TIE_NATS:
+            if p.mismatch_gap is not None and p.mismatch_gap <= p.tie_nats:
                 r.near_ties.append(f"prompt {p.prompt_id} ({p.category}){where}")
             else:
                 r.mismatches.append(f"prompt {p.prompt_id} ({p.category}){where}")
@@ -615,6 +616,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     rec.identical = False
                     offset = rec.tokens - len(outs[ci][-1])  # tokens of earlier turns
                     at, rec.mismatch_gap = divergence_gap(target, ids, ref, wrong)
+                    rec.tie_nats = target.near_tie_nats
                     rec.first_mismatch = offset + at
                 per_round = last[ci].rounds if isinstance(last[ci], RequestStats) else []  # peers: none
                 for j, rr in enumerate(per_round):
