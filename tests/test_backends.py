@@ -171,6 +171,13 @@ def test_backend_numerics_flags():
         from adaspec.backends.llamacpp import LlamaCppTarget
 
         assert not LlamaCppTarget.batch_invariant and LlamaCppTarget.near_tie_nats == NEAR_TIE_NATS_LLAMACPP
+        # bit-identical up to 256 tokens: only float-rounding ties there
+        assert LlamaCppTarget.BATCH_INVARIANT_TOKENS == 256
+
+
+def test_llamacpp_near_tie_bound_by_length(llama):
+    assert llama.near_tie_nats_at(256) == NEAR_TIE_NATS  # bit-identical up to 256 tokens
+    assert llama.near_tie_nats_at(257) == NEAR_TIE_NATS_LLAMACPP
 
 
 def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells(llama):

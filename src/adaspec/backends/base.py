@@ -49,6 +49,10 @@ class TargetBackend(ABC):
     #: close (nats) is a numeric near-tie of this backend's kernels, not a verification error
     near_tie_nats: float = NEAR_TIE_NATS
 
+    def near_tie_nats_at(self, length: int) -> float:
+        """``near_tie_nats`` for a position whose logits were computed on ``length`` tokens."""
+        return self.near_tie_nats
+
     @property
     @abstractmethod
     def device(self) -> torch.device:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ModelLoadError
-from ..exactness import NEAR_TIE_NATS_LLAMACPP
+from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from .base import TargetBackend
 
 INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'adaspec[llamacpp]' "
@@ -81,6 +81,12 @@ class LlamaCppTarget(TargetBackend):
     has_hidden_states = False
     batch_invariant = False  # past 256 cached tokens (see the module docstring)
     near_tie_nats = NEAR_TIE_NATS_LLAMACPP
+    #: up to this many tokens in a sequence, a verify block's rows equal one-token forwards bit
+    #: for bit (flash attention's split-KV path for one query starts at 512 padded KV cells)
+    BATCH_INVARIANT_TOKENS = 256
+
+    def near_tie_nats_at(self, length: int) -> float:
+        return NEAR_TIE_NATS if length <= self.BATCH_INVARIANT_TOKENS else self.near_tie_nats
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,

@@ -85,7 +85,7 @@ class PromptRecord:
     identical: bool = True
     first_mismatch: int | None = None
     #: at the first difference from AR: |log p(AR's token) - log p(this token)| under the target's
-    #: logits there (nats); a near-tie when at most ``tie_nats`` (the backend's ``near_tie_nats``)
+    #: logits there (nats); a near-tie when at most ``tie_nats`` (the backend's bound there)
     mismatch_gap: float | None = None
     tie_nats: float = NEAR_TIE_NATS
     error: str | None = None  # a peer that failed on this prompt: what it raised (not in the totals)
@@ -161,6 +161,8 @@ class ConfigResult(Rates):
             where = "" if p.first_mismatch is None else f": first difference at token {p.first_mismatch}"
             if p.mismatch_gap is not None:
                 where += f", gap {p.mismatch_gap:.3g} nats"
+                if p.tie_nats != NEAR_TIE_NATS:  # a backend whose kernels move margins more
+                    where += f" (this backend's near-tie bound there: {p.tie_nats:g})"
             if p.mismatch_gap is not None and p.mismatch_gap <= p.tie_nats:
                 r.near_ties.append(f"prompt {p.prompt_id} ({p.category}){where}")
             else:
@@ -616,7 +618,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     rec.identical = False
                     offset = rec.tokens - len(outs[ci][-1])  # tokens of earlier turns
                     at, rec.mismatch_gap = divergence_gap(target, ids, ref, wrong)
-                    rec.tie_nats = target.near_tie_nats
+                    rec.tie_nats = target.near_tie_nats_at(len(ids) + at)
                     rec.first_mismatch = offset + at
                 per_round = last[ci].rounds if isinstance(last[ci], RequestStats) else []  # peers: none
                 for j, rr in enumerate(per_round):
