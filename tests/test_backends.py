@@ -298,8 +298,8 @@ def test_llamacpp_cost_surface(llama):
 
 
 def test_cost_surface_with_fewer_free_states_than_contexts(llama):
-    """A llama.cpp context with fewer free sequences than grid contexts (here 1 free, 3 contexts)
-    is measured one state at a time, and every state goes back to the pool."""
+    """llama.cpp's states share one KV pool, so the grid measures one state at a time (here
+    with 1 free sequence for 3 contexts), and every state goes back to the pool."""
     from adaspec.costs import measure_verify_surface
 
     held = [llama.new_state() for _ in range(LLAMA_SEQS - 1)]

@@ -119,7 +119,8 @@ class TargetBackend(ABC):
         return contextlib.nullcontext()
 
     def free_states(self) -> int | None:
-        """How many more states ``new_state`` can make now (None: no fixed limit)."""
+        """How many more states ``new_state`` can make now (None: no fixed limit, and states do
+        not share a pool: what one holds does not slow another's forwards)."""
         return None
 
     @abstractmethod
