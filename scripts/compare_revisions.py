@@ -62,8 +62,8 @@ def main() -> None:
         engines[tag] = {name: pkg.SpeculativeEngine(target, list(d), k=k)
                         for name, (d, k) in CONFIGS.items() if not args.config or name in args.config}
     work = load_workload(args.suite, per_category=args.per_category)
-    prompts = [engines["head"]["AR"].encode_prompt(p.text) if "AR" in engines["head"]
-               else next(iter(engines["head"].values())).encode_prompt(p.text) for p in work]
+    encoder = next(iter(engines["head"].values()))
+    prompts = [encoder.encode_prompt(p.text) for p in work]
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.repeats} alternating repeats, "
           f"base {args.base} vs the working tree", flush=True)
     for name in engines["head"]:
