@@ -25,6 +25,7 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
+from .trees import DraftTree, tree_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class LoadedModel(TargetBackend):
 
     backend = "transformers"
     has_hidden_states = True
+    supports_trees = True
 
     @property
     def device(self) -> torch.device:
@@ -85,6 +87,40 @@ class LoadedModel(TargetBackend):
                          output_hidden_states=hidden)
         return out.logits[0], (out.hidden_states[-1][0, -keep:] if hidden else None)
 
+    @torch.inference_mode()
+    def forward_tree(self, state: Any, last: int, tree: DraftTree,
+                     hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tree verification through the public 4D-mask input of transformers: a custom
+        ``[1, 1, q, kv]`` float mask is used as is by eager and SDPA attention, and
+        ``position_ids`` set the rotary positions (cache length + depth)."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in TREE_ATTENTION:
+            raise ConfigError(f"draft trees need an attention implementation that takes a custom 4D mask "
+                              f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
+                              "attn_implementation='sdpa', or drop --tree")
+        _check_tree_cache(state)
+        cached = int(state.get_seq_length())
+        device = self.device
+        ids = torch.tensor([[last, *tree.tokens]], device=device)
+        pos = torch.tensor([tree.position_offsets()], device=device) + cached
+        mask = tree_attention_mask(tree, cached, self.dtype, device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=state,
+                         use_cache=True, output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
+
+    @torch.inference_mode()
+    def keep_path(self, state: Any, start: int, rows: Sequence[int]) -> None:
+        """Gather the accepted rows' keys and values into place in every layer, then crop."""
+        rows = list(rows)
+        if rows != list(range(len(rows))):  # rows[i] >= i: gather forward, a copy (no aliasing)
+            src = torch.tensor(rows, device=self.device) + start
+            for layer in state.layers:
+                if layer.get_seq_length() == 0:
+                    continue
+                for kv in (layer.keys, layer.values):
+                    kv[..., start:start + len(rows), :] = kv.index_select(-2, src)
+        self.truncate(state, start + len(rows))
+
     def truncate(self, state: Any, length: int) -> None:
         drop = int(state.get_seq_length()) - length
         if drop > 0:
@@ -97,6 +133,21 @@ class LoadedModel(TargetBackend):
         n_params = sum(p.numel() for p in self.model.parameters())
         return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|torch={torch.__version__}")
+
+
+#: attention implementations that add a custom 4D float mask to the scores (draft trees)
+TREE_ATTENTION = ("sdpa", "eager")
+
+
+def _check_tree_cache(state: Any) -> None:
+    """Trees gather KV entries in place, which needs full-length dynamic layers."""
+    from transformers.cache_utils import DynamicLayer
+
+    bad = [type(layer).__name__ for layer in state.layers
+           if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False)]
+    if bad:
+        raise ConfigError(f"draft trees need a cache of full-attention dynamic layers, and this model's has "
+                          f"{bad[0]} layers (sliding-window or linear attention): drop --tree for this model")
 
 
 def target_fingerprint(target: LoadedModel) -> dict[str, Any]:

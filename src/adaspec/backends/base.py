@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError
 from ..exactness import NEAR_TIE_NATS
+
+if TYPE_CHECKING:
+    from ..trees import DraftTree
 
 #: backend names accepted by ``load_model(..., backend=)`` and ``--backend``
 BACKENDS = ("transformers", "llama.cpp")
@@ -52,6 +55,8 @@ class TargetBackend(ABC):
     def near_tie_nats_at(self, length: int) -> float:
         """``near_tie_nats`` for a position whose logits were computed on ``length`` tokens."""
         return self.near_tie_nats
+    #: whether ``forward_tree`` / ``keep_path`` (draft trees) work on this backend
+    supports_trees: bool = False
 
     @property
     @abstractmethod
@@ -101,6 +106,25 @@ class TargetBackend(ABC):
         it (llama.cpp: the same batches as its greedy, hence the same numbers)."""
         if len(prompt) > 1:
             self.forward(state, prompt[:-1], keep=1)
+
+    def forward_tree(self, state: Any, last: int, tree: DraftTree,
+                     hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over ``[last] + tree.tokens`` with a tree attention mask and tree
+        positions (``adaspec.trees``): logits ``[1 + len(tree), vocab]`` (row 0: after ``last``,
+        row i + 1: after node i's path), and the hidden states of the same rows with ``hidden``.
+        The state then holds all the rows; ``keep_path`` keeps the accepted ones."""
+        raise self._no_trees()
+
+    def keep_path(self, state: Any, start: int, rows: Sequence[int]) -> None:
+        """After ``forward_tree`` on a state of ``start`` tokens: keep the entries of ``rows``
+        (increasing, row 0 first) at positions ``start, start + 1, ...`` and drop the rest
+        (the accepted path's KV is moved into place, not recomputed)."""
+        raise self._no_trees()
+
+    def _no_trees(self) -> ConfigError:
+        return ConfigError(f"draft trees are not implemented on the {self.backend} backend yet "
+                           "(llama.cpp could verify them with one sequence id per branch, later): "
+                           "drop --tree (tree=False), or use --backend transformers")
 
     @abstractmethod
     def truncate(self, state: Any, length: int) -> None:

@@ -1,0 +1,193 @@
+"""Draft trees: several candidate continuations verified in one target forward.
+
+A ``DraftTree`` holds n drafted nodes; node i has a token and a parent (``-1``: the root, i.e.
+the last verified token; otherwise an earlier node, so parents come before children). The
+target runs once over ``[last token] + nodes`` with a tree attention mask (every node sees the
+cached prefix, its ancestors and itself) and tree position ids (cache length + depth), as in
+SpecInfer (Miao et al. 2024, tree-based parallel decoding) and Medusa / EAGLE-2. Row 0 of the
+logits is the root's next-token distribution, row i + 1 the one after node i's path.
+
+Acceptance is exact:
+- greedy: the longest root-to-node path whose every token is the target's argmax after its
+  parent, plus the target's argmax after that path;
+- sampling, model-free (one-hot) trees: at the current node draw x ~ p (the processed target
+  distribution); if x is one of its children, descend to that child, else emit x and stop.
+  Every emitted token is a draw from p given the tokens before it, so the output is exactly
+  the target's distribution. It equals in distribution SpecInfer's multi-step speculative
+  sampling (MSS; Miao et al. 2024, Alg. 2 VerifyStochastic) with one-hot proposals, where
+  rejecting child c leaves the residual p with c removed, renormalised; a child is accepted
+  with probability gamma = the target mass of the children (Not-a-Bandit Theorem 2). Trees with per-node draft distributions q (model
+  drafters) would need MSS / recursive rejection sampling with q; those drafters stay chains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError
+from .sampling import sample
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Drafted nodes: ``tokens[i]`` with parent ``parents[i]`` (-1 = the root, else < i).
+
+    ``scores[i]``: the drafter's estimate of the probability that node i is accepted (its path
+    matches the target), non-increasing from parent to child; nodes are in best-first order
+    when the drafter builds by score, so every prefix of the nodes is a tree (``prefix``).
+    Sibling tokens are distinct (a duplicate could never be told apart by the target).
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float] | None = None
+    depths: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n or (self.scores is not None and len(self.scores) != n):
+            raise ConfigError(f"a draft tree needs one parent (and score) per token: {n} tokens, "
+                              f"{len(self.parents)} parents")
+        depths: list[int] = []
+        seen: set[tuple[int, int]] = set()
+        for i, (tok, par) in enumerate(zip(self.tokens, self.parents)):
+            if not -1 <= par < i:
+                raise ConfigError(f"draft tree node {i} has parent {par}: parents must be -1 (the root) "
+                                  "or an earlier node")
+            if (par, tok) in seen:
+                raise ConfigError(f"draft tree node {i} repeats token {tok} among its siblings: merge them")
+            seen.add((par, tok))
+            depths.append(1 if par < 0 else depths[par] + 1)
+        object.__setattr__(self, "depths", depths)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A chain: node i is the child of node i - 1."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def prefix(self, m: int) -> DraftTree:
+        """The first ``m`` nodes (a tree, since parents come first)."""
+        if m >= len(self):
+            return self
+        return DraftTree(self.tokens[:m], self.parents[:m],
+                         None if self.scores is None else self.scores[:m])
+
+    def children(self) -> list[list[int]]:
+        """Child node indices of every row: row 0 is the root, row i + 1 is node i."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, par in enumerate(self.parents):
+            out[par + 1].append(i)
+        return out
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from depth 1 down to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def visibility(self) -> torch.Tensor:
+        """Bool [n + 1, n + 1]: row r may attend to row c (c is r, or an ancestor of r)."""
+        n = len(self)
+        vis = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        vis[0, 0] = True
+        for i, par in enumerate(self.parents):
+            vis[i + 1] = vis[par + 1]
+            vis[i + 1, i + 1] = True
+        return vis
+
+    def position_offsets(self) -> list[int]:
+        """Depth of every row (the root is 0): position id = cache length + depth."""
+        return [0, *self.depths]
+
+
+def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype,
+                        device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive float mask [1, 1, n + 1, cached + n + 1]: 0 where a row may attend (the whole
+    cached prefix, its ancestors and itself), the dtype's minimum elsewhere (eager and SDPA
+    attention both add it to the scores)."""
+    vis = tree.visibility()
+    n1 = vis.shape[0]
+    mask = torch.zeros(n1, cached + n1, dtype=dtype)
+    mask[:, cached:].masked_fill_(~vis, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """Outcome of verifying a tree: the accepted nodes (root to leaf) and the next token."""
+
+    path: list[int]
+    next_token: int
+
+    @property
+    def rows(self) -> list[int]:
+        """Logit rows of the accepted path's positions: the root and every accepted node."""
+        return [0, *(i + 1 for i in self.path)]
+
+
+def _walk(tree: DraftTree, pick: Callable[[int], int]) -> TreeVerdict:
+    """Descend from the root while ``pick(row)`` (the target's token at that row) is a child."""
+    kids = tree.children()
+    row, path = 0, []
+    while True:
+        x = pick(row)
+        nxt = next((c for c in kids[row] if tree.tokens[c] == x), None)
+        if nxt is None:
+            return TreeVerdict(path, x)
+        path.append(nxt)
+        row = nxt + 1
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tree: DraftTree) -> TreeVerdict:
+    """Greedy: the longest path whose tokens equal the target's argmax, plus the next argmax."""
+    argmax = target_logits.argmax(dim=-1).tolist()
+    return _walk(tree, argmax.__getitem__)
+
+
+def verify_tree_sampling(p: torch.Tensor, tree: DraftTree,
+                         generator: torch.Generator | None) -> TreeVerdict:
+    """Exact sampling for a one-hot tree (SpecInfer MSS with deterministic proposals): draw
+    x ~ p at the current node, descend if x is a child, else emit x (module docstring)."""
+    return _walk(tree, lambda row: sample(p[row], generator))
+
+
+def tree_gammas(probs: torch.Tensor, tree: DraftTree, rows: Sequence[int]) -> list[float]:
+    """Not-a-Bandit Theorem 2 at each of ``rows``: the target mass of the row's drafted
+    children (the probability that the round goes on past it)."""
+    kids = tree.children()
+    out = []
+    for r in rows:
+        toks = [tree.tokens[c] for c in kids[r]]
+        out.append(float(probs[r, toks].sum()) if toks else 0.0)
+    return out
+
+
+def nodes_worth_verifying(scores: Sequence[float], verify_cost: Callable[[int], float],
+                          fixed_s: float = 0.0) -> int:
+    """How many of the first nodes (best-first) to verify: the count m that maximises the
+    round's expected tokens per second, (1 + sum of the first m scores) / (fixed_s +
+    V(m + 1)), where a node's score estimates its acceptance probability (its expected
+    accepted tokens). Over every prefix, so a cost cliff (a wider forward that is cheaper) is
+    found; without costs (V = 0) every node is kept."""
+    best_m, best_rate, total = len(scores), -1.0, 1.0
+    if verify_cost(1) + fixed_s <= 0.0:
+        return len(scores)
+    for m in range(len(scores) + 1):
+        if m:
+            total += scores[m - 1]
+        rate = total / (fixed_s + verify_cost(m + 1))
+        if rate > best_rate:
+            best_m, best_rate = m, rate
+    return best_m
