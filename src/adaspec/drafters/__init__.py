@@ -36,8 +36,19 @@ __all__ = [
     "TinyLMDrafter",
     "build_drafter",
     "check_same_vocabulary",
+    "drafts_trees",
     "parse_params",
 ]
+
+#: drafters that propose draft trees (``Drafter.supports_tree``); the others draft chains
+TREE_DRAFTERS = ("prompt-lookup", "pld", "suffix")
+
+
+def drafts_trees(spec: str | Drafter) -> bool:
+    """Whether the drafter a spec (or instance) names proposes draft trees."""
+    if isinstance(spec, Drafter):
+        return spec.supports_tree
+    return str(spec).strip().partition(":")[0].strip().lower() in TREE_DRAFTERS
 
 
 def parse_params(text: str, what: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError
+from ..trees import DraftTree
 
 
 class Decision(enum.Enum):
@@ -131,6 +132,8 @@ class Drafter(ABC):
     name: str = "drafter"
     #: True if the drafter runs a neural network (then it exposes q, logits and hidden states)
     is_model: bool = False
+    #: True if ``draft_tree`` proposes draft trees (``adaspec.trees``); others draft chains
+    supports_tree: bool = False
 
     @abstractmethod
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
@@ -159,6 +162,11 @@ class Drafter(ABC):
     @abstractmethod
     def score(self, context: Sequence[int], verified: Sequence[int], sampling: SamplingConfig) -> Proposals:
         """What the drafter would propose at each of ``verified`` (teacher forcing) after ``context``."""
+
+    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int) -> DraftTree:
+        """A draft tree after ``context`` (nodes in best-first order, with scores), for drafters
+        with ``supports_tree``."""
+        raise AdaspecError(f"drafter {self.name!r} drafts chains only (no draft trees)")
 
     def peek(self, context: Sequence[int], max_tokens: int) -> Peek | None:
         """The block this drafter would propose after ``context`` (up to ``max_tokens``), or None

@@ -10,7 +10,10 @@ match and stay a pure function of the prefix.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .indexed import IndexedDrafter
+from .indexed import IndexedDrafter, level_mix
+
+#: most recent matches per n-gram size read for a tree's candidates
+MAX_TREE_HITS = 64
 
 
 class PromptLookupDrafter(IndexedDrafter):
@@ -35,6 +38,17 @@ class PromptLookupDrafter(IndexedDrafter):
                 self._match = n
                 return toks[hits[-1]]
         return None
+
+    def candidates(self) -> list[tuple[int, float]]:
+        """The continuations of several distinct matches: every n-gram size with matches is a
+        level (longest first), its tokens weighted by their share of its recent matches."""
+        first = self.propose()
+        if first is None:
+            return []
+        toks = self._index.tokens
+        levels = [[toks[h] for h in self._index.continuations(tuple(toks[-n:]))[-MAX_TREE_HITS:]]
+                  for n in self._index.sizes if len(toks) >= n]
+        return level_mix(first, levels)
 
     def describe(self) -> str:
         return f"{self.name}(ngram={self.min_ngram}..{self.max_ngram})"

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import AdaspecError
 from .index import NgramIndex
-from .indexed import IndexedDrafter
+from .indexed import IndexedDrafter, level_mix
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,10 @@ class SuffixDrafter(IndexedDrafter):
         self.name = name or self.name
         super().__init__([min_match])
 
-    def _matches(self, source: list[int], hits: list[int], seq: list[int], best: int,
-                 out: list[int]) -> int:
-        """Extend candidate matches backwards; keep the continuation tokens of the longest."""
+    def _matches(self, source: list[int], hits: list[int], seq: list[int],
+                 out: list[tuple[int, int]]) -> None:
+        """Extend candidate matches backwards: (match length, continuation) of each recent hit,
+        most recent first."""
         m0, mmax, ls = self.min_match, self.max_match, len(seq)
         for c in reversed(hits[-self.max_candidates:]):
             nxt = source[c]
@@ -143,29 +144,45 @@ class SuffixDrafter(IndexedDrafter):
             ln = m0
             while ln < mmax and ln < ls and c - ln - 1 >= 0 and source[c - ln - 1] == seq[ls - ln - 1]:
                 ln += 1
-            if ln > best:
-                best = ln
-                out.clear()
-            if ln == best:
-                out.append(nxt)
-        return best
+            out.append((ln, nxt))
 
-    def propose(self) -> int | None:
+    def _found(self) -> list[tuple[int, int]]:
+        """(match length, continuation) of every candidate match, context before datastore."""
         seq = self._index.tokens
+        found: list[tuple[int, int]] = []
         if len(seq) < self.min_match:
-            return None
+            return found
         key = tuple(seq[-self.min_match:])
-        cands: list[int] = []
-        best = self._matches(seq, self._index.continuations(key), seq, 0, cands)
+        self._matches(seq, self._index.continuations(key), seq, found)
         if self.datastore is not None:
-            best = self._matches(self.datastore.index.tokens,
-                                 self.datastore.index.continuations(key), seq, best, cands)
-        if not cands:
-            return None
-        self._match = best
+            self._matches(self.datastore.index.tokens, self.datastore.index.continuations(key), seq, found)
+        return found
+
+    @staticmethod
+    def _top(cands: list[int]) -> int:
         counts = Counter(cands)
         top = max(counts.values())
         return next(t for t in cands if counts[t] == top)  # cands are most-recent first
+
+    def propose(self) -> int | None:
+        """The most frequent continuation among the longest matches."""
+        found = self._found()
+        if not found:
+            return None
+        best = max(ln for ln, _ in found)
+        self._match = best
+        return self._top([t for ln, t in found if ln == best])
+
+    def candidates(self) -> list[tuple[int, float]]:
+        """SuffixDecoding-style scores: each match length is a level (longest first), its
+        continuations weighted by their frequency among its matches."""
+        found = self._found()
+        if not found:
+            return []
+        lengths = sorted({ln for ln, _ in found}, reverse=True)
+        levels = [[t for ln, t in found if ln == length] for length in lengths]
+        self._match = lengths[0]
+        return level_mix(self._top(levels[0]), levels)
 
     def end_request(self, output_ids: Sequence[int]) -> None:
         if self.learn and self.datastore is not None:
