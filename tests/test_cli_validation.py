@@ -102,6 +102,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["generate", "hi", "--length", "magic"], r"unknown length policy 'magic'"),
         (["generate", "hi", "-t", "-1"], r"temperature must be >= 0"),
         (["generate", "hi", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+        (["generate", "hi", "--tree", "--tree-nodes", "0"], r"--tree-nodes 0: must be an integer >= 1"),
+        (["generate", "hi", "--tree", "--backend", "llama.cpp"], r"--tree: draft trees are verified on the "
+         r"transformers backend, not llama.cpp"),
         # bench
         (["bench", "--record", str(tmp / "t2.npz"), "-d", "none"], r"--record: drafter 'none' cannot be recorded"),
         (["bench", "--record", str(tmp / "t.json")], r"a trace is a .npz file"),
@@ -115,6 +118,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench", "-s", "nope"], r"unknown selector 'nope'"),
         (["bench", "-l", "magic"], r"unknown length policy 'magic'"),
         (["bench", "-k", "0"], r"k must be an integer >= 1"),
+        (["bench", "--tree", "--backend", "llamacpp"], r"--tree: draft trees are verified on the transformers "
+         r"backend"),
         (["bench", "-d", "suffixx"], r"--drafter 'suffixx': unknown drafter"),
         (["bench", "-m", f"{missing}.gguf"], r"GGUF file not found"),
         (["bench", "--suite", f"{missing}.jsonl"], r"prompt file not found: .*missing.jsonl"),

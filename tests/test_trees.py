@@ -193,3 +193,218 @@ def test_tree_gammas_are_the_target_mass_of_the_children():
     assert g[0] == pytest.approx(float(p[0, 5] + p[0, 9]))
     assert g[1] == pytest.approx(float(p[1, 6] + p[1, 2]))
     assert g[2] == pytest.approx(float(p[2, 1]))
+
+
+# -- trees from the model-free drafters -----------------------------------------------------------
+#: prompts whose n-grams recur with different continuations, so trees branch
+BRANCHY = [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 6, 1, 2, 3, 4, 7, 1, 2, 5, 6, 1, 2]
+
+
+def _rand_prompt(seed: int, n: int = 24, vocab: int = V) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(1, vocab, (4,), generator=g).tolist()
+    out = []
+    while len(out) < n:  # a motif repeated with random interruptions: shared prefixes, varied continuations
+        out += motif[: int(torch.randint(2, 5, (1,), generator=g))] + torch.randint(1, vocab, (1,), generator=g).tolist()
+    return out[:n]
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "prompt-lookup"])
+def test_drafter_trees_are_best_first_and_contain_the_chain(drafter):
+    from adaspec.drafters import build_drafter
+
+    d = build_drafter(drafter, None)
+    d.begin_request(BRANCHY)
+    chain = d.peek(BRANCHY, 5).tokens
+    tree = d.draft_tree(BRANCHY, 5, 12)
+    assert not tree.is_chain, "the test prompt must make the tree branch"
+    assert all(tree.scores[i] <= (1.0 if p < 0 else tree.scores[p]) + 1e-12
+               for i, p in enumerate(tree.parents))
+    assert sorted(tree.scores, reverse=True) == tree.scores  # best-first: every prefix is a tree
+    # the first branch followed from the root is the chain's first token
+    assert tree.tokens[0] == chain[0]
+    d.catch_up(BRANCHY)  # drafting left the index as it was
+    assert d.peek(BRANCHY, 5).tokens == chain
+
+
+class ChainOnly:
+    """Patch: every tree node gets only its top candidate, so trees are chains."""
+
+    @staticmethod
+    def apply(monkeypatch):
+        from adaspec.drafters.indexed import IndexedDrafter
+        from adaspec.drafters.lookup import PromptLookupDrafter
+        from adaspec.drafters.suffix import SuffixDrafter
+
+        for cls in (PromptLookupDrafter, SuffixDrafter):
+            orig = cls.candidates
+            monkeypatch.setattr(cls, "candidates", lambda self, _o=orig: _o(self)[:1])
+        return IndexedDrafter
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_of_one_chain_is_the_chain_path(monkeypatch, temperature):
+    from adaspec import SpeculativeEngine
+
+    ChainOnly.apply(monkeypatch)
+    model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    for drafter in ("suffix", "prompt-lookup"):
+        runs = []
+        for tree in (False, True):
+            eng = SpeculativeEngine(model, [drafter], k=4, tree=tree)
+            res = eng.generate(BRANCHY, max_new_tokens=30, temperature=temperature, seed=5)
+            runs.append((res.token_ids, [(r.drafted, r.accepted, r.tree_nodes) for r in res.stats.rounds]))
+        assert runs[0] == runs[1], drafter
+        assert any(d for d, _, _ in runs[0][1])
+
+
+def _ar(model, prompt, n):
+    from adaspec import SpeculativeEngine
+
+    return SpeculativeEngine(model, []).generate(prompt, max_new_tokens=n).token_ids
+
+
+@pytest.mark.parametrize("init_std", [0.02, 0.3])
+def test_greedy_trees_are_identical_to_plain_decoding(init_std):
+    from adaspec import SpeculativeEngine
+
+    tree_rounds = 0
+    for seed in range(3):
+        model = make_tiny_model(seed=seed, vocab=V, init_std=init_std, lm_head_scale=3.0)
+        for prompt in (BRANCHY, _rand_prompt(seed)):
+            ar = _ar(model, prompt, 40)
+            for drafters in (["suffix"], ["prompt-lookup"], None):  # None: auto over the defaults
+                eng = SpeculativeEngine(model, drafters, k=5, tree=True)
+                res = eng.generate(prompt, max_new_tokens=40)
+                assert res.token_ids == ar, (seed, init_std, drafters)
+                tree_rounds += sum(r.tree_nodes > 1 for r in res.stats.rounds)
+    assert tree_rounds > 20  # trees were really verified
+
+
+def test_negative_control_engine_without_kv_gather_is_not_exact(monkeypatch):
+    """The same greedy identity check fails when keep_path crops without gathering."""
+    from adaspec import SpeculativeEngine
+    from adaspec.models import LoadedModel
+
+    monkeypatch.setattr(LoadedModel, "keep_path",
+                        lambda self, state, start, rows: self.truncate(state, start + len(rows)))
+    differ = 0
+    for seed in range(3):
+        model = make_tiny_model(seed=seed, vocab=V, init_std=0.3, lm_head_scale=3.0)
+        for prompt in (BRANCHY, _rand_prompt(seed)):
+            res = SpeculativeEngine(model, ["prompt-lookup"], k=5, tree=True).generate(prompt, max_new_tokens=40)
+            differ += res.token_ids != _ar(model, prompt, 40)
+    assert differ > 0
+
+
+def test_tree_option_errors():
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=0, vocab=V)
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        SpeculativeEngine(model, ["suffix"], tree=True, tree_nodes=0)
+
+
+# -- sampling: exactly the target's distribution ----------------------------------------------
+SV = 12  # vocabulary of the chi-square tests (as tests/test_distribution.py)
+#: the 2-gram (10, 2) continues with 11, 5 and 7: prompt lookup's and suffix's trees branch at the root
+SAMPLING_PROMPT = [10, 2, 11, 10, 2, 5, 3, 10, 2, 7, 10, 2, 11, 4, 10, 2]
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix"])
+def test_tree_sampling_matches_the_exact_distribution(drafter):
+    """One-hot trees under sampling: chi-square goodness of fit of the first two tokens at
+    ALPHA = 0.001 (3000 fixed seeds), as in tests/test_distribution.py."""
+    from adaspec import SpeculativeEngine
+    from adaspec.config import SamplingConfig
+    from test_distribution import ALPHA, exact_distribution, run_engine
+
+    model = make_tiny_model(seed=0, vocab=SV, init_std=0.2, lm_head_scale=1.5)
+    eng = SpeculativeEngine(model, [drafter], k=3, tree=True)
+    tree_rounds = []
+    orig = eng._verify_tree
+
+    def spy(*a, **kw):
+        out = orig(*a, **kw)
+        tree_rounds.append(out[1])
+        return out
+
+    eng._verify_tree = spy
+    runs = run_engine(eng, SAMPLING_PROMPT, 2, temperature=1.0)
+    exact = exact_distribution(model, SAMPLING_PROMPT, SamplingConfig(temperature=1.0), 2)
+    assert len(tree_rounds) > 1000 and 0 < sum(n > 0 for n in tree_rounds) < len(tree_rounds)
+    assert runs.counts[exact == 0].sum() == 0
+    stat, pvalue, cells = chisquare_gof(runs.counts, exact)
+    assert pvalue > ALPHA, f"{drafter}: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"
+
+
+def test_negative_control_tree_sampling_bug_is_detected(monkeypatch):
+    """BUG: after a descent the next draw uses the root's row again (wrong row for deeper
+    nodes): the same chi-square test rejects."""
+    import adaspec.engine as engine_mod
+    from adaspec import SpeculativeEngine
+    from adaspec.config import SamplingConfig
+    from test_distribution import ALPHA, exact_distribution, run_engine
+
+    def wrong_rows(p, tree, generator):
+        return verify_tree_sampling(p[:1].expand(p.shape[0], -1), tree, generator)
+
+    monkeypatch.setattr(engine_mod, "verify_tree_sampling", wrong_rows)
+    model = make_tiny_model(seed=0, vocab=SV, init_std=0.2, lm_head_scale=1.5)
+    eng = SpeculativeEngine(model, ["prompt-lookup"], k=3, tree=True)
+    runs = run_engine(eng, SAMPLING_PROMPT, 2, temperature=1.0)
+    exact = exact_distribution(model, SAMPLING_PROMPT, SamplingConfig(temperature=1.0), 2)
+    assert chisquare_gof(runs.counts, exact)[1] < ALPHA
+
+
+# -- SmolLM2 (slow) -----------------------------------------------------------------------------
+SMOL_PROMPTS = [
+    "Fix the spelling in this sentence and return it: 'The comittee will discus the budjet on "
+    "tuesday and every departement must send there report.'",
+    "Write a Python function that checks whether a number is prime, with a docstring.",
+    "Repeat this list exactly, one item per line: apples, pears, plums, apples, pears, figs.",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafters", [["suffix"], ["prompt-lookup"], None], ids=["suffix", "pld", "auto"])
+def test_smollm2_greedy_trees_equal_plain_decoding(drafters, monkeypatch, tmp_path):
+    """SmolLM2-135M fp32: greedy output with trees equals plain decoding token for token (a
+    difference is allowed only at a numeric near-tie, checked against the full forward)."""
+    from adaspec import SpeculativeEngine, load_model
+    from adaspec.exactness import check_tie_aware
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(__import__("pathlib").Path.home() / ".cache" / "adaspec"))
+    torch.set_num_threads(2)
+    smol = load_model("smollm2")
+    ar = SpeculativeEngine(smol, [])
+    eng = SpeculativeEngine(smol, drafters, k=5, tree=True)
+    tree_rounds = 0
+    for p in SMOL_PROMPTS:
+        ids = ar.encode_prompt(p)
+        ref = ar.generate(ids, max_new_tokens=64).token_ids
+        res = eng.generate(ids, max_new_tokens=64)
+        tree_rounds += sum(r.tree_nodes > 1 for r in res.stats.rounds)
+        if res.token_ids != ref:
+            assert check_tie_aware(smol.model, ids, res.token_ids).ok, (drafters, p)
+    assert tree_rounds > 0
+
+
+def test_tree_rounds_keep_the_target_features_of_feature_drafters():
+    """With a feature head in the pool, tree rounds append the accepted path's hidden states:
+    the buffer equals a full forward's, and the output stays plain decoding's."""
+    from adaspec import SpeculativeEngine
+    from adaspec.drafters import FeatureHeadDrafter
+    from adaspec.drafters.feature_head import FeatureHead
+
+    model = make_tiny_model(seed=4, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    target = as_loaded(model)
+    head = FeatureHeadDrafter(FeatureHead(target, torch.arange(V)), name="fresh-head")
+    eng = SpeculativeEngine(target, ["suffix", head], selector="round-robin", k=4, tree=True)
+    res = eng.generate(BRANCHY, max_new_tokens=40)
+    assert res.token_ids == _ar(model, BRANCHY, 40)
+    assert any(r.tree_nodes > 1 for r in res.stats.rounds)
+    full = BRANCHY + res.token_ids
+    with torch.no_grad():
+        h = model.model(input_ids=torch.tensor([full[:-1]])).last_hidden_state[0]
+    torch.testing.assert_close(head._features.rows(), h, atol=1e-5, rtol=1e-4)

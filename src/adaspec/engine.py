@@ -34,6 +34,7 @@ from .backends import DEFAULT_BACKEND, TargetBackend
 from .models import DEFAULT_MODEL, as_loaded, load_model
 from .sampling import process_logits, verify_greedy, verify_sampling
 from .selection import DrafterPolicy, build_policies
+from .trees import DraftTree, nodes_worth_verifying, tree_gammas, verify_tree_greedy, verify_tree_sampling
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +99,26 @@ class SpeculativeEngine:
         length: length policy (name, int K, or instance); default: the selector's own (``auto``)
             or static ``k``.
         k: draft length for the static length policy.
+        tree: draft trees (``adaspec.trees``) from every drafter that proposes them (prompt
+            lookup, suffix); the others draft chains. A tree is at most as deep as the length
+            policy's cap and has at most ``tree_nodes`` nodes, of which the engine verifies the
+            best-first prefix that maximises expected tokens per second on the measured
+            verify-cost surface (``trees.nodes_worth_verifying``). A tree that is a chain is
+            drafted and verified exactly as a chain.
+        tree_nodes: most nodes of a draft tree (default 15: a 16-token forward, the widest
+            of the cost surface's grid).
     """
 
     def __init__(self, target: Any, drafters: Sequence[str | Drafter] | None = None, *,
                  selector: str | DrafterPolicy | None = None,
                  length: str | int | LengthPolicy | None = None, k: int = 5,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, tree: bool = False, tree_nodes: int = 15):
         self.target: TargetBackend = as_loaded(target, tokenizer)
         drafters = DEFAULT_DRAFTERS if drafters is None else drafters
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
+        self.tree, self.tree_nodes = bool(tree), int(tree_nodes)
+        if self.tree:
+            self._check_trees()
         self._set_policies(selector, length, k)
         self._timer = _Timer(self.target.device)
         self._costs: VerifyCostSurface | None = None
@@ -122,7 +134,18 @@ class SpeculativeEngine:
         if hasattr(self.selector, "bind_drafters"):
             self.selector.bind_drafters([d.is_model for d in self.drafters])
 
+    def _check_trees(self) -> None:
+        if isinstance(self.tree_nodes, bool) or self.tree_nodes < 1:
+            raise ConfigError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}")
+        if not self.target.supports_trees:
+            raise self.target.no_trees_error()
+        if not any(d.supports_tree for d in self.drafters):
+            log.info("tree=True, but none of %s drafts trees (prompt-lookup and suffix do): they "
+                     "draft chains", self.drafter_names)
+
     def _attach_costs(self) -> None:
+        if self.tree and self.cost_model.surface is None:  # the node budget prices tree widths
+            self.cost_model.surface = self.verify_costs()
         for policy in (self.selector, self.length):
             if getattr(policy, "wants_costs", False):
                 self.cost_model.surface = self.verify_costs()
@@ -383,6 +406,7 @@ class SpeculativeEngine:
         # a selector that looks before it chooses gets every cheap drafter's proposal first
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
         peeked: dict[int, Peek] = {}
+        trees = [self.tree and d.supports_tree for d in drafters]
         while True:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
@@ -409,7 +433,12 @@ class SpeculativeEngine:
                 drafter.catch_up(tokens)
             t2 = now()
             policy_in_draft = 0.0
-            if cap > 0 and i in peeked:  # already proposed: drafted exactly as the drafter would
+            tree = None
+            if cap > 0 and trees[i]:
+                tree = self._draft_tree(drafter, tokens, cap)
+                if tree.is_chain:  # a chain is drafted and verified as one
+                    draft, tree = Draft(tokens=apply_decisions(tree.tokens, decide)), None
+            elif cap > 0 and i in peeked:  # already proposed: drafted exactly as the drafter would
                 draft = Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
             elif cap > 0:
                 draft = drafter.draft(tokens, cap, sampling, generator, decide,
@@ -418,20 +447,26 @@ class SpeculativeEngine:
                 draft = Draft()
             t3 = now()
 
-            k = len(draft.tokens)
-            logits, hidden = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1,
-                                           features=features is not None)
-            if sampling.greedy:
-                verdict = verify_greedy(logits, draft.tokens)
+            gammas = None
+            if tree is None:
+                k = len(draft.tokens)
+                logits, hidden = self._forward(cache, [tokens[-1], *draft.tokens], keep=k + 1,
+                                               features=features is not None)
+                if sampling.greedy:
+                    verdict = verify_greedy(logits, draft.tokens)
+                else:
+                    verdict = verify_sampling(process_logits(logits, sampling), draft.tokens,
+                                              draft.probs, generator)
+                n, next_token = verdict.n_accepted, verdict.next_token
+                if k > n:
+                    self.target.truncate(cache, len(tokens) + n)
             else:
-                verdict = verify_sampling(process_logits(logits, sampling), draft.tokens,
-                                          draft.probs, generator)
-            n = verdict.n_accepted
-            if k > n:
-                self.target.truncate(cache, len(tokens) + n)
+                k = len(tree)
+                draft, n, next_token, logits, hidden, gammas = self._verify_tree(
+                    cache, tokens, tree, sampling, generator, features is not None)
             t4 = now()
 
-            emitted, reason = self._apply_stops([*draft.tokens[:n], verdict.next_token],
+            emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
                                                 tokens, n_prompt, remaining, cfg, stop_max, eos)
             context_len = len(tokens)
             tokens.extend(emitted)
@@ -444,7 +479,7 @@ class SpeculativeEngine:
             feedback = RoundFeedback(
                 round=len(stats.rounds), drafter=i, draft=draft, n_accepted=n, emitted=emitted,
                 k_cap=cap, target_logits=logits, sampling=sampling, draft_s=draft_s,
-                verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens)
+                verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens, gammas=gammas)
             t5 = now()
             if selector.full_information and (len(drafters) > 1 or wanted == 0):
                 feedback.counterfactual = self._evaluate_others(
@@ -461,7 +496,8 @@ class SpeculativeEngine:
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
                 catch_up_tokens=catch_up_tokens, policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6),
-                eval_s=t6 - t5, total_s=t7 - t0, drafter_prefill_s=drafter_prefill))
+                eval_s=t6 - t5, total_s=t7 - t0, drafter_prefill_s=drafter_prefill,
+                tree_nodes=0 if tree is None else k))
             yield emitted
             if reason:
                 stats.stop_reason = reason
@@ -472,6 +508,41 @@ class SpeculativeEngine:
         for d in drafters:
             d.end_request(tokens[n_prompt:])
         return stats
+
+    def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int) -> DraftTree:
+        """The drafter's tree (``cap`` deep), cut to the best-first prefix whose expected
+        tokens per second of verification is highest (``trees.nodes_worth_verifying``)."""
+        tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap))
+        if tree.is_chain or tree.scores is None:
+            return tree
+        costs = self.cost_model
+        return tree.prefix(nodes_worth_verifying(tree.scores, costs.verify_cost, costs.round_overhead_s))
+
+    def _verify_tree(self, cache: Any, tokens: list[int], tree: DraftTree, sampling: SamplingConfig,
+                     generator: torch.Generator | None, features: bool
+                     ) -> tuple[Draft, int, int, torch.Tensor, torch.Tensor | None, list[float]]:
+        """One target forward over the tree, exact acceptance (``adaspec.trees``), the accepted
+        path's KV kept. For the policies the round reads as a chain: the accepted path, then
+        (if it has children) the first child of its end, which was rejected; logits (and
+        hidden states) of those positions; Not-a-Bandit Theorem 2 gammas at each of them."""
+        logits, hidden = self.target.forward_tree(cache, tokens[-1], tree, hidden=features)
+        if sampling.greedy:
+            verdict = verify_tree_greedy(logits, tree)
+        else:
+            probs = process_logits(logits, sampling)
+            verdict = verify_tree_sampling(probs, tree, generator)
+        rows = verdict.rows
+        self.target.keep_path(cache, len(tokens) - 1, rows)
+        n = len(verdict.path)
+        kids = tree.children()[rows[-1]]
+        chain = rows + [kids[0] + 1] if kids else rows
+        draft = Draft(tokens=[tree.tokens[r - 1] for r in chain[1:]])
+        if sampling.greedy:
+            gammas = [1.0] * n + [0.0] * (len(chain) - 1 - n)
+        else:
+            gammas = tree_gammas(probs, tree, chain[:-1])
+        return (draft, n, verdict.next_token, logits[chain],
+                None if hidden is None else hidden[chain], gammas)
 
     def _peek(self, tokens: list[int], max_tokens: int, seen: list[int]) -> dict[int, Peek]:
         """Every drafter's proposal that costs no model call (``Drafter.peek``), by index; the

@@ -29,6 +29,7 @@ class RoundRecord:
     eval_s: float
     total_s: float
     drafter_prefill_s: float = 0.0  # prompt ingestion at the drafter's first use in the request
+    tree_nodes: int = 0  # nodes of the round's draft tree (0: a chain; ``drafted`` counts them too)
 
     @property
     def overhead_s(self) -> float:

@@ -113,15 +113,16 @@ class TargetBackend(ABC):
         positions (``adaspec.trees``): logits ``[1 + len(tree), vocab]`` (row 0: after ``last``,
         row i + 1: after node i's path), and the hidden states of the same rows with ``hidden``.
         The state then holds all the rows; ``keep_path`` keeps the accepted ones."""
-        raise self._no_trees()
+        raise self.no_trees_error()
 
     def keep_path(self, state: Any, start: int, rows: Sequence[int]) -> None:
         """After ``forward_tree`` on a state of ``start`` tokens: keep the entries of ``rows``
         (increasing, row 0 first) at positions ``start, start + 1, ...`` and drop the rest
         (the accepted path's KV is moved into place, not recomputed)."""
-        raise self._no_trees()
+        raise self.no_trees_error()
 
-    def _no_trees(self) -> ConfigError:
+    def no_trees_error(self) -> ConfigError:
+        """The error of a backend without draft trees."""
         return ConfigError(f"draft trees are not implemented on the {self.backend} backend yet "
                            "(llama.cpp could verify them with one sequence id per branch, later): "
                            "drop --tree (tree=False), or use --backend transformers")

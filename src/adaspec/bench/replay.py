@@ -534,6 +534,9 @@ def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayRes
         if getattr(c, "peer", None):
             out[c.name] = "peer (not the engine's loop)"
             continue
+        if getattr(c, "tree", False):
+            out[c.name] = "draft trees (traces record chains: replay does not cover trees)"
+            continue
         try:
             out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k)
         except ConfigError as exc:

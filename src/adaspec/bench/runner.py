@@ -20,12 +20,12 @@ import json
 import re
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import GenerationConfig, SamplingConfig, validate_k
-from ..drafters import Drafter, build_drafter
+from ..drafters import Drafter, build_drafter, drafts_trees
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..exactness import NEAR_TIE_NATS, divergence_gap
@@ -36,7 +36,7 @@ from .workloads import BUILTIN_PROMPTS, BenchPrompt
 SCHEMA = "adaspec.bench/1"
 AR_NAME = "AR (no drafter)"
 ROUND_FIELDS = ("config", "prompt_id", "category", "position", "turn", "round", "drafter", "k_cap", "drafted",
-                "accepted", "emitted", "draft_s", "verify_s", "catch_up_s", "policy_s", "total_s")
+                "accepted", "emitted", "draft_s", "verify_s", "catch_up_s", "policy_s", "total_s", "tree_nodes")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class BenchConfig:
     selector: str | None = None
     length: str | None = None
     peer: str | None = None
+    tree: bool = False  # draft trees from the drafters that propose them (``SpeculativeEngine(tree=)``)
 
     @property
     def kind(self) -> str:
@@ -64,7 +65,7 @@ class BenchConfig:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "k": self.k, "selector": self.selector,
-                "length": self.length, "peer": self.peer,
+                "length": self.length, "peer": self.peer, "tree": self.tree,
                 "drafters": [d if isinstance(d, str) else d.describe() for d in self.drafters]}
 
 
@@ -459,10 +460,11 @@ def label(spec: str) -> str:
 
 def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Sequence[str] = (),
                     lengths: Sequence[str] = (), static: bool = True,
-                    peers: Sequence[str] = ()) -> list[BenchConfig]:
+                    peers: Sequence[str] = (), tree: bool = False) -> list[BenchConfig]:
     """Plain AR first (the baseline); then every drafter at every K (static); every selector
     over the whole drafter pool (at the first K); every length policy with every drafter; and
-    every peer."""
+    every peer. ``tree``: every engine configuration is followed by its twin with draft trees
+    (``NAME +tree``), so chains and trees sit side by side."""
     for k in ks:
         validate_k(k)
     configs = [BenchConfig(AR_NAME, [])]
@@ -476,6 +478,9 @@ def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Seque
     for ln in lengths:
         for d in drafters:
             configs.append(BenchConfig(f"{label(d)} + {ln}", [d], k=ks[0], length=ln))
+    if tree:  # a twin for every configuration with a drafter that drafts trees
+        configs = [configs[0]] + [x for c in configs[1:] for x in (
+            (c, replace(c, name=f"{c.name} +tree", tree=True)) if any(map(drafts_trees, c.drafters)) else (c,))]
     for p in peers:
         configs.append(BenchConfig(p, peer=p))
     names = [c.name for c in configs]
@@ -500,7 +505,7 @@ class _Runner:
             self.peer = make_peer(target, cfg.peer, device=device, dtype=dtype)
         else:
             self.engine = SpeculativeEngine(target, [drafter(d) for d in cfg.drafters], k=cfg.k,
-                                            selector=cfg.selector, length=cfg.length)
+                                            selector=cfg.selector, length=cfg.length, tree=cfg.tree)
 
     def run(self, ids: list[int], gen: GenerationConfig, eos: set[int]) -> tuple[list[int], float, Any]:
         """(new token ids, seconds, RequestStats or PeerRun)."""
@@ -627,7 +632,8 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                                    "drafter": rr.drafter, "k_cap": rr.k_cap, "drafted": rr.drafted,
                                    "accepted": rr.accepted, "emitted": rr.emitted, "draft_s": rr.draft_s,
                                    "verify_s": rr.verify_s, "catch_up_s": rr.catch_up_s,
-                                   "policy_s": rr.policy_s, "total_s": rr.total_s})
+                                   "policy_s": rr.policy_s, "total_s": rr.total_s,
+                                   "tree_nodes": rr.tree_nodes})
         records.extend(recs)
     costs = None
     if measure_costs:
@@ -646,14 +652,15 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
 FILE_KEYS = {"model", "device", "dtype", "backend", "suite", "per_category", "seed", "max_new_tokens",
              "repeats",
              "temperature", "drafters", "ks", "selectors", "lengths", "peers", "static", "costs",
-             "out", "config"}
+             "out", "config", "tree"}
 
 
 def load_bench_file(path: str | Path) -> dict[str, Any]:
     """Read a bench method matrix from TOML (``.toml``) or YAML (``.yaml``/``.yml``).
 
     Top-level keys are ``FILE_KEYS``; ``[[config]]`` tables (a ``config`` list in YAML) add
-    explicit configurations with ``name``, ``drafters``, ``k``, ``selector``, ``length``, ``peer``."""
+    explicit configurations with ``name``, ``drafters``, ``k``, ``selector``, ``length``, ``peer``,
+    ``tree``."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"bench config file {p} does not exist")
@@ -689,7 +696,7 @@ def load_bench_file(path: str | Path) -> dict[str, Any]:
 def explicit_configs(entries: Sequence[dict[str, Any]]) -> list[BenchConfig]:
     """``[[config]]`` entries of a bench file as configurations."""
     out = []
-    allowed = {"name", "drafters", "k", "selector", "length", "peer"}
+    allowed = {"name", "drafters", "k", "selector", "length", "peer", "tree"}
     for i, e in enumerate(entries):
         bad = sorted(set(e) - allowed)
         if bad:
@@ -700,6 +707,7 @@ def explicit_configs(entries: Sequence[dict[str, Any]]) -> list[BenchConfig]:
         name = e.get("name") or e.get("peer") or " + ".join(
             [", ".join(drafters) or "AR", *(x for x in (e.get("selector"), e.get("length")) if x)])
         out.append(BenchConfig(name, list(drafters), k=validate_k(int(e.get("k", 5))),
-                               selector=e.get("selector"), length=e.get("length"), peer=e.get("peer")))
+                               selector=e.get("selector"), length=e.get("length"), peer=e.get("peer"),
+                               tree=bool(e.get("tree", False))))
     return out
 

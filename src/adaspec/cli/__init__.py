@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import AdaspecError
-from .options import check_drafters, check_number, check_policies, check_sampling, check_target
+from .options import check_drafters, check_number, check_policies, check_sampling, check_target, check_tree
 from .progress import StageProgress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -26,6 +26,8 @@ BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF
                 "kernels; pip install 'adaspec\\[llamacpp]')")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
+TREE_HELP = ("draft trees: prompt-lookup and suffix propose several continuations, verified in one "
+             "forward (exact); other drafters draft chains; transformers backend only")
 DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_ngram=1], "
                 "suffix[:min_match=2,datastore=FILE,corpus=FILE,learn=true], self, early-exit:layers=N, "
                 "model:REF, feature-head:path=FILE, tiny-lm:path=DIR")
@@ -58,6 +60,9 @@ def generate(
     dtype: str | None = typer.Option(None, help="float32 (exact; the default) or bfloat16 (faster, not "
                                      "batch-invariant); transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
+    tree: bool = typer.Option(False, "--tree", help=TREE_HELP),
+    tree_nodes: int = typer.Option(15, "--tree-nodes", help="with --tree: most nodes of a draft tree "
+                                   "(the verify-cost rule keeps the best-first prefix that pays)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, token_ids, stats"),
     rounds: bool = typer.Option(False, help="with --json: include per-round records"),
 ) -> None:
@@ -69,11 +74,13 @@ def generate(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                chat_template=not no_chat_template,
                                sampling=SamplingConfig(temperature, top_k, top_p, seed))
+        check_tree(tree, backend, tree_nodes)
         check_target(model, device, dtype, backend)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
-                                                   backend=backend, selector=selector, length=length, k=k)
+                                                   backend=backend, selector=selector, length=length, k=k,
+                                                   tree=tree, tree_nodes=tree_nodes)
         if as_json:
             result = engine.generate(prompt, cfg)
             print(json.dumps(result.to_dict(rounds=rounds), ensure_ascii=False))
@@ -172,7 +179,8 @@ BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend":
                   "suite": "mixed", "per_category": 2,
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["auto"],
-                  "lengths": ["cost-model"], "peers": ["hf-pld"], "static": True, "costs": True, "out": None}
+                  "lengths": ["cost-model"], "peers": ["hf-pld"], "static": True, "costs": True, "out": None,
+                  "tree": False}
 
 
 @app.command()
@@ -220,6 +228,8 @@ def bench(
                                       "OUT/trace.npz when the matrix has an adaptive configuration]"),
     no_record: bool = typer.Option(False, "--no-record", help="do not record a trace (no replay predictions "
                                    "and no per-round oracle; saves about 4 AR runs of time)"),
+    tree: bool | None = typer.Option(None, "--tree", help="also run every configuration with draft trees "
+                                     "(NAME +tree, next to its chain); " + TREE_HELP),
 ) -> None:
     """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
     every configuration and Hugging Face's assisted generation, side by side in one process.
@@ -235,7 +245,7 @@ def bench(
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
              "repeats": repeats, "temperature": temperature, "seed": seed, "device": device,
-             "dtype": dtype, "backend": backend, "costs": costs, "out": out}
+             "dtype": dtype, "backend": backend, "costs": costs, "out": out, "tree": tree}
     try:
         file_cfg = load_bench_file(config_file) if config_file else {}
         opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
@@ -253,6 +263,7 @@ def bench(
         check_number("--per-category", opt["per_category"], low=0, integer=True)
         check_number("--prompts", prompts, low=0, integer=True)
         check_sampling(opt["temperature"])
+        check_tree(opt["tree"], opt["backend"])
         check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"])
         check_policies(opt["selectors"], opt["lengths"], opt["ks"])
         for p in opt["peers"]:
@@ -276,7 +287,7 @@ def bench(
         if prompts > 0:
             work = work[:prompts]
         configs = default_configs(opt["drafters"], opt["ks"], opt["selectors"], opt["lengths"],
-                                  static=opt["static"], peers=opt["peers"])
+                                  static=opt["static"], peers=opt["peers"], tree=bool(opt["tree"]))
         configs += explicit_configs(file_cfg.get("config", []))
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
         if (record is None and not no_record and opt["temperature"] == 0

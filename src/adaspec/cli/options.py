@@ -89,6 +89,18 @@ def check_policies(selectors: Iterable[str | None] = (), lengths: Iterable[str |
         build_length(spec)
 
 
+def check_tree(tree: bool, backend: str = "transformers", nodes: int | None = None) -> None:
+    """``--tree`` (draft trees run on the transformers backend) and ``--tree-nodes``."""
+    from ..backends.base import check_backend
+
+    if not tree:
+        return
+    if check_backend(backend) != "transformers":
+        raise AdaspecError(f"--tree: draft trees are verified on the transformers backend, not {backend} "
+                           "(not implemented there yet): drop --tree or use --backend transformers")
+    check_number("--tree-nodes", nodes, low=1, integer=True)
+
+
 def check_number(option: str, value: Any, *, low: float | None = None, high: float | None = None,
                  integer: bool = False, low_open: bool = False) -> None:
     """``value`` is a (finite) number in [low, high] (``low_open``: (low, high]); None passes."""
@@ -131,4 +143,4 @@ def check_path(option: str, path: str | Path | None, kind: str = "file", hint: s
 
 
 __all__ = ["check_drafters", "check_number", "check_path", "check_policies",
-           "check_sampling", "check_target"]
+           "check_sampling", "check_target", "check_tree"]
