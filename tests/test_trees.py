@@ -227,6 +227,15 @@ def test_drafter_trees_are_best_first_and_contain_the_chain(drafter):
     assert d.peek(BRANCHY, 5).tokens == chain
 
 
+def test_level_mix_weighs_specific_matches_first():
+    from adaspec.drafters.indexed import level_mix
+
+    got = dict(level_mix(5, [[5, 5, 7], [5, 7, 9, 9]]))
+    assert list(got) == [5, 7, 9]  # the chain's token first, then by weight
+    assert got[5] == pytest.approx((2 / 3) / 1.125) and got[9] == pytest.approx(0.125 / 1.125)
+    assert sum(got.values()) == pytest.approx(1.0)
+
+
 class ChainOnly:
     """Patch: every tree node gets only its top candidate, so trees are chains."""
 
