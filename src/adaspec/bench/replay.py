@@ -271,12 +271,14 @@ class _RoundPricer:
     for a trace recorded without costs. ``t`` is the context (tokens before the round), so
     the target's cache holds ``t - 1`` tokens."""
 
-    def __init__(self, trace: Trace, pool: _Pool):
+    def __init__(self, trace: Trace, pool: _Pool, costs: VerifyCostSurface | None = None):
         on = trace.surface is not None
-        #: V as the live runs see it (``EngineOverheads.verify_scale``)
+        #: V as the live runs see it (``EngineOverheads.verify_scale``); a swapped-in surface
+        #: (``replay(costs=...)``, e.g. another backend's) is used as given, prefills included
         o = trace.overheads
-        self.surface: VerifyCostSurface | None = (trace.surface.scaled(o.verify_scale, o.verify_scale_per_width)
-                                                  if on else None)
+        self.swapped = costs is not None and on
+        self.surface: VerifyCostSurface | None = (
+            costs if self.swapped else trace.surface.scaled(o.verify_scale, o.verify_scale_per_width) if on else None)
         self.costs: list[DrafterCosts | None] = [trace.drafter_costs[s] if on and s is not None else None
                                                  for s in pool.src]
         self.over = trace.overheads if on else EngineOverheads()
@@ -308,7 +310,7 @@ class _RoundPricer:
         recording's AR run; else the surface's), plus the per-request overhead."""
         if self.surface is None:
             return 0.0
-        prefill = pt.prefill_s if pt.prefill_s > 0 else self.surface.prefill(pt.n_prompt - 1)
+        prefill = pt.prefill_s if pt.prefill_s > 0 and not self.swapped else self.surface.prefill(pt.n_prompt - 1)
         return prefill + self.over.request_s
 
     def round_overhead(self) -> float:
@@ -326,12 +328,15 @@ class _RoundPricer:
 def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
            length: str | int | LengthPolicy | None = None, k: int = 5,
            drafters: Sequence[str] | None = None, max_new_tokens: int | None = None,
-           strict: bool = False) -> ReplayResult:
+           strict: bool = False, costs: VerifyCostSurface | None = None) -> ReplayResult:
     """Replay ``selector`` x ``length`` (names as for the engine, or fresh instances) over the
     trace's prompts in order. ``drafters``: subset / order of the recorded drafters by spec or
     name (``"none"`` is always available); default all, in recording order. ``max_new_tokens``
     may lower the recorded budget. ``strict``: raise instead of clipping a round at the
-    recorded ``max_draft``."""
+    recorded ``max_draft``. ``costs``: price rounds on this verify-cost surface instead of the
+    recorded one (as measured: no ``verify_scale``; prefills from it too), e.g. another
+    backend's: greedy paths are the target's argmax on every backend, so the trace's
+    acceptance data transfers (up to near-ties); drafter and engine overheads stay recorded."""
     validate_k(k)
     pool = _Pool.of(trace, drafters)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
@@ -343,7 +348,7 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     if not isinstance(budget, int) or not 1 <= budget <= trace.max_new_tokens:
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
-    price = _RoundPricer(trace, pool)
+    price = _RoundPricer(trace, pool, costs)
     # as in the engine: the surface, and running means of the (synthesised) drafter costs
     cost_model = CostModel(price.surface)
     for policy in (sel, ln):
@@ -551,7 +556,8 @@ def _metrics(tokens: int, rounds: int, seconds: float, ar_seconds: float) -> dic
             "speedup": ar_seconds / seconds if seconds > 0 else None}
 
 
-def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = None) -> dict[str, Any]:
+def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = None,
+                  costs: VerifyCostSurface | None = None) -> dict[str, Any]:
     """Hindsight bounds on a trace, with predicted times from its cost model.
 
     * ``fixed``: every drafter alone at static ``k`` (a replay);
@@ -566,13 +572,13 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
       any recorded number of tokens (a wider verify can be cheaper on a cost cliff).
     Oracle times count the target prefill, drafting, verification and the engine's round
     overhead only (no drafter prefill, catch-up, evaluation or policy time), so they are
-    lower bounds.
+    lower bounds. ``costs``: another verify-cost surface, as in ``replay``.
     """
     validate_k(k)
     pool = _Pool.of(trace, drafters)
-    price = _RoundPricer(trace, pool)
+    price = _RoundPricer(trace, pool, costs)
     col = {s: i for i, s in enumerate(pool.src) if s is not None}
-    fixed = {lab: replay(trace, None, None, k=k, drafters=[lab]) for lab in pool.labels}
+    fixed = {lab: replay(trace, None, None, k=k, drafters=[lab], costs=costs) for lab in pool.labels}
     ar_total = sum(r.ar_seconds for r in fixed.values()) / len(fixed)
     tokens = next(iter(fixed.values())).tokens
     out: dict[str, Any] = {"k": k, "max_draft": trace.max_draft, "tokens": tokens, "ar_seconds": ar_total,
