@@ -32,15 +32,18 @@ ROWS = [
     ("suffix + cost-model (best single drafter live)", None, "cost-model", ["suffix"]),
     ("prompt-lookup + cost-model", None, "cost-model", ["prompt-lookup"]),
     ("suffix + auto length", None, "auto", ["suffix"]),
-    ("auto (default: time objective, full information, warm start, no peek)", "auto", None, POOL),
+    ("auto (default: time objective, looks first, lower-bound estimates, warm start)", "auto", None, POOL),
+    ("auto, shrink=0 (plans on posterior means)", "auto:shrink=0", None, POOL),
+    ("auto, peek=0 (no looking: the engine scores every drafter)", "auto:peek=0", None, POOL),
+    ("auto, peek=0, shrink=0 (the controller before this change)", "auto:peek=0,shrink=0", None, POOL),
     ("auto, objective=length (the papers' objective: expected accepted tokens)", "auto:objective=length", None, POOL),
     ("auto, feedback=bandit (chosen drafter's rounds only)", "auto:feedback=bandit", None, POOL),
     ("auto, scope=request (no warm start across requests)", "auto:scope=request", None, POOL),
-    ("auto, peek=1 (look at the blocks first, conditioned estimates)", "auto:peek=1", None, POOL),
     ("hedgespec + cost-model", "hedgespec:scope=global", "cost-model", POOL),
 ]
-SHORT = {ROWS[0][0]: "sfx+cm", ROWS[1][0]: "pl+cm", ROWS[2][0]: "sfx+auto-len", ROWS[3][0]: "auto",
-         ROWS[6][0]: "auto:peek=1"}
+#: short names of the rows shown per category
+SHORT = {"sfx+cm": ROWS[0][0], "pl+cm": ROWS[1][0], "sfx+auto-len": ROWS[2][0], "auto": ROWS[3][0],
+         "auto:shrink=0": ROWS[4][0], "auto:peek=0": ROWS[5][0], "auto before": ROWS[6][0]}
 
 
 def category(trace: Trace, p: int) -> str:
@@ -140,7 +143,7 @@ def main() -> None:
     print(f"| per-round oracle (least time, hindsight) | {ob['dp_time']['tokens_per_s']:.1f} | "
           f"{ob['dp_time']['speedup']:.2f}x | {ob['dp_time']['mat']:.2f} |")
     if args.by_category:
-        table = {SHORT[n]: by_category(trace, results[n]) for n in SHORT}
+        table = {short: by_category(trace, results[n]) for short, n in SHORT.items()}
         table["oracle"] = oracle_by_category(trace, costs)
         cats = list(table["auto"])
         print("\n| speed-up over AR | " + " | ".join(cats) + " |")

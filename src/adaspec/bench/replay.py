@@ -477,7 +477,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         n = min(views[src].accepted[x], kd) if kd else 0
         emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
         m = len(emitted)
-        draft_s = price.draft(i, kd, t) if cap > 0 and i not in peeked else 0.0
+        redraft = i not in peeked or cap > len(blocks[i].tokens)  # as the engine: a short look is drafted again
+        draft_s = price.draft(i, kd, t) if cap > 0 and redraft else 0.0
         verify_s = price.verify(kd + 1, t)
         catch_up_s = price.catch_up(i, catch_up, t)
         fb = _ReplayFeedback(
