@@ -149,7 +149,7 @@ def test_expected_tokens_matches_simulation():
 # -- choices ----------------------------------------------------------------------------------
 def controller_with(estimates: dict[int, tuple[float, float, float]], costs: FixedCosts,
                     names: list[str]) -> AutoController:
-    c = AutoController(prior_weight=1e-9)
+    c = AutoController(prior_weight=1e-9, shrink=0.0)  # plans on exactly these estimates
     c.costs = costs
     c.begin_request(names)
     for d, (h, a, cc) in estimates.items():  # counts that estimate exactly (h, a, c)
@@ -212,7 +212,12 @@ def test_peeked_proposals_decide_among_model_free_drafters():
 
 
 def test_peek_option_is_validated_and_off_means_no_looking():
-    assert AutoSelector(peek=1).peek_tokens == 16 and AutoSelector().peek_tokens == 0
+    assert AutoSelector(peek=1).peek_tokens == 4 == AutoSelector().peek_tokens  # on by default
+    assert AutoSelector(peek=0).peek_tokens == 0 and AutoSelector(peek_depth=16).peek_tokens == 16
+    with pytest.raises(ConfigError, match="peek_depth must be"):
+        AutoSelector(peek_depth=0)
+    with pytest.raises(ConfigError, match="shrink must be"):
+        AutoSelector(shrink=-1)
     with pytest.raises(ConfigError, match="peek must be 0 or 1"):
         AutoSelector(peek=2)
     with pytest.raises(ConfigError, match="objective must be 'time' or 'length'"):
@@ -260,6 +265,7 @@ def test_warm_start_keeps_the_global_prior_and_scope_request_forgets():
         sel.costs = FixedCosts(flat(1.0, 0.03))
         run_requests(sel, [arms], ["a", "b"], rounds=40)
         sel.begin_request(["a", "b"])
+        sel.controller.shrink = 0.0  # the posterior mean (plans use a lower bound)
         h, a, c = sel.controller.estimate(0)
         assert (a > 0.7) is expect_learnt
 
