@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections import defaultdict
 
-from adaspec.bench.replay import ReplayResult, oracle_bounds, replay
+from adaspec.bench.replay import ReplayResult, load_surface, oracle_bounds, replay
 from adaspec.bench.trace import Trace
 from adaspec.costs import VerifyCostSurface
 
@@ -128,7 +127,7 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="where auto's rounds lose, per category")
     args = ap.parse_args()
     trace = Trace.load(args.trace)
-    costs = VerifyCostSurface.from_dict(json.load(open(args.costs))) if args.costs else None
+    costs = load_surface(args.costs) if args.costs else None
     ar = replay(trace, None, None, drafters=["none"], costs=costs)
     print(f"replay of {args.trace}{' priced on ' + args.costs if costs else ''}: {len(trace.prompts)} requests; "
           f"AR {ar.tokens_per_s:.1f} tokens/s predicted\n")

@@ -686,6 +686,14 @@ def _dp(trace: Trace, srcs: list[int], by_time: bool, round_s, start_s) -> tuple
 
 
 # -- command line -------------------------------------------------------------------------------
+def load_surface(path: str) -> VerifyCostSurface:
+    """A verify-cost surface from JSON (``VerifyCostSurface.to_dict``); ConfigError if unreadable."""
+    try:
+        return VerifyCostSurface.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read a verify-cost surface from {path}: {exc}") from None
+
+
 def _configs(trace: Trace, selectors: Sequence[str], lengths: Sequence[str], ks: Sequence[int],
              drafters: Sequence[str] | None) -> list[dict[str, Any]]:
     """Like ``adaspec bench``: every drafter alone at every K (when no selector or length is
@@ -718,6 +726,8 @@ def replay_command(
                                       help="recorded drafters to use, in this order ('none' always available)"),
     oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="also print hindsight bounds"),
     json_out: str | None = typer.Option(None, "--json", help="write the results as JSON here"),
+    costs_file: str | None = typer.Option(None, "--costs", help="price on this verify-cost surface (JSON, as "
+                                          "`adaspec costs` caches it), e.g. another backend's"),
 ) -> None:
     """Evaluate drafter x length policies on a recorded greedy trace, without models: MAT and
     acceptance are exact for time-independent policies; times are predicted from the recorded
@@ -735,9 +745,10 @@ def replay_command(
         for spec in length:
             build_length(spec)
         tr = Trace.load(trace)
-        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"])
+        surface = load_surface(costs_file) if isinstance(costs_file, str) else None  # (called directly: OptionInfo)
+        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"], costs=surface)
                    for c in _configs(tr, selector, length, k, drafter or None)]
-        bounds = oracle_bounds(tr, k[0], drafter or None) if oracle else None
+        bounds = oracle_bounds(tr, k[0], drafter or None, costs=surface) if oracle else None
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -784,5 +795,5 @@ def replay_command(
         console.print(f"written: {json_out}")
 
 
-__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "predict_config",
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "load_surface", "oracle_bounds", "predict_config",
            "predict_configs", "replay", "replay_command"]
