@@ -270,12 +270,15 @@ class AutoController:
         else:
             h, a, c = self.estimate(d)
         miss = (1.0 - h) * (v1 + draft(d, 0))
+        ha, run, geo = h * a, 1.0, 0.0  # E(k) = 1 + h a (1 + c + ... + c^(k-1)), summed as k grows
+        best_k, best_rate = 0, best.rate
         for k in range(1, top + 1):
-            t = overhead + h * (draft(d, k) + verify(k + 1)) + miss
-            rate = expected_tokens(h, a, c, k) / max(t, 1e-12)
-            if rate > best.rate:
-                best = Plan(d, k, rate)
-        return best
+            geo += run
+            run *= c
+            rate = (1.0 + ha * geo) / max(overhead + h * (draft(d, k) + verify(k + 1)) + miss, 1e-12)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return Plan(d, best_k, best_rate) if best_k else best
 
     def choose(self) -> Plan:
         """The round's (drafter, cap): the best rate over every drafter and cap. A plain step
@@ -283,7 +286,8 @@ class AutoController:
         is then scored like the others (the engine evaluates a chosen drafter that drafted
         nothing)."""
         verify, draft, overhead = self._cost_fns()
-        plans = [self.best_k(d, verify, draft, overhead) for d in range(len(self.names))]
+        widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]  # V(w) at this round's context, once
+        plans = [self.best_k(d, widths.__getitem__, draft, overhead) for d in range(len(self.names))]
         best = max(plans, key=lambda p: (p.rate, p.k))
         if best.k == 0:
             for d, name in enumerate(self.names):
