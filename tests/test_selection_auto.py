@@ -464,26 +464,26 @@ def test_steep_curve_plain_decoding_unless_acceptance_is_very_high():
     """llama.cpp's steep curve: a draft of one token pays only if a > 0.83. Nine contexts (match
     buckets) at a = 0.7 never pay; planning on posterior means (shrink=0) drafts wherever a few
     lucky trials look good (the optimizer's curse) and loses against plain decoding; the lower
-    bound (shrink=2, the default) stays level with it. Where acceptance is very high
+    bound (shrink=1, the default) stays level with it. Where acceptance is very high
     (a = c = 0.97) the lower bound still drafts and wins, learning from scratch in every
-    request (scope=request; warm start shortens that). Fixed seed 3; over seeds 0-9 the
-    ratios to plain decoding were: a = 0.7, means 1.012-1.036, lower bound 1.000-1.002;
-    a = 0.97, lower bound 0.82-0.91 (means 0.71-0.74: pessimism costs while learning)."""
+    request (scope=request). Fixed seed 3; over seeds 0-9 the ratios to plain decoding were:
+    a = 0.7, means 1.012-1.036, lower bound 0.992-1.009 (lower by 0.013-0.029 on every seed);
+    a = 0.97, lower bound 0.72-0.76, means 0.71-0.74."""
     bad = [(m, 0.7, 0.6) for m in (1, 2, 3, 4, 6, 8, 12, 16, 24)]
     good = [(m, 0.97, 0.97) for m in (8, 12, 16, 24)]
     out = {}
-    for shrink in (0.0, 2.0):
+    for shrink in (0.0, 1.0):
         sel = AutoSelector(scope="request", shrink=shrink, peek_depth=8)  # 4-token blocks: k <= 4
         sel.costs = FixedCosts(STEEP)
         out[shrink] = peeked_requests(sel, bad, requests=20, rounds=40, seed=3)
-    lb, plain = out[2.0]
-    assert lb <= 1.005 * plain
+    lb, plain = out[1.0]
+    assert lb <= 1.01 * plain
     mean, plain0 = out[0.0]
     assert mean / plain0 > lb / plain + 0.01
     sel = AutoSelector(scope="request", peek_depth=8)
     sel.costs = FixedCosts(STEEP)
     spent, plain = peeked_requests(sel, good, requests=5, rounds=40, seed=3)
-    assert spent < 0.95 * plain
+    assert spent < 0.8 * plain
 
 
 def test_full_information_only_for_what_cannot_be_looked_at():

@@ -164,7 +164,7 @@ class AutoController:
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
-                 objective: str = "time", shrink: float = 2.0):
+                 objective: str = "time", shrink: float = 1.0):
         if not isinstance(shrink, (int, float)) or isinstance(shrink, bool) or not 0.0 <= shrink <= 10.0:
             raise ConfigError(f"shrink must be a number in [0, 10], got {shrink!r}: pass e.g. shrink=2 "
                               "(posterior standard deviations; 0 plans on the posterior means)")
@@ -235,7 +235,7 @@ class AutoController:
             base = g.estimate(est, w) if g is not None else est
             r = self.request_ctx[d].get(context)
             est = r.estimate(base, w) if r is not None else base
-            n = [w + (g.t[i] if g is not None else 0.0) + (r.t[i] if r is not None else 0.0) for i in range(3)]
+            n = [w + (r.t[i] if r is not None else 0.0) for i in range(3)]  # this request's evidence
         if self.shrink <= 0.0:
             return est
         return tuple(lower_bound(est[i], n[i], self.shrink) for i in range(3))  # type: ignore[return-value]
@@ -429,7 +429,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
                  peek: int | bool = 1, objective: str = "time", feedback: str = "full", seed: int | None = 0,
-                 shrink: float = 2.0, peek_depth: int = 4):
+                 shrink: float = 1.0, peek_depth: int = 4):
         super().__init__(seed=seed, scope=scope)
         if peek not in (0, 1, True, False):
             raise ConfigError(f"peek must be 0 or 1, got {peek!r}: pass peek=1 to look at model-free "
