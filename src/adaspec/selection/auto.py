@@ -67,15 +67,17 @@ before any data (h, a, c) = (0.5, 0.5, 0.7)), the request's per drafter (decayed
 context), the request's per (drafter, context).
 
 Lower bound. The plan uses every probability lowered by z = ``shrink`` posterior standard
-deviations, p_plan = max(0, p - z sqrt(p (1 - p) / (n + 1))), n = w + the trials of the
-drafter's request level (or of the context's two levels): choosing among many noisy
-estimates picks the optimistic ones (the optimizer's curse, Smith & Winkler 2006), and on a
-steep verify curve (llama.cpp: one drafted token pays only if a > 0.83) a rarely seen context
-that looked good by chance costs more than plain decoding. It needs full information (the
-counts keep coming whatever is chosen): with bandit feedback the plan uses the means
-(``shrink`` 0), else a drafter whose bound fell below paying would never be tried again.
-Replay of the mixed-suite trace (``scripts/auto_ablation.py``): 1.38x -> 1.41x over AR on the
-PyTorch surface, 1.02x -> 1.06x on llama.cpp's, lowest category 0.935x -> 0.985x there.
+deviations, p_plan = max(0, p - z sqrt(p (1 - p) / (n + 1))), n = w + this request's trials
+(of the drafter, or of the context): the global counts set the mean, but a request may differ
+from the average one by as much as a prior worth w trials says, so only its own evidence
+narrows the bound. Choosing among many noisy estimates picks the optimistic ones (the
+optimizer's curse, Smith & Winkler 2006), and on a steep verify curve (llama.cpp: one drafted
+token pays only if a > 0.83) a context that looked good by chance costs more than plain
+decoding. It needs full information (the counts keep coming whatever is chosen): with bandit
+feedback the plan uses the means (``shrink`` 0), else a drafter whose bound fell below paying
+would never be tried again. Replay (``scripts/auto_ablation.py``), mixed-suite trace: 1.38x ->
+1.42x over AR on the PyTorch surface, 1.02x -> 1.06x on llama.cpp's (lowest category 0.935x
+-> 0.990x); held-out trace (docs/results/smollm2-holdout): 1.54x -> 1.56x, 1.04x -> 1.08x.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class AutoController:
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
                  objective: str = "time", shrink: float = 1.0):
         if not isinstance(shrink, (int, float)) or isinstance(shrink, bool) or not 0.0 <= shrink <= 10.0:
-            raise ConfigError(f"shrink must be a number in [0, 10], got {shrink!r}: pass e.g. shrink=2 "
+            raise ConfigError(f"shrink must be a number in [0, 10], got {shrink!r}: pass e.g. shrink=1 "
                               "(posterior standard deviations; 0 plans on the posterior means)")
         if objective not in ("time", "length"):
             raise ConfigError(f"objective must be 'time' or 'length', got {objective!r}: 'length' maximises "
