@@ -490,6 +490,7 @@ def test_full_information_only_for_what_cannot_be_looked_at():
     """Looking first, every model-free drafter is scored on its block: the engine's evaluation
     is off unless a model drafter needs it; 'none' is never evaluated, looked-at drafters not."""
     sel = AutoSelector()
+    assert sel.full_information  # unbound: the caller may not look, so it is asked to score
     sel.bind_drafters([False, False, False])
     assert not sel.full_information
     sel.bind_drafters([False, True])

@@ -454,10 +454,13 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 
     @property
     def full_information(self) -> bool:  # type: ignore[override]
-        """Ask the engine to score the other drafters? Not when every drafter is looked at:
-        their blocks are scored for free (``peek_chain``), and the engine's scoring costs
-        0.3-0.5 ms a round, 3-5% of a llama.cpp forward of SmolLM2."""
-        return self._full and not (self.peek_tokens and not any(self._is_model or []))
+        """Ask the engine to score the other drafters? Not when it told which drafters run a
+        model (``bind_drafters``) and none does: an engine that binds shows every block
+        (``peek_tokens``), scored for free (``peek_chain``), and its scoring costs 0.3-0.5 ms a
+        round, 3-5% of a llama.cpp forward of SmolLM2. Unbound (a caller that may not look):
+        yes."""
+        bound_model_free = self._is_model is not None and not any(self._is_model)
+        return self._full and not (self.peek_tokens and bound_model_free)
 
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine tells; evaluated less often, never looked at)."""
