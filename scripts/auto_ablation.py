@@ -5,40 +5,154 @@ same basis (predicted seconds over replay's AR). Seconds to run.
 
     adaspec bench --config benchmarks/smollm2-auto.toml -o results/smollm2-auto   # records trace.npz
     python scripts/auto_ablation.py results/smollm2-auto/trace.npz
+    python scripts/auto_ablation.py TRACE --costs docs/results/smollm2-llamacpp/surface.json  # llama.cpp's curve
+    python scripts/auto_ablation.py TRACE --by-category --diagnose
+
+``--costs FILE`` prices the same rounds on another verify-cost surface (JSON as
+``VerifyCostSurface.to_dict``): greedy paths are the target's argmax on every backend, so a
+trace's acceptance data transfers. ``--by-category`` adds speed-ups per prompt category and
+the per-round oracle (least time, hindsight); ``--diagnose`` breaks auto's rounds down into
+where it loses against that oracle: drafts with nothing accepted, the other drafter accepting
+more, plain steps where a drafter would have been accepted, caps too long or too short.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections import defaultdict
 
-from adaspec.bench.replay import replay
+from adaspec.bench.replay import ReplayResult, load_surface, oracle_bounds, replay
 from adaspec.bench.trace import Trace
+from adaspec.costs import VerifyCostSurface
 
 POOL = ["prompt-lookup", "suffix", "none"]
 ROWS = [
     ("suffix + cost-model (best single drafter live)", None, "cost-model", ["suffix"]),
+    ("prompt-lookup + cost-model", None, "cost-model", ["prompt-lookup"]),
     ("suffix + auto length", None, "auto", ["suffix"]),
-    ("auto (default: time objective, full information, warm start, no peek)", "auto", None, POOL),
+    ("auto (default: time objective, looks first, lower-bound estimates, warm start)", "auto", None, POOL),
+    ("auto, shrink=0 (plans on posterior means)", "auto:shrink=0", None, POOL),
+    ("auto, peek=0 (no looking: the engine scores every drafter)", "auto:peek=0", None, POOL),
+    ("auto, peek=0, shrink=0 (the controller before this change)", "auto:peek=0,shrink=0", None, POOL),
     ("auto, objective=length (the papers' objective: expected accepted tokens)", "auto:objective=length", None, POOL),
     ("auto, feedback=bandit (chosen drafter's rounds only)", "auto:feedback=bandit", None, POOL),
     ("auto, scope=request (no warm start across requests)", "auto:scope=request", None, POOL),
-    ("auto, peek=1 (look at the blocks first, conditioned estimates)", "auto:peek=1", None, POOL),
     ("hedgespec + cost-model", "hedgespec:scope=global", "cost-model", POOL),
 ]
+#: short names of the rows shown per category
+SHORT = {"sfx+cm": ROWS[0][0], "pl+cm": ROWS[1][0], "sfx+auto-len": ROWS[2][0], "auto": ROWS[3][0],
+         "auto:shrink=0": ROWS[4][0], "auto:peek=0": ROWS[5][0], "auto before": ROWS[6][0]}
+
+
+def category(trace: Trace, p: int) -> str:
+    return str(trace.prompts[p].meta.get("category", "all"))
+
+
+def by_category(trace: Trace, r: ReplayResult) -> dict[str, float]:
+    """Speed-up over replay's AR per prompt category (priced seconds, policy time excluded)."""
+    ar: dict[str, float] = defaultdict(float)
+    sec: dict[str, float] = defaultdict(float)
+    for pr in r.prompts:
+        ar[category(trace, pr.index)] += pr.ar_seconds
+        sec[category(trace, pr.index)] += pr.seconds
+    return {c: ar[c] / sec[c] for c in ar}
+
+
+def oracle_by_category(trace: Trace, costs: VerifyCostSurface | None) -> dict[str, float]:
+    """The per-round oracle (least time, hindsight) per category: a sub-trace per category."""
+    out = {}
+    for c in dict.fromkeys(category(trace, p) for p in range(len(trace.prompts))):
+        idx = [p for p in range(len(trace.prompts)) if category(trace, p) == c]
+        sub = dataclasses.replace(trace, prompts=[trace.prompts[p] for p in idx], cache={})
+        out[c] = oracle_bounds(sub, 5, POOL[:2], costs=costs)["dp_time"]["speedup"]
+    return out
+
+
+def diagnose(trace: Trace, r: ReplayResult, costs: VerifyCostSurface | None) -> None:
+    """Where auto's rounds lose, per category: counts and the verify seconds they add over a
+    plain step (priced on the same surface as the replay)."""
+    surface = costs if costs is not None else trace.surface.scaled(trace.overheads.verify_scale,
+                                                                     trace.overheads.verify_scale_per_width)
+    idx = {name: trace.index_of(name) for name in POOL[:2]}
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for pr in r.prompts:
+        pt = trace.prompts[pr.index]
+        cat = category(trace, pr.index)
+        t = pt.n_prompt
+        for rd in pr.rounds:
+            x = t - pt.n_prompt
+            acc = {n: int(pt.tracks[j].accepted[x]) for n, j in idx.items()}
+            best = max(acc.values())
+            v1 = surface.cost(1, t - 1)
+            extra = surface.cost(rd.drafted + 1, t - 1) - v1
+            row = rows[cat]
+            row["rounds"] += 1
+            if rd.drafted > 0:
+                row["draft rounds"] += 1
+                row[f"chose {rd.name}"] += 1
+                if rd.accepted == 0:
+                    row["drafted, 0 accepted"] += 1
+                    row["s lost: 0 accepted"] += extra
+                other = [n for n in acc if n != rd.name]
+                if other and acc[other[0]] > acc.get(rd.name, 0) and rd.accepted < min(rd.k_cap, acc[other[0]]):
+                    row["other drafter better"] += 1
+                if rd.drafted > rd.accepted + 1:
+                    row["cap too long (>1 wasted)"] += 1
+                if rd.accepted == rd.drafted and acc.get(rd.name, 0) > rd.drafted:
+                    row["cap too short"] += 1
+            elif best >= 2:
+                row["plain step, a drafter had >=2"] += 1
+            elif best == 1:
+                row["plain step, a drafter had 1"] += 1
+            row["accepted"] += rd.accepted
+            t += rd.emitted
+    keys = ["rounds", "draft rounds", "chose prompt-lookup", "chose suffix", "drafted, 0 accepted",
+            "s lost: 0 accepted", "other drafter better", "cap too long (>1 wasted)", "cap too short",
+            "plain step, a drafter had >=2", "plain step, a drafter had 1", "accepted"]
+    cats = list(rows)
+    print("\n| auto's rounds | " + " | ".join(cats) + " | all |")
+    print("|---|" + "---:|" * (len(cats) + 1))
+    for k in keys:
+        vals = [rows[c][k] for c in cats]
+        fmt = (lambda v: f"{v:.2f}") if k.startswith("s lost") else (lambda v: f"{v:.0f}")
+        print(f"| {k} | " + " | ".join(fmt(v) for v in vals) + f" | {fmt(sum(vals))} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
+    ap.add_argument("--costs", help="verify-cost surface JSON to price the rounds on (e.g. llama.cpp's)")
+    ap.add_argument("--by-category", action="store_true", help="speed-ups per category and the per-round oracle")
+    ap.add_argument("--diagnose", action="store_true", help="where auto's rounds lose, per category")
     args = ap.parse_args()
     trace = Trace.load(args.trace)
-    ar = replay(trace, None, None, drafters=["none"])
-    print(f"replay of {args.trace}: {len(trace.prompts)} requests; AR {ar.tokens_per_s:.1f} tokens/s predicted\n")
+    costs = load_surface(args.costs) if args.costs else None
+    ar = replay(trace, None, None, drafters=["none"], costs=costs)
+    print(f"replay of {args.trace}{' priced on ' + args.costs if costs else ''}: {len(trace.prompts)} requests; "
+          f"AR {ar.tokens_per_s:.1f} tokens/s predicted\n")
     print("| configuration | predicted tokens/s | speed-up | MAT |")
     print("|---|---:|---:|---:|")
+    results = {}
     for name, sel, ln, drafters in ROWS:
-        r = replay(trace, sel, ln, k=5, drafters=drafters)
+        r = replay(trace, sel, ln, k=5, drafters=drafters, costs=costs)
+        results[name] = r
         print(f"| {name} | {r.tokens_per_s:.1f} | {ar.predicted_s / r.predicted_s:.2f}x | {r.mat:.2f} |")
+    ob = oracle_bounds(trace, 5, POOL[:2], costs=costs)
+    print(f"| per-round oracle (least time, hindsight) | {ob['dp_time']['tokens_per_s']:.1f} | "
+          f"{ob['dp_time']['speedup']:.2f}x | {ob['dp_time']['mat']:.2f} |")
+    if args.by_category:
+        table = {short: by_category(trace, results[n]) for short, n in SHORT.items()}
+        table["oracle"] = oracle_by_category(trace, costs)
+        cats = list(table["auto"])
+        print("\n| speed-up over AR | " + " | ".join(cats) + " |")
+        print("|---|" + "---:|" * len(cats))
+        for name, row in table.items():
+            print(f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in cats) + " |")
+        best = {c: max(table[n][c] for n in ("sfx+cm", "pl+cm", "sfx+auto-len")) for c in cats}
+        print("| auto / best single | " + " | ".join(f"{table['auto'][c] / best[c]:.3f}" for c in cats) + " |")
+    if args.diagnose:
+        diagnose(trace, results[ROWS[3][0]], costs)
 
 
 if __name__ == "__main__":

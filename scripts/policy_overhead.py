@@ -16,13 +16,13 @@ import time
 import numpy as np
 
 from adaspec.config import SamplingConfig
-from adaspec.drafters.base import Draft
+from adaspec.drafters.base import Draft, Peek
 from adaspec.feedback import RoundFeedback
 from adaspec.costs import CostModel, VerifyCostCurve
 from adaspec.selection import SELECTORS, build_selector
 
 #: every registered selector, plus the MetaSD block-efficiency variant
-POLICIES = sorted(SELECTORS) + ["metasd-ucb:reward=be"]
+POLICIES = sorted(SELECTORS) + ["metasd-ucb:reward=be", "auto:peek=0"]
 
 
 def feedback_pool(n_arms: int, per_arm: int, L: int = 5, seed: int = 0) -> list[list[RoundFeedback]]:
@@ -58,8 +58,13 @@ def measure(spec: str, n_arms: int, rounds: int, pool: list[list[RoundFeedback]]
     per_arm = len(pool[0])
     times = []
     clock = time.perf_counter
+    # a selector that looks first (auto) sees every arm's block each round, as in the engine
+    looks = int(getattr(policy, "peek_tokens", 0) or 0)
+    blocks = {j: Peek(list(range(j, j + looks)), 1 + 3 * j) for j in range(n_arms)} if looks else None
     for r in range(rounds):
         t0 = clock()
+        if blocks is not None:
+            policy.observe_proposals(blocks)
         i = policy.select()
         policy.update(pool[i][r % per_arm])
         times.append(clock() - t0)
@@ -70,11 +75,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20000)
     ap.add_argument("--arms", type=int, default=8)
+    ap.add_argument("--policy", action="append", help="only these policy specs (repeatable)")
     args = ap.parse_args()
     pool = feedback_pool(args.arms, 512)
     print(f"select()+update() per round, {args.arms} arms, {args.rounds} rounds")
     print(f"{'policy':<22} {'median us':>10} {'p99 us':>10}")
-    for spec in POLICIES:
+    for spec in args.policy or POLICIES:
         times = measure(spec, args.arms, args.rounds, pool)
         p99 = float(np.quantile(times, 0.99))
         print(f"{spec:<22} {statistics.median(times) * 1e6:10.2f} {p99 * 1e6:10.2f}")

@@ -21,7 +21,9 @@ from adaspec.errors import ConfigError
 from adaspec.feedback import RoundFeedback
 from adaspec.models import as_loaded
 from adaspec.selection import build_policies
-from adaspec.selection.auto import AutoController, AutoLength, AutoSelector, ChainCounts, expected_tokens
+from adaspec.drafters.base import Peek
+from adaspec.selection.auto import (AutoController, AutoLength, AutoSelector, ChainCounts, expected_tokens,
+                                    lower_bound, peek_chain)
 
 GREEDY = SamplingConfig()
 WORDS = [f"w{i:02d}" for i in range(32)]
@@ -149,7 +151,7 @@ def test_expected_tokens_matches_simulation():
 # -- choices ----------------------------------------------------------------------------------
 def controller_with(estimates: dict[int, tuple[float, float, float]], costs: FixedCosts,
                     names: list[str]) -> AutoController:
-    c = AutoController(prior_weight=1e-9)
+    c = AutoController(prior_weight=1e-9, shrink=0.0)  # plans on exactly these estimates
     c.costs = costs
     c.begin_request(names)
     for d, (h, a, cc) in estimates.items():  # counts that estimate exactly (h, a, c)
@@ -212,7 +214,12 @@ def test_peeked_proposals_decide_among_model_free_drafters():
 
 
 def test_peek_option_is_validated_and_off_means_no_looking():
-    assert AutoSelector(peek=1).peek_tokens == 16 and AutoSelector().peek_tokens == 0
+    assert AutoSelector(peek=1).peek_tokens == 4 == AutoSelector().peek_tokens  # on by default
+    assert AutoSelector(peek=0).peek_tokens == 0 and AutoSelector(peek_depth=16).peek_tokens == 16
+    with pytest.raises(ConfigError, match="peek_depth must be"):
+        AutoSelector(peek_depth=0)
+    with pytest.raises(ConfigError, match="shrink must be"):
+        AutoSelector(shrink=-1)
     with pytest.raises(ConfigError, match="peek must be 0 or 1"):
         AutoSelector(peek=2)
     with pytest.raises(ConfigError, match="objective must be 'time' or 'length'"):
@@ -260,6 +267,7 @@ def test_warm_start_keeps_the_global_prior_and_scope_request_forgets():
         sel.costs = FixedCosts(flat(1.0, 0.03))
         run_requests(sel, [arms], ["a", "b"], rounds=40)
         sel.begin_request(["a", "b"])
+        sel.controller.shrink = 0.0  # the posterior mean (plans use a lower bound)
         h, a, c = sel.controller.estimate(0)
         assert (a > 0.7) is expect_learnt
 
@@ -289,7 +297,7 @@ def sharp_model():
     return as_loaded(make_tiny_model(seed=3, init_std=0.3, lm_head_scale=3.0), word_tokenizer(WORDS), "tiny")
 
 
-@pytest.mark.parametrize("selector", ["auto", "auto:peek=1"])
+@pytest.mark.parametrize("selector", ["auto", "auto:peek=0", "auto:peek_depth=2,shrink=0"])
 @pytest.mark.parametrize("drafters", [["prompt-lookup", "suffix", "none"], ["suffix"], ["prompt-lookup", "self"]])
 def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters, selector):
     engine = SpeculativeEngine(sharp_model, drafters, selector=selector)
@@ -322,9 +330,20 @@ def test_peeked_block_is_the_drafted_block(sharp_model):
     are the same as with looking off whenever the choices agree: same drafter, same block."""
     ids = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
     on = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=1").generate(ids, max_new_tokens=20)
-    off = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto").generate(ids, max_new_tokens=20)
+    off = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=0").generate(ids, max_new_tokens=20)
     assert on.token_ids == off.token_ids
     assert sum(r.drafted for r in on.stats.rounds) > 0
+
+
+def test_a_look_cut_at_the_depth_is_drafted_again(sharp_model):
+    """peek_depth=2: a block as long as the look may go on, so the controller may plan a longer
+    cap, and the engine then drafts the full cap (the output stays plain decoding's)."""
+    ids = [1, 2, 3, 4, 5, 6] * 4 + [1]
+    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "none"], selector="auto:peek_depth=2,shrink=0")
+    plain = SpeculativeEngine(sharp_model, [], k=1)
+    out = engine.generate(ids, max_new_tokens=24)
+    assert out.token_ids == plain.generate(ids, max_new_tokens=24).token_ids
+    assert max(r.drafted for r in out.stats.rounds) > 2
 
 
 def test_sampling_distribution_is_exact():
@@ -352,3 +371,151 @@ def test_sampling_distribution_is_exact():
     assert len(used) == 2  # both drafters drafted: the controller switched
     _, p, _ = chisquare_gof(counts, want)
     assert p > ALPHA
+
+
+# -- looking first: blocks as feedback, contexts, lower bounds ---------------------------------
+def test_peek_chain_is_unbiased_for_one_hot_acceptance_under_sampling():
+    """A looked-at block scored on sampled output (``peek_chain``): the emitted token at a
+    position is distributed as the target's p, so 1[emitted = block token] has mean p(block
+    token) and the chain counts recover a = p_1(b_1) and c = p_2(b_2). Fixed seed, 40,000 rounds:
+    standard errors <= 0.0025 (a) and 0.004 (c); tolerance 0.015 (> 3.5 sigma). A variant that
+    scores positions after a mismatch as well (no break) is biased on c and fails."""
+    rng = random.Random(11)
+    p1, p2 = [0.6, 0.3, 0.1], [0.45, 0.45, 0.1]  # target distributions over 3 tokens
+    block = [0, 1]  # the drafter proposes token 0, then token 1
+    counts, broken = ChainCounts(), ChainCounts()
+    for _ in range(40_000):
+        e1 = rng.choices(range(3), p1)[0]
+        e2 = rng.choices(range(3), p2)[0]  # (off the block's prefix when e1 != 0: not its chain)
+        counts.observe(peek_chain(block, [e1, e2]), peek_chain(block, [e1, e2]), True)
+        g = [1.0 if b == e else 0.0 for b, e in zip(block, [e1, e2])]
+        broken.t[1] += 1
+        broken.s[1] += g[0]
+        broken.t[2] += 1  # counts the second position whatever happened at the first
+        broken.s[2] += g[1]
+    _, a, c = counts.estimate((0.5, 0.5, 0.5), 1e-9)
+    assert a == pytest.approx(0.6, abs=0.015) and c == pytest.approx(0.45, abs=0.015)
+    assert peek_chain([5, 6, 7], [5, 9, 7]) == [1.0, 0.0] and peek_chain([], [1]) == []
+    _, _, c_broken = broken.estimate((0.5, 0.5, 0.5), 1e-9)
+    assert c_broken == pytest.approx(0.45, abs=0.015)  # here position 2 is independent of 1 ...
+    # ... but with a chain that only continues on its own path, counting after a mismatch
+    # mixes in the off-path rate: simulate e2 matching only if e1 did (a copy run)
+    counts, broken = ChainCounts(), ChainCounts()
+    for _ in range(40_000):
+        on = rng.random() < 0.6
+        cont = on and rng.random() < 0.9
+        off_match = (not on) and rng.random() < 0.3  # off the path, a chance match
+        emitted = [0 if on else 2, 1 if (cont or off_match) else 2]
+        g = peek_chain(block, emitted)
+        counts.observe(g, g, True)
+        broken.t[2] += 1.0
+        broken.s[2] += 1.0 if emitted[1] == 1 else 0.0
+    assert counts.estimate((0.5, 0.5, 0.5), 1e-9)[2] == pytest.approx(0.9, abs=0.015)
+    assert broken.s[2] / broken.t[2] < 0.9 - 0.1
+
+
+def test_lower_bound_shrinks_with_evidence():
+    assert lower_bound(0.8, 1e9, 2.0) == pytest.approx(0.8, abs=1e-3)
+    assert lower_bound(0.8, 8.0, 2.0) == pytest.approx(0.8 - 2.0 * (0.16 / 9) ** 0.5)
+    assert lower_bound(0.8, 8.0, 0.0) == 0.8 and lower_bound(0.01, 1.0, 5.0) == 0.0
+
+
+#: llama.cpp-shaped verify curve (SmolLM2 Q4_1, 2 threads, docs/llamacpp.md): V(w) / V(1)
+STEEP = {1: 1.0, 2: 1.83, 3: 2.18, 4: 2.70, 5: 3.35, 6: 3.74, 7: 4.13, 8: 4.57, 9: 4.88, 10: 5.19,
+         11: 5.51, 12: 5.82, 13: 6.13, 14: 6.45, 15: 6.76, 16: 7.07, 17: 7.12}
+
+
+def peeked_requests(sel: AutoSelector, contexts: list[tuple[int, float, float]], requests: int, rounds: int,
+                    seed: int) -> tuple[float, float]:
+    """Requests over [suffix, none] where the suffix block (4 tokens) is looked at every round:
+    each round draws a context (match length, a, c) at random; returns (seconds, seconds of
+    plain decoding of the same tokens) on ``sel.costs``."""
+    rng = random.Random(seed)
+    length = sel.paired_length()
+    sel.bind_drafters([False, False])
+    spent = tokens = 0.0
+    for _ in range(requests):
+        sel.begin_request(["suffix", "none"])
+        length.begin_request()
+        for r in range(rounds):
+            match, a, c = rng.choice(contexts)
+            block = [1, 2, 3, 4]
+            sel.observe_proposals({0: Peek(block, match)})
+            d = sel.select()
+            k = length.begin_round(d)
+            ok = [rng.random() < a]
+            while len(ok) < 5:
+                ok.append(ok[-1] and rng.random() < c)
+            n = 0
+            while d == 0 and n < k and ok[n]:
+                n += 1
+            nxt = block[n] if n < 4 and ok[n] else 9  # the target's token after the accepted ones
+            emitted = block[:n] + [nxt]
+            drafted = k if d == 0 else 0
+            fb = RoundFeedback(round=r, drafter=d, draft=Draft(tokens=block[:drafted]), n_accepted=n,
+                               emitted=emitted, k_cap=k, target_logits=None, sampling=GREEDY)
+            sel.update(fb)
+            spent += sel.costs.verify_cost(drafted + 1)
+            tokens += len(emitted)
+    return spent, tokens * sel.costs.verify_cost(1)
+
+
+def test_steep_curve_plain_decoding_unless_acceptance_is_very_high():
+    """llama.cpp's steep curve: a draft of one token pays only if a > 0.83. Nine contexts (match
+    buckets) at a = 0.7 never pay; planning on posterior means (shrink=0) drafts wherever a few
+    lucky trials look good (the optimizer's curse) and loses against plain decoding; the lower
+    bound (shrink=1, the default) stays level with it. Where acceptance is very high
+    (a = c = 0.97) the lower bound still drafts and wins, learning from scratch in every
+    request (scope=request). Fixed seed 3; over seeds 0-9 the ratios to plain decoding were:
+    a = 0.7, means 1.012-1.036, lower bound 0.992-1.009 (lower by 0.013-0.029 on every seed);
+    a = 0.97, lower bound 0.72-0.76, means 0.71-0.74."""
+    bad = [(m, 0.7, 0.6) for m in (1, 2, 3, 4, 6, 8, 12, 16, 24)]
+    good = [(m, 0.97, 0.97) for m in (8, 12, 16, 24)]
+    out = {}
+    for shrink in (0.0, 1.0):
+        sel = AutoSelector(scope="request", shrink=shrink, peek_depth=8)  # 4-token blocks: k <= 4
+        sel.costs = FixedCosts(STEEP)
+        out[shrink] = peeked_requests(sel, bad, requests=20, rounds=40, seed=3)
+    lb, plain = out[1.0]
+    assert lb <= 1.01 * plain
+    mean, plain0 = out[0.0]
+    assert mean / plain0 > lb / plain + 0.01
+    sel = AutoSelector(scope="request", peek_depth=8)
+    sel.costs = FixedCosts(STEEP)
+    spent, plain = peeked_requests(sel, good, requests=5, rounds=40, seed=3)
+    assert spent < 0.8 * plain
+
+
+def test_full_information_only_for_what_cannot_be_looked_at():
+    """Looking first, every model-free drafter is scored on its block: the engine's evaluation
+    is off unless a model drafter needs it; 'none' is never evaluated, looked-at drafters not."""
+    sel = AutoSelector()
+    assert sel.full_information  # unbound: the caller may not look, so it is asked to score
+    sel.bind_drafters([False, False, False])
+    assert not sel.full_information
+    sel.bind_drafters([False, True])
+    assert sel.full_information
+    assert AutoSelector(peek=0).full_information and not AutoSelector(peek=0, feedback="bandit").full_information
+    c = sel.controller
+    c.begin_request(["prompt-lookup", "none", "model"], [False, False, True])
+    c.observe_proposals({0: Peek([1, 2], 3)})
+    assert not c.evaluate(0) and not c.evaluate(1) and c.evaluate(2)  # round 0: the model is due
+
+
+def test_peeked_drafters_learn_from_their_blocks_without_evaluation():
+    """A round in which 'none' was chosen: the looked-at drafter's block is scored on the
+    emitted token (no counterfactual from the engine), in its context."""
+    c = AutoController(prior_weight=1.0, shrink=0.0)
+    c.begin_request(["suffix", "none"])
+    c.observe_proposals({0: Peek([5, 6, 7], 24)})
+    ctx = c.contexts[0]
+    assert ctx == "alone:24"
+    fb = RoundFeedback(round=0, drafter=1, draft=Draft(), n_accepted=0, emitted=[5], k_cap=0,
+                       target_logits=None, sampling=GREEDY)
+    c.observe(fb)
+    assert c.request_ctx[0][ctx].t[1] == 1.0 and c.request_ctx[0][ctx].s[1] == 1.0
+    c.observe_proposals({0: Peek([5, 6, 7], 24)})
+    c.observe(RoundFeedback(round=1, drafter=1, draft=Draft(), n_accepted=0, emitted=[8], k_cap=0,
+                            target_logits=None, sampling=GREEDY))
+    counts = c.request_ctx[0][ctx]  # decayed once by request_decay = 0.98
+    assert counts.t[1] == pytest.approx(1.98) and counts.s[1] == pytest.approx(0.98)

@@ -410,3 +410,30 @@ def test_smollm2_replay_equals_live():
         want = live_keys(target, ["prompt-lookup", "suffix"], selector, None, k, prompts=ids, n=24)
         got = replay(trace, selector, k=k)
         assert [got.keys(i) for i in range(len(ids))] == want
+
+
+def test_replay_on_another_cost_surface(env, tmp_path):
+    """``costs=``: the same rounds priced on another backend's surface, used as measured (no
+    verify_scale, prefills from it): a static policy's rounds are unchanged, AR costs what the
+    surface says, and a surface whose wide blocks are steep turns k=5's speed-up below 1."""
+    from adaspec.bench.replay import load_surface
+    from adaspec.costs import VerifyCostSurface
+
+    _, _, trace = env
+    ks = [1, 2, 4, 8, 16]
+    flat = VerifyCostSurface([64], ks, [[0.01] * 5], [0.05])
+    steep = VerifyCostSurface([64], ks, [[0.01 * k for k in ks]], [0.05])
+    on_flat = replay(trace, None, None, k=5, drafters=["suffix"], costs=flat)
+    on_steep = replay(trace, None, None, k=5, drafters=["suffix"], costs=steep)
+    assert [r.key() for r in on_flat.rounds] == [r.key() for r in on_steep.rounds]
+    assert on_flat.speedup > 1.0 > on_steep.speedup
+    ar = replay(trace, None, None, drafters=["none"], costs=flat)
+    over = trace.overheads
+    want = sum(flat.prefill(trace.prompts[p.index].n_prompt - 1) + over.request_s
+               + p.new_tokens * (0.01 + over.round_s) for p in ar.prompts)
+    assert ar.seconds == pytest.approx(want)
+    path = tmp_path / "surface.json"
+    path.write_text(json.dumps(steep.to_dict()))
+    assert load_surface(str(path)).cost(3, 64) == pytest.approx(steep.cost(3, 64))
+    with pytest.raises(ConfigError, match="cannot read a verify-cost surface"):
+        load_surface(str(tmp_path / "missing.json"))

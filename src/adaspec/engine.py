@@ -438,7 +438,7 @@ class SpeculativeEngine:
                 tree = self._draft_tree(drafter, tokens, cap)
                 if tree.is_chain:  # a chain is drafted and verified as one
                     draft, tree = Draft(tokens=apply_decisions(tree.tokens, decide)), None
-            elif cap > 0 and i in peeked:  # already proposed: drafted exactly as the drafter would
+            elif cap > 0 and i in peeked and cap <= len(peeked[i].tokens):  # already proposed: as drafted
                 draft = Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
             elif cap > 0:
                 draft = drafter.draft(tokens, cap, sampling, generator, decide,

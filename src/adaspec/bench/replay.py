@@ -271,12 +271,14 @@ class _RoundPricer:
     for a trace recorded without costs. ``t`` is the context (tokens before the round), so
     the target's cache holds ``t - 1`` tokens."""
 
-    def __init__(self, trace: Trace, pool: _Pool):
+    def __init__(self, trace: Trace, pool: _Pool, costs: VerifyCostSurface | None = None):
         on = trace.surface is not None
-        #: V as the live runs see it (``EngineOverheads.verify_scale``)
+        #: V as the live runs see it (``EngineOverheads.verify_scale``); a swapped-in surface
+        #: (``replay(costs=...)``, e.g. another backend's) is used as given, prefills included
         o = trace.overheads
-        self.surface: VerifyCostSurface | None = (trace.surface.scaled(o.verify_scale, o.verify_scale_per_width)
-                                                  if on else None)
+        self.swapped = costs is not None and on
+        self.surface: VerifyCostSurface | None = (
+            costs if self.swapped else trace.surface.scaled(o.verify_scale, o.verify_scale_per_width) if on else None)
         self.costs: list[DrafterCosts | None] = [trace.drafter_costs[s] if on and s is not None else None
                                                  for s in pool.src]
         self.over = trace.overheads if on else EngineOverheads()
@@ -308,7 +310,7 @@ class _RoundPricer:
         recording's AR run; else the surface's), plus the per-request overhead."""
         if self.surface is None:
             return 0.0
-        prefill = pt.prefill_s if pt.prefill_s > 0 else self.surface.prefill(pt.n_prompt - 1)
+        prefill = pt.prefill_s if pt.prefill_s > 0 and not self.swapped else self.surface.prefill(pt.n_prompt - 1)
         return prefill + self.over.request_s
 
     def round_overhead(self) -> float:
@@ -326,15 +328,20 @@ class _RoundPricer:
 def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
            length: str | int | LengthPolicy | None = None, k: int = 5,
            drafters: Sequence[str] | None = None, max_new_tokens: int | None = None,
-           strict: bool = False) -> ReplayResult:
+           strict: bool = False, costs: VerifyCostSurface | None = None) -> ReplayResult:
     """Replay ``selector`` x ``length`` (names as for the engine, or fresh instances) over the
     trace's prompts in order. ``drafters``: subset / order of the recorded drafters by spec or
     name (``"none"`` is always available); default all, in recording order. ``max_new_tokens``
     may lower the recorded budget. ``strict``: raise instead of clipping a round at the
-    recorded ``max_draft``."""
+    recorded ``max_draft``. ``costs``: price rounds on this verify-cost surface instead of the
+    recorded one (as measured: no ``verify_scale``; prefills from it too), e.g. another
+    backend's: greedy paths are the target's argmax on every backend, so the trace's
+    acceptance data transfers (up to near-ties); drafter and engine overheads stay recorded."""
     validate_k(k)
     pool = _Pool.of(trace, drafters)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
+    if hasattr(sel, "bind_drafters"):  # as the engine does
+        sel.bind_drafters([s is not None and trace.is_model[s] for s in pool.src])
     if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "
@@ -343,7 +350,7 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     if not isinstance(budget, int) or not 1 <= budget <= trace.max_new_tokens:
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
-    price = _RoundPricer(trace, pool)
+    price = _RoundPricer(trace, pool, costs)
     # as in the engine: the surface, and running means of the (synthesised) drafter costs
     cost_model = CostModel(price.surface)
     for policy in (sel, ln):
@@ -470,7 +477,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         n = min(views[src].accepted[x], kd) if kd else 0
         emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
         m = len(emitted)
-        draft_s = price.draft(i, kd, t) if cap > 0 and i not in peeked else 0.0
+        redraft = i not in peeked or cap > len(blocks[i].tokens)  # as the engine: a short look is drafted again
+        draft_s = price.draft(i, kd, t) if cap > 0 and redraft else 0.0
         verify_s = price.verify(kd + 1, t)
         catch_up_s = price.catch_up(i, catch_up, t)
         fb = _ReplayFeedback(
@@ -551,7 +559,8 @@ def _metrics(tokens: int, rounds: int, seconds: float, ar_seconds: float) -> dic
             "speedup": ar_seconds / seconds if seconds > 0 else None}
 
 
-def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = None) -> dict[str, Any]:
+def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = None,
+                  costs: VerifyCostSurface | None = None) -> dict[str, Any]:
     """Hindsight bounds on a trace, with predicted times from its cost model.
 
     * ``fixed``: every drafter alone at static ``k`` (a replay);
@@ -566,13 +575,13 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
       any recorded number of tokens (a wider verify can be cheaper on a cost cliff).
     Oracle times count the target prefill, drafting, verification and the engine's round
     overhead only (no drafter prefill, catch-up, evaluation or policy time), so they are
-    lower bounds.
+    lower bounds. ``costs``: another verify-cost surface, as in ``replay``.
     """
     validate_k(k)
     pool = _Pool.of(trace, drafters)
-    price = _RoundPricer(trace, pool)
+    price = _RoundPricer(trace, pool, costs)
     col = {s: i for i, s in enumerate(pool.src) if s is not None}
-    fixed = {lab: replay(trace, None, None, k=k, drafters=[lab]) for lab in pool.labels}
+    fixed = {lab: replay(trace, None, None, k=k, drafters=[lab], costs=costs) for lab in pool.labels}
     ar_total = sum(r.ar_seconds for r in fixed.values()) / len(fixed)
     tokens = next(iter(fixed.values())).tokens
     out: dict[str, Any] = {"k": k, "max_draft": trace.max_draft, "tokens": tokens, "ar_seconds": ar_total,
@@ -677,6 +686,14 @@ def _dp(trace: Trace, srcs: list[int], by_time: bool, round_s, start_s) -> tuple
 
 
 # -- command line -------------------------------------------------------------------------------
+def load_surface(path: str) -> VerifyCostSurface:
+    """A verify-cost surface from JSON (``VerifyCostSurface.to_dict``); ConfigError if unreadable."""
+    try:
+        return VerifyCostSurface.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read a verify-cost surface from {path}: {exc}") from None
+
+
 def _configs(trace: Trace, selectors: Sequence[str], lengths: Sequence[str], ks: Sequence[int],
              drafters: Sequence[str] | None) -> list[dict[str, Any]]:
     """Like ``adaspec bench``: every drafter alone at every K (when no selector or length is
@@ -709,6 +726,8 @@ def replay_command(
                                       help="recorded drafters to use, in this order ('none' always available)"),
     oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="also print hindsight bounds"),
     json_out: str | None = typer.Option(None, "--json", help="write the results as JSON here"),
+    costs_file: str | None = typer.Option(None, "--costs", help="price on this verify-cost surface (JSON, as "
+                                          "`adaspec costs` caches it), e.g. another backend's"),
 ) -> None:
     """Evaluate drafter x length policies on a recorded greedy trace, without models: MAT and
     acceptance are exact for time-independent policies; times are predicted from the recorded
@@ -726,9 +745,10 @@ def replay_command(
         for spec in length:
             build_length(spec)
         tr = Trace.load(trace)
-        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"])
+        surface = load_surface(costs_file) if isinstance(costs_file, str) else None  # (called directly: OptionInfo)
+        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"], costs=surface)
                    for c in _configs(tr, selector, length, k, drafter or None)]
-        bounds = oracle_bounds(tr, k[0], drafter or None) if oracle else None
+        bounds = oracle_bounds(tr, k[0], drafter or None, costs=surface) if oracle else None
     except AdaspecError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -775,5 +795,5 @@ def replay_command(
         console.print(f"written: {json_out}")
 
 
-__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "oracle_bounds", "predict_config",
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "load_surface", "oracle_bounds", "predict_config",
            "predict_configs", "replay", "replay_command"]
