@@ -191,3 +191,93 @@ def nodes_worth_verifying(scores: Sequence[float], verify_cost: Callable[[int], 
         if rate > best_rate:
             best_m, best_rate = m, rate
     return best_m
+
+
+# -- dynamic trees from model drafters (EAGLE-2) -------------------------------------------------
+@dataclass(frozen=True)
+class TreeNode:
+    """A node of a dynamic tree under construction: ``parent`` is a node id (-1: the root) and
+    ``score`` the product of the draft probabilities along its path (EAGLE-2's value)."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float
+
+
+#: runs the drafter on a level's frontier (node ids into the node list): their next-token q rows
+LevelStep = Callable[[Sequence[int], Sequence[TreeNode]], torch.Tensor]
+
+
+def dynamic_tree(root_q: torch.Tensor, step: LevelStep, max_depth: int, max_nodes: int,
+                 branch: int = 4, width: int = 4) -> DraftTree:
+    """EAGLE-2 dynamic draft tree (Li et al. 2024, Sec. 4): every expanded node offers its
+    ``branch`` most probable tokens (score = parent score x q); at each depth the ``width``
+    best-scoring new nodes are expanded with one ``step`` (one drafter forward per level);
+    finally all nodes are reranked by score and the best ``max_nodes`` kept (best-first, so
+    every prefix is a tree). Expansion stops early once ``max_nodes`` nodes score at least as
+    high as the best frontier node (no deeper node could be kept)."""
+    nodes: list[TreeNode] = []
+
+    def offer(parents: Sequence[int], rows: torch.Tensor) -> list[int]:
+        vals, idx = torch.topk(rows.float(), min(branch, rows.shape[-1]), dim=-1)
+        new = []
+        for pid, vs, ts in zip(parents, vals.tolist(), idx.tolist()):
+            base, depth = (1.0, 1) if pid < 0 else (nodes[pid].score, nodes[pid].depth + 1)
+            for v, t in zip(vs, ts):
+                if v <= 0.0:  # q(t) = 0: outside the drafter's support
+                    break
+                nodes.append(TreeNode(int(t), pid, depth, base * v))
+                new.append(len(nodes) - 1)
+        return new
+
+    level = offer([-1], root_q.reshape(1, -1)) if max_depth >= 1 and max_nodes >= 1 else []
+    for _ in range(2, max_depth + 1):
+        frontier = sorted(level, key=lambda i: -nodes[i].score)[:width]
+        if not frontier or sum(nd.score >= nodes[frontier[0]].score for nd in nodes) >= max_nodes:
+            break
+        level = offer(frontier, step(frontier, nodes))
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]
+    new_id = {old: new for new, old in enumerate(order)}
+    return DraftTree([nodes[i].token for i in order],
+                     [-1 if nodes[i].parent < 0 else new_id[nodes[i].parent] for i in order],
+                     [nodes[i].score for i in order])
+
+
+def level_attention_mask(ancestors: Sequence[Sequence[int]], prefix: int, fed: int,
+                         dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive mask [1, 1, n, prefix + fed + n] for feeding n tree nodes to a drafter whose
+    cache holds ``prefix`` context entries then ``fed`` tree nodes: row r sees the context, the
+    cached tree slots ``ancestors[r]`` (0-based after the context) and itself (EAGLE-2 tree
+    attention while drafting; same convention as ``tree_attention_mask``)."""
+    n = len(ancestors)
+    allowed = torch.zeros(n, fed + n, dtype=torch.bool)
+    for r, anc in enumerate(ancestors):
+        allowed[r, list(anc)] = True
+        allowed[r, fed + r] = True
+    mask = torch.zeros(n, prefix + fed + n, dtype=dtype)
+    mask[:, prefix:].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+@dataclass
+class TreeSlots:
+    """Drafter cache slots of the tree nodes fed so far, after ``prefix`` context entries."""
+
+    prefix: int
+    slot_of: dict[int, int] = field(default_factory=dict)  # node id -> slot after the prefix
+
+    def feed(self, frontier: Sequence[int], nodes: Sequence[TreeNode], dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+        """Give the frontier nodes the next slots; their mask (``level_attention_mask``)."""
+        ancestors = []
+        for i in frontier:
+            anc, p = [], nodes[i].parent
+            while p >= 0:
+                anc.append(self.slot_of[p])
+                p = nodes[p].parent
+            ancestors.append(anc)
+        fed = len(self.slot_of)
+        for r, i in enumerate(frontier):
+            self.slot_of[i] = fed + r
+        return level_attention_mask(ancestors, self.prefix, fed, dtype, device)
