@@ -8,16 +8,29 @@ SpecInfer (Miao et al. 2024, tree-based parallel decoding) and Medusa / EAGLE-2.
 logits is the root's next-token distribution, row i + 1 the one after node i's path.
 
 Acceptance is exact:
-- greedy: the longest root-to-node path whose every token is the target's argmax after its
-  parent, plus the target's argmax after that path;
-- sampling, model-free (one-hot) trees: at the current node draw x ~ p (the processed target
-  distribution); if x is one of its children, descend to that child, else emit x and stop.
-  Every emitted token is a draw from p given the tokens before it, so the output is exactly
-  the target's distribution. It equals in distribution SpecInfer's multi-step speculative
-  sampling (MSS; Miao et al. 2024, Alg. 2 VerifyStochastic) with one-hot proposals, where
-  rejecting child c leaves the residual p with c removed, renormalised; a child is accepted
-  with probability gamma = the target mass of the children (Not-a-Bandit Theorem 2). Trees with per-node draft distributions q (model
-  drafters) would need MSS / recursive rejection sampling with q; those drafters stay chains.
+- greedy (every tree kind): the longest root-to-node path whose every token is the target's
+  argmax after its parent, plus the target's argmax after that path;
+- sampling (every tree kind: model-free and model drafters alike): at the current node draw
+  x ~ p (the processed target distribution); if x is one of its children, descend to that
+  child, else emit x and stop. Every emitted token is a draw from p given the tokens before it,
+  so the output is exactly the target's distribution, whatever the children are, as long as
+  they are chosen without looking at the draw (a deterministic function of the context and the
+  drafter's state). It equals in distribution SpecInfer's multi-step speculative sampling
+  (MSS; Miao et al. 2024, Alg. 2 VerifyStochastic) with one-hot proposals, where rejecting
+  child c leaves the residual p with c removed, renormalised; a child is accepted with
+  probability gamma = the target mass of the children (Not-a-Bandit Theorem 2).
+
+Which trees: prompt lookup and suffix propose the continuations of their matches; model
+drafters (``model:``, ``self``, ``early-exit``, tiny LMs) and EAGLE-style feature heads grow
+EAGLE-2 dynamic trees (``dynamic_tree``: Li et al. 2024) whose children are the *top* tokens of
+each node's q, chosen deterministically, never sampled. MSS / recursive rejection sampling
+(Jeon et al. 2024) with q are exact only for children *sampled* from q (with, resp. without,
+replacement): applied to deterministic top-k children they would bias the output. So q ranks
+and prunes the nodes (a node's score is the product of q along its path, EAGLE-2's value) and
+the one-hot rule verifies them. A step accepts with the target mass of the drafted children
+(p summed over q's top-k) where a sampled chain accepts with 1 - TV(p, q): the chain is ahead
+when q is close to a flat p, the tree when q's top tokens cover most of p's mass (a sharp
+target, the usual case at low temperature). Exact MSS over sampled children is not built.
 """
 
 from __future__ import annotations
