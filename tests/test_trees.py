@@ -657,3 +657,17 @@ def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind):
     assert pvalue > ALPHA, f"{kind}: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"
     stat, pvalue, _ = chisquare_gof(runs.counts.sum(-1), exact.sum(-1))
     assert pvalue > ALPHA, f"{kind} first-two marginal: chi-square {stat:.1f}, p = {pvalue:.2e}"
+
+
+def test_replay_refuses_trees_with_the_reason():
+    """Traces record chains: replay raises for trees, and bench lists +tree configurations
+    with the reason instead of a prediction (never a chain's prediction under a tree's name)."""
+    from adaspec.bench.replay import TREES_NOT_REPLAYED, predict_config, predict_configs, replay
+    from adaspec.bench.runner import BenchConfig
+
+    with pytest.raises(ConfigError, match="draft trees cannot be replayed"):
+        replay(None, tree=True)
+    with pytest.raises(ConfigError, match="draft trees cannot be replayed"):
+        predict_config(None, ["suffix"], None, None, 5, tree=True)
+    cfg = BenchConfig(name="suffix +tree", drafters=["suffix"], tree=True)
+    assert predict_configs(None, [cfg]) == {"suffix +tree": TREES_NOT_REPLAYED}
