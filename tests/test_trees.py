@@ -671,3 +671,14 @@ def test_replay_refuses_trees_with_the_reason():
         predict_config(None, ["suffix"], None, None, 5, tree=True)
     cfg = BenchConfig(name="suffix +tree", drafters=["suffix"], tree=True)
     assert predict_configs(None, [cfg]) == {"suffix +tree": TREES_NOT_REPLAYED}
+
+
+def test_bench_runs_model_drafters_with_trees_side_by_side():
+    """``adaspec bench --tree``: every configuration with a tree-capable drafter (model drafters
+    included) gets its ``+tree`` twin right after it."""
+    from adaspec.bench.runner import default_configs
+
+    names = [c.name for c in default_configs(["early-exit:layers=8", "self", "suffix"], [5], ["auto"], tree=True)]
+    for chain in ("early-exit:layers=8 k=5", "self k=5", "suffix k=5"):
+        assert names[names.index(chain) + 1] == f"{chain} +tree"
+    assert any(n.startswith("auto over") and n.endswith("+tree") for n in names)
