@@ -376,7 +376,8 @@ SMOL_PROMPTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafters", [["suffix"], ["prompt-lookup"], None], ids=["suffix", "pld", "auto"])
+@pytest.mark.parametrize("drafters", [["suffix"], ["prompt-lookup"], None, ["early-exit:layers=8"]],
+                         ids=["suffix", "pld", "auto", "early-exit"])
 def test_smollm2_greedy_trees_equal_plain_decoding(drafters, monkeypatch, tmp_path):
     """SmolLM2-135M fp32: greedy output with trees equals plain decoding token for token (a
     difference is allowed only at a numeric near-tie, checked against the full forward)."""
