@@ -228,8 +228,9 @@ def dynamic_tree(root_q: torch.Tensor, step: LevelStep, max_depth: int, max_node
     ``branch`` most probable tokens (score = parent score x q); at each depth the ``width``
     best-scoring new nodes are expanded with one ``step`` (one drafter forward per level);
     finally all nodes are reranked by score and the best ``max_nodes`` kept (best-first, so
-    every prefix is a tree). Expansion stops early once ``max_nodes`` nodes score at least as
-    high as the best frontier node (no deeper node could be kept)."""
+    every prefix is a tree). A frontier node is expanded only while it scores above the
+    ``max_nodes``-th best score so far (its children score at most its own, so could not be
+    kept); expansion stops when none does."""
     nodes: list[TreeNode] = []
 
     def offer(parents: Sequence[int], rows: torch.Tensor) -> list[int]:
@@ -246,8 +247,11 @@ def dynamic_tree(root_q: torch.Tensor, step: LevelStep, max_depth: int, max_node
 
     level = offer([-1], root_q.reshape(1, -1)) if max_depth >= 1 and max_nodes >= 1 else []
     for _ in range(2, max_depth + 1):
-        frontier = sorted(level, key=lambda i: -nodes[i].score)[:width]
-        if not frontier or sum(nd.score >= nodes[frontier[0]].score for nd in nodes) >= max_nodes:
+        ranked = sorted((nd.score for nd in nodes), reverse=True)
+        bar = ranked[max_nodes - 1] if len(ranked) >= max_nodes else 0.0  # the last kept score
+        # a child scores at most its parent: expanding a node at or below the bar cannot pay
+        frontier = [i for i in sorted(level, key=lambda i: -nodes[i].score)[:width] if nodes[i].score > bar]
+        if not frontier:
             break
         level = offer(frontier, step(frontier, nodes))
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]
