@@ -376,7 +376,8 @@ SMOL_PROMPTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafters", [["suffix"], ["prompt-lookup"], None], ids=["suffix", "pld", "auto"])
+@pytest.mark.parametrize("drafters", [["suffix"], ["prompt-lookup"], None, ["early-exit:layers=8"]],
+                         ids=["suffix", "pld", "auto", "early-exit"])
 def test_smollm2_greedy_trees_equal_plain_decoding(drafters, monkeypatch, tmp_path):
     """SmolLM2-135M fp32: greedy output with trees equals plain decoding token for token (a
     difference is allowed only at a numeric near-tie, checked against the full forward)."""
@@ -417,3 +418,268 @@ def test_tree_rounds_keep_the_target_features_of_feature_drafters():
     with torch.no_grad():
         h = model.model(input_ids=torch.tensor([full[:-1]])).last_hidden_state[0]
     torch.testing.assert_close(head._features.rows(), h, atol=1e-5, rtol=1e-4)
+
+
+# -- trees from model drafters (EAGLE-2 dynamic trees) ---------------------------------------------
+def _tiny_lm(target, vocab_ids):
+    """A fresh tiny-LM drafter (1 layer, copied from the target) over a draft vocabulary subset."""
+    from adaspec.drafters.tiny_lm import TinyLMDrafter, init_tiny_lm
+    from adaspec.models import LoadedModel
+
+    return TinyLMDrafter(LoadedModel(init_tiny_lm(target, layers=1), None, "tiny"), target.vocab_size,
+                         torch.tensor(vocab_ids), name="tiny-lm")
+
+
+def _fresh_head(target):
+    from adaspec.drafters import FeatureHeadDrafter
+    from adaspec.drafters.feature_head import FeatureHead
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return FeatureHeadDrafter(FeatureHead(target, torch.arange(target.vocab_size)), name="fresh-head")
+
+
+def model_drafters(target, kinds=("self", "early-exit", "tiny-lm", "feature-head")):
+    """One drafter of every model kind for ``target`` (a LoadedModel), by kind."""
+    from adaspec.drafters import build_drafter
+
+    out = {}
+    for kind in kinds:
+        if kind == "tiny-lm":
+            out[kind] = _tiny_lm(target, list(range(0, target.vocab_size, 2)))  # q = 0 on odd ids
+        elif kind == "feature-head":
+            out[kind] = _fresh_head(target)
+        else:
+            out[kind] = build_drafter({"early-exit": "early-exit:layers=1"}.get(kind, kind), target)
+    return out
+
+
+def _features(target, ids):
+    from adaspec.drafters.feature_head import FeatureBuffer
+
+    buf = FeatureBuffer(target.model.config.hidden_size)
+    with torch.no_grad():
+        buf.append(target.model.model(input_ids=torch.tensor([ids[:-1]])).last_hidden_state[0])
+    return buf
+
+
+@torch.inference_mode()
+def chain_q(drafter, context, path):
+    """Brute force: the drafter's softmax q after ``context + path[:j]`` for every j, each from a
+    fresh causal forward (model drafters) or a fresh head chain from real features."""
+    from adaspec.drafters import FeatureHeadDrafter
+
+    if isinstance(drafter, FeatureHeadDrafter):
+        d = _fresh_head(drafter.head.target)
+        d.head = drafter.head
+        d.begin_request(context)
+        d.bind_features(drafter._features)
+        last, pos, out = d._feed_real(context, len(context) - 1)[-1], len(context) - 1, []
+        for tok in [None, *path]:
+            if tok is not None:
+                last = d._run(last[None], [tok], pos)[-1]
+                pos += 1
+            out.append(d._tree_q(d.head.subset_logits(last).float(), None))
+        return out
+    rows = []
+    for j in range(len(path) + 1):
+        ids = torch.tensor([list(context) + list(path[:j])])
+        if hasattr(drafter, "_base"):  # tiny LM: its draft vocabulary only
+            from adaspec.drafters.feature_head import scatter_full
+
+            h = drafter._base(input_ids=ids).last_hidden_state[0, -1]
+            logits = scatter_full((h @ drafter._w.T).float(), drafter.vocab, drafter._vocab, float("-inf"))
+        else:
+            logits = drafter.model(input_ids=ids).logits[0, -1].float()
+        rows.append(torch.softmax(logits, -1))
+    return rows
+
+
+def _drafted_tree(drafter, target, context, depth=4, nodes=12):
+    drafter.begin_request(context)
+    if getattr(drafter, "uses_target_features", False):
+        drafter.bind_features(_features(target, context))
+    drafter.catch_up(context)
+    return drafter.draft_tree(context, depth, nodes)
+
+
+MODEL_KINDS = ["self", "early-exit", "tiny-lm", "feature-head"]
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_model_drafter_tree_scores_equal_chain_forwards_of_each_path(target, kind):
+    """Brute-force reference for the drafter's batched level forwards (tree mask, depth
+    positions): every node's score is the product of the q's of chain forwards along its path,
+    its token is among the top tokens of its parent's q, and nodes are best-first."""
+    d = model_drafters(target, [kind])[kind]
+    tree = _drafted_tree(d, target, PREFIX, depth=4, nodes=40)
+    assert len(tree) > 16 and max(tree.depths) >= 3 and not tree.is_chain
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    for i in range(len(tree)):
+        path = [tree.tokens[j] for j in tree.path(i)]
+        qs = chain_q(d, PREFIX, path)
+        want = float(np.prod([float(q[t]) for q, t in zip(qs, path)]))
+        assert tree.scores[i] == pytest.approx(want, rel=1e-4, abs=1e-7), (kind, i, path)
+        parent_q = qs[len(path) - 1]
+        assert float(parent_q[path[-1]]) >= float(torch.topk(parent_q, d.tree_branch).values[-1]) - 1e-6
+
+
+def test_negative_control_drafter_levels_with_chain_positions_fail(target, monkeypatch):
+    """BUG: tree nodes fed to the drafter at consecutive (chain) positions: the scores of nodes
+    below depth 1 no longer equal the brute force."""
+    from adaspec.drafters.model import ModelDrafter
+
+    orig = ModelDrafter._forward_level
+    monkeypatch.setattr(ModelDrafter, "_forward_level", lambda self, toks, pos, mask: orig(
+        self, toks, [pos[0] + r for r in range(len(toks))], mask))
+    d = model_drafters(target, ["self"])["self"]
+    tree = _drafted_tree(d, target, PREFIX)
+    bad = 0
+    for i in range(len(tree)):
+        path = [tree.tokens[j] for j in tree.path(i)]
+        want = float(np.prod([float(q[t]) for q, t in zip(chain_q(d, PREFIX, path), path)]))
+        bad += tree.scores[i] != pytest.approx(want, rel=1e-4, abs=1e-7)
+    assert bad > 0
+
+
+@pytest.mark.parametrize("kind", ["self", "early-exit", "tiny-lm"])
+def test_drafter_kv_after_a_tree_round_equals_a_cache_of_the_accepted_tokens(target, kind):
+    """After a tree round the drafter's catch-up keeps the accepted path's KV (gathered from
+    the tree's slots) and feeds the rest: its cache equals one built from the accepted tokens,
+    for paths through non-contiguous slots, a partly accepted path and a rejected root."""
+    d = model_drafters(target, [kind])[kind]
+    probe = _drafted_tree(d, target, PREFIX)
+    deepest = max(range(len(probe)), key=lambda i: (probe.depths[i], -i))
+    cases = [probe.path(deepest), probe.path(deepest)[:1], probe.path(len(probe) - 1), []]
+    for path in cases:
+        tree = _drafted_tree(d, target, PREFIX)
+        assert tree == probe
+        bonus = (max(tree.tokens) + 1) % V  # not a child of the path's end, or any token
+        accepted = PREFIX + [tree.tokens[j] for j in path] + [bonus]
+        d.catch_up(accepted)
+        ref = d.lm.new_state()
+        d.lm.forward(ref, accepted[:-1], keep=1)
+        assert d.lm.state_length(d._cache) == len(accepted) - 1 == len(d._fed)
+        for a, b in zip(d._cache.layers, ref.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def test_negative_control_drafter_kv_without_gather_is_wrong(target, monkeypatch):
+    """BUG: the drafter crops its tree entries without gathering: the cache check fails."""
+    from adaspec.models import LoadedModel
+
+    monkeypatch.setattr(LoadedModel, "keep_path",
+                        lambda self, state, start, rows: self.truncate(state, start + len(rows)))
+    d = model_drafters(target, ["self"])["self"]
+    tree = _drafted_tree(d, target, PREFIX)
+    path = tree.path(max(range(len(tree)), key=lambda i: tree.depths[i]))
+    accepted = PREFIX + [tree.tokens[j] for j in path] + [0]
+    d.catch_up(accepted)
+    ref = d.lm.new_state()
+    d.lm.forward(ref, accepted[:-1], keep=1)
+    assert not all(torch.allclose(a.keys, b.keys, atol=1e-3) for a, b in zip(d._cache.layers, ref.layers))
+
+
+def _engine_drafters(model, kinds):
+    loaded = as_loaded(model)
+    return loaded, list(model_drafters(loaded, kinds).values())
+
+
+@pytest.mark.parametrize("init_std", [0.02, 0.3])
+def test_greedy_model_drafter_trees_are_identical_to_plain_decoding(init_std):
+    from adaspec import SpeculativeEngine
+
+    for seed in range(2):
+        model = make_tiny_model(seed=seed, vocab=V, init_std=init_std, lm_head_scale=3.0)
+        for prompt in (BRANCHY, _rand_prompt(seed)):
+            ar = _ar(model, prompt, 40)
+            for kind in MODEL_KINDS:
+                loaded, drafters = _engine_drafters(model, [kind])
+                res = SpeculativeEngine(loaded, drafters, k=5, tree=True).generate(prompt, max_new_tokens=40)
+                assert res.token_ids == ar, (seed, init_std, kind)
+                assert sum(r.tree_nodes > 1 for r in res.stats.rounds) >= 3, kind
+            loaded, drafters = _engine_drafters(model, MODEL_KINDS)  # auto over all of them
+            res = SpeculativeEngine(loaded, drafters + ["suffix"], tree=True).generate(prompt, max_new_tokens=40)
+            assert res.token_ids == ar, (seed, init_std, "auto")
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_a_model_drafter_tree_of_one_chain_is_the_chain_path(monkeypatch, kind):
+    """Greedy: with one child per node the tree is the drafter's argmax chain, drafted and
+    verified as the chain (same tokens, same drafted and accepted counts every round, so the
+    drafter's state after tree rounds is the chain path's). Under sampling a model drafter's
+    chain samples from q, so only greedy chains coincide."""
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=0, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    runs = []
+    for tree in (False, True):
+        loaded, drafters = _engine_drafters(model, [kind])
+        monkeypatch.setattr(drafters[0], "tree_branch", 1, raising=False)
+        res = SpeculativeEngine(loaded, drafters, k=4, tree=tree).generate(BRANCHY, max_new_tokens=30)
+        runs.append((res.token_ids, [(r.drafted, r.accepted) for r in res.stats.rounds]))
+    assert runs[0] == runs[1]
+    assert any(a for _, a in runs[0][1])
+    assert kind == "self" or any(a < d for d, a in runs[0][1])  # the target's own drafts always pass
+
+
+V3 = 8
+PROMPT3 = [3, 7, 1, 1, 4]
+
+
+@pytest.mark.parametrize("kind", ["model", "early-exit", "feature-head"])
+def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind):
+    """Model drafter trees under sampling (children = top tokens of q, one-hot rule): 3 tokens,
+    so the first round drafts a 2-deep tree (a drafter level forward runs) and later rounds
+    catch the drafter up on gathered KV; chi-square over all 8**3 triples at ALPHA = 0.001
+    (3000 fixed seeds, sparse cells merged), as tests/test_distribution.py."""
+    from adaspec import SpeculativeEngine
+    from adaspec.config import SamplingConfig
+    from adaspec.drafters import ModelDrafter
+    from test_distribution import ALPHA, exact_distribution, run_engine
+
+    model = make_tiny_model(seed=0, vocab=V3, init_std=0.2)
+    loaded = as_loaded(model)
+    if kind == "model":
+        drafter = ModelDrafter(as_loaded(make_tiny_model(seed=123, vocab=V3, init_std=0.2, lm_head_scale=2.0)), V3)
+    else:
+        drafter = model_drafters(loaded, [kind])[kind]
+    drafter.tree_branch = 2  # 2 of 8 tokens per node: rejections at every depth
+    eng = SpeculativeEngine(loaded, [drafter], k=3, tree=True)
+    nodes = []
+    orig = eng._verify_tree
+    eng._verify_tree = lambda *a, **kw: (nodes.append(len(a[2])), orig(*a, **kw))[1]
+    runs = run_engine(eng, PROMPT3, 3, seed0=50_000, temperature=1.0)
+    exact = exact_distribution(model, PROMPT3, SamplingConfig(temperature=1.0), 3)
+    assert max(nodes) >= 3 and 0 < runs.accepted < runs.drafted
+    assert runs.counts[exact == 0].sum() == 0
+    stat, pvalue, cells = chisquare_gof(runs.counts, exact)
+    assert pvalue > ALPHA, f"{kind}: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"
+    stat, pvalue, _ = chisquare_gof(runs.counts.sum(-1), exact.sum(-1))
+    assert pvalue > ALPHA, f"{kind} first-two marginal: chi-square {stat:.1f}, p = {pvalue:.2e}"
+
+
+def test_replay_refuses_trees_with_the_reason():
+    """Traces record chains: replay raises for trees, and bench lists +tree configurations
+    with the reason instead of a prediction (never a chain's prediction under a tree's name)."""
+    from adaspec.bench.replay import TREES_NOT_REPLAYED, predict_config, predict_configs, replay
+    from adaspec.bench.runner import BenchConfig
+
+    with pytest.raises(ConfigError, match="draft trees cannot be replayed"):
+        replay(None, tree=True)
+    with pytest.raises(ConfigError, match="draft trees cannot be replayed"):
+        predict_config(None, ["suffix"], None, None, 5, tree=True)
+    cfg = BenchConfig(name="suffix +tree", drafters=["suffix"], tree=True)
+    assert predict_configs(None, [cfg]) == {"suffix +tree": TREES_NOT_REPLAYED}
+
+
+def test_bench_runs_model_drafters_with_trees_side_by_side():
+    """``adaspec bench --tree``: every configuration with a tree-capable drafter (model drafters
+    included) gets its ``+tree`` twin right after it."""
+    from adaspec.bench.runner import default_configs
+
+    names = [c.name for c in default_configs(["early-exit:layers=8", "self", "suffix"], [5], ["auto"], tree=True)]
+    for chain in ("early-exit:layers=8 k=5", "self k=5", "suffix k=5"):
+        assert names[names.index(chain) + 1] == f"{chain} +tree"
+    assert any(n.startswith("auto over") and n.endswith("+tree") for n in names)

@@ -100,7 +100,8 @@ class SpeculativeEngine:
             or static ``k``.
         k: draft length for the static length policy.
         tree: draft trees (``adaspec.trees``) from every drafter that proposes them (prompt
-            lookup, suffix); the others draft chains. A tree is at most as deep as the length
+            lookup, suffix; model drafters, tiny LMs and feature heads on transformers: EAGLE-2
+            dynamic trees); the others draft chains. A tree is at most as deep as the length
             policy's cap and has at most ``tree_nodes`` nodes, of which the engine verifies the
             best-first prefix that maximises expected tokens per second on the measured
             verify-cost surface (``trees.nodes_worth_verifying``). A tree that is a chain is
@@ -140,8 +141,8 @@ class SpeculativeEngine:
         if not self.target.supports_trees:
             raise self.target.no_trees_error()
         if not any(d.supports_tree for d in self.drafters):
-            log.info("tree=True, but none of %s drafts trees (prompt-lookup and suffix do): they "
-                     "draft chains", self.drafter_names)
+            log.info("tree=True, but none of %s drafts trees (prompt-lookup, suffix and model "
+                     "drafters on transformers do): they draft chains", self.drafter_names)
 
     def _attach_costs(self) -> None:
         if self.tree and self.cost_model.surface is None:  # the node budget prices tree widths
@@ -435,7 +436,7 @@ class SpeculativeEngine:
             policy_in_draft = 0.0
             tree = None
             if cap > 0 and trees[i]:
-                tree = self._draft_tree(drafter, tokens, cap)
+                tree = self._draft_tree(drafter, tokens, cap, sampling)
                 if tree.is_chain:  # a chain is drafted and verified as one
                     draft, tree = Draft(tokens=apply_decisions(tree.tokens, decide)), None
             elif cap > 0 and i in peeked and cap <= len(peeked[i].tokens):  # already proposed: as drafted
@@ -509,10 +510,11 @@ class SpeculativeEngine:
             d.end_request(tokens[n_prompt:])
         return stats
 
-    def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int) -> DraftTree:
+    def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int,
+                    sampling: SamplingConfig | None = None) -> DraftTree:
         """The drafter's tree (``cap`` deep), cut to the best-first prefix whose expected
         tokens per second of verification is highest (``trees.nodes_worth_verifying``)."""
-        tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap))
+        tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap), sampling)
         if tree.is_chain or tree.scores is None:
             return tree
         costs = self.cost_model

@@ -8,16 +8,29 @@ SpecInfer (Miao et al. 2024, tree-based parallel decoding) and Medusa / EAGLE-2.
 logits is the root's next-token distribution, row i + 1 the one after node i's path.
 
 Acceptance is exact:
-- greedy: the longest root-to-node path whose every token is the target's argmax after its
-  parent, plus the target's argmax after that path;
-- sampling, model-free (one-hot) trees: at the current node draw x ~ p (the processed target
-  distribution); if x is one of its children, descend to that child, else emit x and stop.
-  Every emitted token is a draw from p given the tokens before it, so the output is exactly
-  the target's distribution. It equals in distribution SpecInfer's multi-step speculative
-  sampling (MSS; Miao et al. 2024, Alg. 2 VerifyStochastic) with one-hot proposals, where
-  rejecting child c leaves the residual p with c removed, renormalised; a child is accepted
-  with probability gamma = the target mass of the children (Not-a-Bandit Theorem 2). Trees with per-node draft distributions q (model
-  drafters) would need MSS / recursive rejection sampling with q; those drafters stay chains.
+- greedy (every tree kind): the longest root-to-node path whose every token is the target's
+  argmax after its parent, plus the target's argmax after that path;
+- sampling (every tree kind: model-free and model drafters alike): at the current node draw
+  x ~ p (the processed target distribution); if x is one of its children, descend to that
+  child, else emit x and stop. Every emitted token is a draw from p given the tokens before it,
+  so the output is exactly the target's distribution, whatever the children are, as long as
+  they are chosen without looking at the draw (a deterministic function of the context and the
+  drafter's state). It equals in distribution SpecInfer's multi-step speculative sampling
+  (MSS; Miao et al. 2024, Alg. 2 VerifyStochastic) with one-hot proposals, where rejecting
+  child c leaves the residual p with c removed, renormalised; a child is accepted with
+  probability gamma = the target mass of the children (Not-a-Bandit Theorem 2).
+
+Which trees: prompt lookup and suffix propose the continuations of their matches; model
+drafters (``model:``, ``self``, ``early-exit``, tiny LMs) and EAGLE-style feature heads grow
+EAGLE-2 dynamic trees (``dynamic_tree``: Li et al. 2024) whose children are the *top* tokens of
+each node's q, chosen deterministically, never sampled. MSS / recursive rejection sampling
+(Jeon et al. 2024) with q are exact only for children *sampled* from q (with, resp. without,
+replacement): applied to deterministic top-k children they would bias the output. So q ranks
+and prunes the nodes (a node's score is the product of q along its path, EAGLE-2's value) and
+the one-hot rule verifies them. A step accepts with the target mass of the drafted children
+(p summed over q's top-k) where a sampled chain accepts with 1 - TV(p, q): the chain is ahead
+when q is close to a flat p, the tree when q's top tokens cover most of p's mass (a sharp
+target, the usual case at low temperature). Exact MSS over sampled children is not built.
 """
 
 from __future__ import annotations
@@ -191,3 +204,97 @@ def nodes_worth_verifying(scores: Sequence[float], verify_cost: Callable[[int], 
         if rate > best_rate:
             best_m, best_rate = m, rate
     return best_m
+
+
+# -- dynamic trees from model drafters (EAGLE-2) -------------------------------------------------
+@dataclass(frozen=True)
+class TreeNode:
+    """A node of a dynamic tree under construction: ``parent`` is a node id (-1: the root) and
+    ``score`` the product of the draft probabilities along its path (EAGLE-2's value)."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float
+
+
+#: runs the drafter on a level's frontier (node ids into the node list): their next-token q rows
+LevelStep = Callable[[Sequence[int], Sequence[TreeNode]], torch.Tensor]
+
+
+def dynamic_tree(root_q: torch.Tensor, step: LevelStep, max_depth: int, max_nodes: int,
+                 branch: int = 4, width: int = 4) -> DraftTree:
+    """EAGLE-2 dynamic draft tree (Li et al. 2024, Sec. 4): every expanded node offers its
+    ``branch`` most probable tokens (score = parent score x q); at each depth the ``width``
+    best-scoring new nodes are expanded with one ``step`` (one drafter forward per level);
+    finally all nodes are reranked by score and the best ``max_nodes`` kept (best-first, so
+    every prefix is a tree). A frontier node is expanded only while it scores above the
+    ``max_nodes``-th best score so far (its children score at most its own, so could not be
+    kept); expansion stops when none does."""
+    nodes: list[TreeNode] = []
+
+    def offer(parents: Sequence[int], rows: torch.Tensor) -> list[int]:
+        vals, idx = torch.topk(rows.float(), min(branch, rows.shape[-1]), dim=-1)
+        new = []
+        for pid, vs, ts in zip(parents, vals.tolist(), idx.tolist()):
+            base, depth = (1.0, 1) if pid < 0 else (nodes[pid].score, nodes[pid].depth + 1)
+            for v, t in zip(vs, ts):
+                if v <= 0.0:  # q(t) = 0: outside the drafter's support
+                    break
+                nodes.append(TreeNode(int(t), pid, depth, base * v))
+                new.append(len(nodes) - 1)
+        return new
+
+    level = offer([-1], root_q.reshape(1, -1)) if max_depth >= 1 and max_nodes >= 1 else []
+    for _ in range(2, max_depth + 1):
+        ranked = sorted((nd.score for nd in nodes), reverse=True)
+        bar = ranked[max_nodes - 1] if len(ranked) >= max_nodes else 0.0  # the last kept score
+        # a child scores at most its parent: expanding a node at or below the bar cannot pay
+        frontier = [i for i in sorted(level, key=lambda i: -nodes[i].score)[:width] if nodes[i].score > bar]
+        if not frontier:
+            break
+        level = offer(frontier, step(frontier, nodes))
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]
+    new_id = {old: new for new, old in enumerate(order)}
+    return DraftTree([nodes[i].token for i in order],
+                     [-1 if nodes[i].parent < 0 else new_id[nodes[i].parent] for i in order],
+                     [nodes[i].score for i in order])
+
+
+def level_attention_mask(ancestors: Sequence[Sequence[int]], prefix: int, fed: int,
+                         dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive mask [1, 1, n, prefix + fed + n] for feeding n tree nodes to a drafter whose
+    cache holds ``prefix`` context entries then ``fed`` tree nodes: row r sees the context, the
+    cached tree slots ``ancestors[r]`` (0-based after the context) and itself (EAGLE-2 tree
+    attention while drafting; same convention as ``tree_attention_mask``)."""
+    n = len(ancestors)
+    allowed = torch.zeros(n, fed + n, dtype=torch.bool)
+    for r, anc in enumerate(ancestors):
+        allowed[r, list(anc)] = True
+        allowed[r, fed + r] = True
+    mask = torch.zeros(n, prefix + fed + n, dtype=dtype)
+    mask[:, prefix:].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+@dataclass
+class TreeSlots:
+    """Drafter cache slots of the tree nodes fed so far, after ``prefix`` context entries."""
+
+    prefix: int
+    slot_of: dict[int, int] = field(default_factory=dict)  # node id -> slot after the prefix
+
+    def feed(self, frontier: Sequence[int], nodes: Sequence[TreeNode], dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+        """Give the frontier nodes the next slots; their mask (``level_attention_mask``)."""
+        ancestors = []
+        for i in frontier:
+            anc, p = [], nodes[i].parent
+            while p >= 0:
+                anc.append(self.slot_of[p])
+                p = nodes[p].parent
+            ancestors.append(anc)
+        fed = len(self.slot_of)
+        for r, i in enumerate(frontier):
+            self.slot_of[i] = fed + r
+        return level_attention_mask(ancestors, self.prefix, fed, dtype, device)

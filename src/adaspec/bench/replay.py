@@ -30,8 +30,13 @@ measured per-round and per-request overheads and the target prefill measured for
 in the recording: the deterministic ``seconds``. The policies' own compute time is measured during the replay (the
 same code runs live; ``policy_s``) and added in ``predicted_s``, from which tokens/s and the
 speed-up are computed.
-Not supported: sampling, stop strings, and length policies that read a model drafter's
-hidden states (``specdecpp`` with a model drafter; with model-free drafters it is static).
+Not supported: sampling, stop strings, length policies that read a model drafter's
+hidden states (``specdecpp`` with a model drafter; with model-free drafters it is static), and
+draft trees (``tree=True`` raises ``ConfigError``): a trace records each drafter's *chain* at
+every path position and the target's argmax path only, not the drafter's alternatives (the
+tree's other branches, their scores) nor the target's argmax after off-path nodes, so a tree
+round's accepted length cannot be computed from it; ``adaspec bench --tree`` lists its
+``+tree`` configurations with that reason instead of a prediction. Trees are measured live.
 """
 
 from __future__ import annotations
@@ -325,10 +330,17 @@ class _RoundPricer:
 
 
 # -- the replay loop ------------------------------------------------------------------------
+#: why replay refuses draft trees (module docstring)
+TREES_NOT_REPLAYED = ("draft trees cannot be replayed: a trace records each drafter's chain and the target's "
+                      "argmax path, not the tree's other branches nor the target's choice after them; "
+                      "measure trees live (adaspec bench --tree)")
+
+
 def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
            length: str | int | LengthPolicy | None = None, k: int = 5,
            drafters: Sequence[str] | None = None, max_new_tokens: int | None = None,
-           strict: bool = False, costs: VerifyCostSurface | None = None) -> ReplayResult:
+           strict: bool = False, costs: VerifyCostSurface | None = None,
+           tree: bool = False) -> ReplayResult:
     """Replay ``selector`` x ``length`` (names as for the engine, or fresh instances) over the
     trace's prompts in order. ``drafters``: subset / order of the recorded drafters by spec or
     name (``"none"`` is always available); default all, in recording order. ``max_new_tokens``
@@ -336,7 +348,10 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     recorded ``max_draft``. ``costs``: price rounds on this verify-cost surface instead of the
     recorded one (as measured: no ``verify_scale``; prefills from it too), e.g. another
     backend's: greedy paths are the target's argmax on every backend, so the trace's
-    acceptance data transfers (up to near-ties); drafter and engine overheads stay recorded."""
+    acceptance data transfers (up to near-ties); drafter and engine overheads stay recorded.
+    ``tree=True`` raises: traces do not record trees (module docstring)."""
+    if tree:
+        raise ConfigError(TREES_NOT_REPLAYED)
     validate_k(k)
     pool = _Pool.of(trace, drafters)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
@@ -523,11 +538,13 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
 
 # -- bench configurations -----------------------------------------------------------------------
 def predict_config(trace: Trace, drafters: Sequence[Any], selector: str | None, length: str | None,
-                   k: int) -> ReplayResult:
+                   k: int, tree: bool = False) -> ReplayResult:
     """Replay one bench configuration (its drafter specs, selector, length policy and k) on a
     trace; plain decoding (no drafters) is the ``none`` drafter alone. Raises ConfigError
     when the trace cannot replay it (a drafter it did not record, a policy needing hidden
-    states, a drafter instance)."""
+    states, a drafter instance, draft trees)."""
+    if tree:
+        raise ConfigError(TREES_NOT_REPLAYED)
     specs = [d if isinstance(d, str) else None for d in drafters]
     if None in specs:
         raise ConfigError("drafter instances cannot be matched to a trace: give drafter specs")
@@ -542,11 +559,9 @@ def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayRes
         if getattr(c, "peer", None):
             out[c.name] = "peer (not the engine's loop)"
             continue
-        if getattr(c, "tree", False):
-            out[c.name] = "draft trees (traces record chains: replay does not cover trees)"
-            continue
         try:
-            out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k)
+            out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k,
+                                         tree=getattr(c, "tree", False))
         except ConfigError as exc:
             out[c.name] = str(exc)
     return out

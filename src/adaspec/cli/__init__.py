@@ -26,8 +26,8 @@ BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF
                 "kernels; pip install 'adaspec\\[llamacpp]')")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
-TREE_HELP = ("draft trees: prompt-lookup and suffix propose several continuations, verified in one "
-             "forward (exact); other drafters draft chains; transformers backend only")
+TREE_HELP = ("draft trees: every drafter proposes several continuations (model drafters: EAGLE-2 "
+             "dynamic trees), verified in one forward (exact); transformers backend only")
 DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_ngram=1], "
                 "suffix[:min_match=2,datastore=FILE,corpus=FILE,learn=true], self, early-exit:layers=N, "
                 "model:REF, feature-head:path=FILE, tiny-lm:path=DIR")

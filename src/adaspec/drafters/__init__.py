@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: drafters that propose draft trees (``Drafter.supports_tree``); the others draft chains
-TREE_DRAFTERS = ("prompt-lookup", "pld", "suffix")
+TREE_DRAFTERS = ("prompt-lookup", "pld", "suffix", "self", "early-exit", "model", "feature-head", "tiny-lm")
 
 
 def drafts_trees(spec: str | Drafter) -> bool:

@@ -163,9 +163,12 @@ class Drafter(ABC):
     def score(self, context: Sequence[int], verified: Sequence[int], sampling: SamplingConfig) -> Proposals:
         """What the drafter would propose at each of ``verified`` (teacher forcing) after ``context``."""
 
-    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int) -> DraftTree:
+    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
+                   sampling: SamplingConfig | None = None) -> DraftTree:
         """A draft tree after ``context`` (nodes in best-first order, with scores), for drafters
-        with ``supports_tree``."""
+        with ``supports_tree``. Children are chosen deterministically (never sampled), so the
+        one-hot rule verifies any tree exactly (``adaspec.trees``); model drafters rank nodes by
+        their q processed under ``sampling`` (softmax of the logits when greedy or None)."""
         raise AdaspecError(f"drafter {self.name!r} drafts chains only (no draft trees)")
 
     def peek(self, context: Sequence[int], max_tokens: int) -> Peek | None:

@@ -36,6 +36,7 @@ from ..config import SamplingConfig
 from ..errors import AdaspecError, ModelLoadError
 from ..models import LoadedModel, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
+from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
 
 FORMAT = "adaspec.feature-head/1"
@@ -342,6 +343,9 @@ class FeatureHeadDrafter(Drafter):
 
     is_model = True
     uses_target_features = True
+    supports_tree = True
+    #: EAGLE-2 tree shape: children offered per expanded node, nodes expanded per level
+    tree_branch, tree_width = 4, 4
 
     def __init__(self, head: FeatureHead, name: str | None = None):
         self.head = head
@@ -443,6 +447,45 @@ class FeatureHeadDrafter(Drafter):
             last = self._run(last[None], [tok], pos)[-1]
             pos += 1
         return Draft.from_rows(tokens, rows, sampling.greedy)
+
+    def _tree_q(self, sub: torch.Tensor, sampling: SamplingConfig | None) -> torch.Tensor:
+        """Full-width q that ranks tree nodes: processed q under sampling, softmax under greedy."""
+        if sampling is None or sampling.greedy:
+            return scatter_full(torch.softmax(sub, dim=-1), self.head.vocab, self._vocab_width, 0.0)
+        return self._rows(sub, sampling)[1]
+
+    @torch.inference_mode()
+    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
+                   sampling: SamplingConfig | None = None) -> DraftTree:
+        """EAGLE-2 dynamic tree (Li et al. 2024; ``trees.dynamic_tree``): children are the top
+        tokens of each node's q (deterministic: verified by the one-hot rule), one head forward
+        per depth over the level's frontier, each node fed its parent's predicted feature with
+        a tree mask. The drafted entries are cropped at the next use, like a chain's."""
+        n = len(context)
+        if max_depth < 1 or n < 2:  # the first token has no feature to draft from
+            return DraftTree([], [])
+        if self._n_real > n - 2:
+            self._crop(n - 2)
+        pred = self._feed_real(context, n - 1)
+        assert pred is not None
+        base = self._n_cache
+        feats: dict[int, torch.Tensor] = {-1: pred[-1]}  # node id -> its predicted feature
+        fed = TreeSlots(base)
+
+        def step(frontier: Sequence[int], nodes: Sequence[TreeNode]) -> torch.Tensor:
+            x = torch.stack([feats[nodes[i].parent] for i in frontier])
+            dev = x.device
+            ids = torch.tensor([[nodes[i].token for i in frontier]], device=dev)
+            pos = torch.tensor([[n - 2 + nodes[i].depth for i in frontier]], device=dev)
+            mask = fed.feed(frontier, nodes, x.dtype, dev)
+            out = self.head.forward(x[None], ids, pos, mask, self._cache)[0]
+            self._n_cache += len(frontier)
+            for r, i in enumerate(frontier):
+                feats[i] = out[r]
+            return self._tree_q(self.head.subset_logits(out).float(), sampling)
+
+        root = self._tree_q(self.head.subset_logits(pred[-1]).float(), sampling)
+        return dynamic_tree(root, step, max_depth, max_nodes, self.tree_branch, self.tree_width)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:

@@ -63,7 +63,8 @@ class IndexedDrafter(Drafter):
         tok = self.propose()
         return [] if tok is None else [(tok, 1.0)]
 
-    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int) -> DraftTree:
+    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
+                   sampling: SamplingConfig | None = None) -> DraftTree:
         """A best-first tree of up to ``max_nodes`` nodes, ``max_depth`` deep: a node's score is
         its parent's times its candidate probability (the estimated probability that its path
         is accepted), the highest-scoring open candidate is added next, so nodes come in

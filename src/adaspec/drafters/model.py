@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,9 +11,13 @@ import torch
 from ..config import SamplingConfig
 from ..errors import AdaspecError, VocabularyMismatchError
 from ..backends.base import TargetBackend
-from ..models import LoadedModel
+from ..models import TREE_ATTENTION, LoadedModel, _check_tree_cache
 from ..sampling import process_logits, sample
+from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
+
+#: EAGLE-2 tree shape of model drafters: children offered per expanded node, nodes expanded per level
+TREE_BRANCH, TREE_WIDTH = 4, 4
 
 
 def check_same_vocabulary(target: TargetBackend, drafter: TargetBackend) -> None:
@@ -76,6 +81,23 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
     return i
 
 
+def tree_q(logits: torch.Tensor, sampling: SamplingConfig | None) -> torch.Tensor:
+    """The q that ranks a model drafter's tree nodes: the chain path's processed q under
+    sampling, the softmax of the raw logits under greedy decoding (EAGLE-2's confidence)."""
+    if sampling is None or sampling.greedy:
+        return torch.softmax(logits.float(), dim=-1)
+    return process_logits(logits, sampling)
+
+
+@dataclass
+class _TreeKV:
+    """Drafter cache entries of the last draft tree, after ``base`` context entries: (parent
+    node id, token) -> (node id, slot after ``base``), for gathering the accepted path."""
+
+    base: int
+    slots: dict[tuple[int, int], tuple[int, int]]
+
+
 class ModelDrafter(Drafter):
     """Drafts with a small causal LM, keeping its own KV cache in sync with the context.
 
@@ -84,6 +106,8 @@ class ModelDrafter(Drafter):
     """
 
     is_model = True
+    #: EAGLE-2 tree shape: children offered per expanded node, nodes expanded per level
+    tree_branch, tree_width = TREE_BRANCH, TREE_WIDTH
 
     def __init__(self, drafter: TargetBackend, target_vocab_size: int, name: str | None = None):
         self.lm = drafter  # runs on any backend: a GGUF drafter of a llama.cpp target on llama.cpp
@@ -95,21 +119,48 @@ class ModelDrafter(Drafter):
         self._fed: list[int] = []  # tokens whose KV is in the cache
         self._trusted = 0  # _fed[:_trusted] is known to equal the verified context
         self._unfed: tuple[int, int] | None = None  # (position, token): own last draft, not fed
+        self._tree_kv: _TreeKV | None = None  # tree nodes in the cache beyond _fed (draft_tree)
+
+    @property
+    def supports_tree(self) -> bool:  # type: ignore[override]
+        """Trees need a transformers drafter whose attention takes a custom 4D mask."""
+        cfg = getattr(self.model, "config", None)
+        return (bool(getattr(self.lm, "supports_trees", False)) and cfg is not None
+                and getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION)
 
     # -- state --------------------------------------------------------------------------
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
         if self._cache is not None:
             self.lm.release(self._cache)
         self._cache = self.lm.new_state()
-        self._fed, self._trusted, self._unfed = [], 0, None
+        self._fed, self._trusted, self._unfed, self._tree_kv = [], 0, None, None
 
     def end_request(self, output_ids: Sequence[int]) -> None:
         if self._cache is not None:  # a llama.cpp sequence goes back to its context's pool
             self.lm.release(self._cache)
             self._cache = None
+        self._tree_kv = None
+
+    def _settle_tree(self, context: Sequence[int]) -> None:
+        """After ``draft_tree``: keep the cached tree nodes on ``context``'s path (gathered into
+        place, as the target's ``keep_path``) and drop the other nodes."""
+        kv, self._tree_kv = self._tree_kv, None
+        rows: list[int] = []
+        if _common_prefix(self._fed, context, self._trusted) == kv.base == len(self._fed):
+            node = -1
+            for tok in context[kv.base:]:
+                hit = kv.slots.get((node, tok))
+                if hit is None:
+                    break
+                node, slot = hit
+                rows.append(slot)
+        self.lm.keep_path(self._cache, kv.base, rows)
+        self._fed.extend(context[kv.base: kv.base + len(rows)])
 
     def _sync(self, context: Sequence[int]) -> None:
         """Crop cached tokens that are not a prefix of ``context`` (rejected drafts)."""
+        if self._tree_kv is not None:
+            self._settle_tree(context)
         c = _common_prefix(self._fed, context, self._trusted)
         if c < len(self._fed):
             self.lm.truncate(self._cache, c)
@@ -179,6 +230,47 @@ class ModelDrafter(Drafter):
                 break
             logits, hidden = self._forward([tok], hidden=want_hidden)
         return Draft.from_rows(tokens, rows, sampling.greedy)
+
+    # -- draft trees (EAGLE-2) -----------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward_level(self, tokens: Sequence[int], positions: Sequence[int],
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of tree nodes fed with a tree mask and depth positions (their cache
+        entries are tracked by ``_tree_kv``, not ``_fed``)."""
+        dev = self._device
+        out = self.model(input_ids=torch.tensor([list(tokens)], device=dev), attention_mask=mask,
+                         position_ids=torch.tensor([list(positions)], device=dev),
+                         past_key_values=self._cache, use_cache=True)
+        return self._align(out.logits[0].float())
+
+    @torch.inference_mode()
+    def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
+                   sampling: SamplingConfig | None = None) -> DraftTree:
+        """EAGLE-2 dynamic tree (``trees.dynamic_tree``): the children of a node are the top
+        ``tree_branch`` tokens of its q (deterministic, so the one-hot rule verifies them
+        exactly), one drafter forward per depth over that level's frontier with a tree mask;
+        the next ``catch_up`` keeps the accepted path's drafter KV (gathered, not recomputed)."""
+        if not self.supports_tree:
+            raise AdaspecError(f"drafter {self.name!r} cannot draft trees on its backend: drop --tree")
+        self._sync_for_logits(context)
+        logits, _ = self._forward(context[len(self._fed):])
+        _check_tree_cache(self._cache)
+        self._unfed = None
+        base = len(self._fed)
+        slots: dict[tuple[int, int], tuple[int, int]] = {}
+        fed = TreeSlots(base)
+
+        def step(frontier: Sequence[int], nodes: Sequence[TreeNode]) -> torch.Tensor:
+            mask = fed.feed(frontier, nodes, self.lm.dtype, self._device)
+            rows = self._forward_level([nodes[i].token for i in frontier],
+                                       [base - 1 + nodes[i].depth for i in frontier], mask)
+            for i in frontier:
+                slots[(nodes[i].parent, nodes[i].token)] = (i, fed.slot_of[i])
+            return tree_q(rows, sampling)
+
+        self._tree_kv = _TreeKV(base, slots)
+        return dynamic_tree(tree_q(logits[-1], sampling), step, max_depth, max_nodes,
+                            self.tree_branch, self.tree_width)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:

@@ -171,3 +171,14 @@ class TinyLMDrafter(ModelDrafter):
         sub = (h @ self._w.T).float()
         logits = scatter_full(sub, self.vocab, self._vocab, float("-inf"))
         return logits, (h if hidden else None)
+
+    @torch.inference_mode()
+    def _forward_level(self, tokens: Sequence[int], positions: Sequence[int],
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Tree-level forward (``ModelDrafter.draft_tree``) through the draft vocabulary."""
+        dev = self._device
+        out = self._base(input_ids=torch.tensor([list(tokens)], device=dev), attention_mask=mask,
+                         position_ids=torch.tensor([list(positions)], device=dev),
+                         past_key_values=self._cache, use_cache=True)
+        sub = (out.last_hidden_state[0] @ self._w.T).float()
+        return scatter_full(sub, self.vocab, self._vocab, float("-inf"))
