@@ -154,6 +154,11 @@ class BatchEngine:
         """Ids of requests queued or prefilling, not decoding yet."""
         return ([self._joining.id] if self._joining else []) + [r.id for r in self._waiting]
 
+    @property
+    def queued(self) -> list[int]:
+        """Ids of requests waiting for a row (not prefilling yet)."""
+        return [r.id for r in self._waiting]
+
     def __len__(self) -> int:
         return len(self._rows) + len(self._waiting) + (self._joining is not None)
 
