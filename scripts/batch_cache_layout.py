@@ -24,16 +24,6 @@ from adaspec.batch import BatchEngine, forward_rows
 from adaspec.models import load_model
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return median(out)
-
-
 def prefilled(target, rows: int, length: int, gen: torch.Generator):
     cache = target.new_state()
     ids = torch.randint(0, target.vocab_size, (rows, length), generator=gen).tolist()
@@ -103,10 +93,17 @@ def measure(target, rows: int, context: int, width: int, holes: float, repeats: 
         eng.compact()
         compaction_s.append(time.perf_counter() - t0)
 
+    # interleaved repeats, so that the machine's noise hits the three ways alike
+    fns = {"holes_s": holes_round, "gather_s": gather_round, "sequential_s": sequential_round}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(repeats + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:  # the first pass is a warm-up
+                times[name].append(time.perf_counter() - t0)
     return {"rows": rows, "context": context, "width": width, "holes": holes, "columns": t,
-            "holes_s": timed(holes_round, repeats), "gather_s": timed(gather_round, repeats),
-            "sequential_s": timed(sequential_round, max(1, repeats // 2)),
-            "compaction_s": min(compaction_s)}
+            **{name: median(ts) for name, ts in times.items()}, "compaction_s": min(compaction_s)}
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from .engine import GenerationResult
 from .errors import AdaspecError, ConfigError
 from .feedback import RoundFeedback
 from .metrics import RequestStats, RoundRecord
-from .models import LoadedModel
+from .models import TREE_ATTENTION, LoadedModel
 from .sampling import process_logits, verify_greedy, verify_sampling
 
 #: prompt tokens a joining request prefills per ``step()`` (bounds the others' stall)
@@ -119,6 +119,11 @@ class BatchEngine:
                               f"is on {engine.target.backend!r}: load the model with backend='transformers'")
         if engine.tree:
             raise ConfigError("batched rounds verify chains: build the engine with tree=False")
+        impl = getattr(engine.target.model.config, "_attn_implementation", None)
+        if impl not in TREE_ATTENTION:
+            raise ConfigError(f"batched rounds need an attention implementation that takes a custom 4D mask "
+                              f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
+                              "attn_implementation='sdpa'")
         for name, v, lo in (("max_batch", max_batch, 1), ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -557,11 +562,12 @@ def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
 
 
-def load_or_measure_batch(target: LoadedModel) -> BatchCosts:
-    """The target's batch verify-cost surface, measured once and cached (``costs.BatchCosts``)."""
+def load_or_measure_batch(target: LoadedModel, **grid: Any) -> BatchCosts:
+    """The target's batch verify-cost surface, measured once and cached (``costs.BatchCosts``;
+    ``grid``: ``rows``, ``widths``, ``contexts`` other than the defaults)."""
     from .costs import load_or_measure_batch_costs
 
-    return load_or_measure_batch_costs(target, measure_batch_costs)
+    return load_or_measure_batch_costs(target, measure_batch_costs, **grid)
 
 
 @torch.inference_mode()
