@@ -230,6 +230,7 @@ class BatchEngine:
         if self._joining is None and self._waiting and len(self._rows) < self.max_batch:
             self._joining = self._waiting.popleft()
             self._joining.prefill = self.target.new_state()
+            self._joining.t_start = time.perf_counter()  # stats time the request from here (queueing apart)
         if self._joining is not None:
             self._prefill_chunk(self._joining)
         return self._round() if self._rows else []

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import torch
 
@@ -398,22 +399,30 @@ def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
     """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
     contexts = grid_contexts(loaded, contexts, ks)
     key = _surface_key(loaded, contexts, ks)
-    path = Path(cache_dir()) / "costs" / f"{key}.json"
+    return _cached(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
+                   lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress),
+                   "verify-cost surface", refresh)
+
+
+def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,
+            refresh: bool = False) -> Any:
+    """A measurement (with a ``key`` attribute) read from ``path``, or measured and written there
+    when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal."""
     if path.is_file() and not refresh:
         try:
-            surface = VerifyCostSurface.from_dict(json.loads(path.read_text()))
-            surface.key = key
-            return surface
+            found = parse(json.loads(path.read_text()))
+            found.key = key
+            return found
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
-            log.warning("ignoring unreadable cost cache %s: %s", path, exc)
-    surface = measure_verify_surface(loaded, contexts, ks, repeats, progress=progress)
-    surface.key = key
+            log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
+    fresh = measure()
+    fresh.key = key
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(surface.to_dict()))
+        path.write_text(json.dumps(fresh.to_dict()))
     except OSError as exc:
-        log.warning("could not cache the verify-cost surface in %s: %s", path, exc)
-    return surface
+        log.warning("could not cache the %s in %s: %s", what, path, exc)
+    return fresh
 
 
 #: the batch verify-cost grid: rows in the batch, tokens per row, cache lengths (columns)
@@ -504,23 +513,9 @@ def load_or_measure_batch_costs(loaded: TargetBackend,
     contexts = grid_contexts(loaded, contexts, widths)
     ident = f"{BATCH_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|rows={list(rows)}|w={list(widths)}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    path = Path(cache_dir()) / "costs" / f"batch-{key}.json"
-    if path.is_file() and not refresh:
-        try:
-            costs = BatchCosts.from_dict(json.loads(path.read_text()))
-            costs.key = key
-            return costs
-        except (ValueError, KeyError, TypeError, ConfigError) as exc:
-            log.warning("ignoring unreadable batch cost cache %s: %s", path, exc)
-    log.info("measuring the batch verify costs of %s (once per model and machine)", loaded.name)
-    costs = measure(loaded, list(rows), list(widths), list(contexts))
-    costs.key = key
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(costs.to_dict()))
-    except OSError as exc:
-        log.warning("could not cache the batch verify costs in %s: %s", path, exc)
-    return costs
+    return _cached(Path(cache_dir()) / "costs" / f"batch-{key}.json", key, BatchCosts.from_dict,
+                   lambda: measure(loaded, list(rows), list(widths), list(contexts)), "batch verify costs",
+                   refresh)
 
 
 class CostModel:
