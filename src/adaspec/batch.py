@@ -529,7 +529,10 @@ def batch_attention_mask(valid: torch.Tensor, widths: Sequence[int], width: int,
 def forward_rows(target: LoadedModel, cache: Any, valid: torch.Tensor, inputs: Sequence[Sequence[int]],
                  pad: int = 0) -> torch.Tensor:
     """One forward of every row's ``inputs`` (padded to the widest) on the padded batch cache:
-    positions continue each row's true length (its valid columns); logits [rows, W, vocab]."""
+    positions continue each row's true length (its valid columns); logits [rows, W, vocab]. A
+    lone row without holes (concurrency 1) takes the engine's own forward, mask-free."""
+    if len(inputs) == 1 and bool(valid.all()):  # one row without holes: the batch-1 forward
+        return target.forward(cache, inputs[0], keep=len(inputs[0]))[0][None].float()
     device = target.device
     widths = [len(x) for x in inputs]
     width = max(widths)
