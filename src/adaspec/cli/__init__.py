@@ -129,6 +129,7 @@ def serve(
     import hashlib
 
     from ..artifacts import cache_dir
+    from ..backends import check_backend
     from ..engine import SpeculativeEngine
 
     try:
@@ -145,6 +146,9 @@ def serve(
         check_number("--port", port, low=1, high=65535, integer=True)
         check_number("--max-queue", max_queue, low=1, integer=True)
         check_number("--max-batch", max_batch, low=1, integer=True)
+        if max_batch > 1 and check_backend(backend) != "transformers":
+            raise AdaspecError("--max-batch > 1 (continuous batching) runs on the transformers backend: "
+                               "drop --backend llama.cpp or use --max-batch 1")
         check_number("--timeout", timeout, low=0.0, low_open=True)
         check_number("--max-tokens", max_tokens, low=1, integer=True)
         check_number("--save-every", save_every, low=1, integer=True)
