@@ -342,3 +342,23 @@ def test_rows_draft_less_as_the_batch_grows_compute_bound():
         model.rows = rows
         caps[rows] = selector.controller.choose().k
     assert caps[1] > 0 and caps[32] == 0 and caps[1] >= caps[2] >= caps[32]
+
+
+def test_requests_share_auto_global_counts_but_not_request_state(model):
+    """Per-request copies of ``auto``: what the batch's requests learn reaches the engine's global
+    counts (as sequential requests do); request counts and plans stay per request."""
+    engine = _engine(model, "auto")
+    ctl = engine.selector.controller
+    batch = BatchEngine(engine, max_batch=4)
+    before = sum(c.t[1] for c in ctl.global_counts)
+    ids = [batch.add(p, max_new_tokens=12) for p in _prompts(4)]
+    batch.step()
+    batch.step()
+    views = [r.view for r in batch._rows]
+    assert len({id(v.selector) for v in views}) == len(views)
+    assert all(v.selector.controller.global_counts is ctl.global_counts for v in views)
+    assert all(v.selector.controller.request_counts is not ctl.request_counts for v in views)
+    assert len({id(d) for v in views for d in v.drafters}) == 3 * len(views)  # forked drafters
+    batch.run()
+    assert sum(c.t[1] for c in ctl.global_counts) > before
+    assert len(ids) == 4
