@@ -269,10 +269,11 @@ class SpeculativeEngine:
                        max_batch: int | None = None, **overrides: Any) -> list[GenerationResult]:
         """Generate completions of several prompts together (continuous batching, ``adaspec.batch``:
         one target forward per round verifies every row's drafts; each request keeps its own
-        drafters, policies and generator). Results in the order of ``prompts``."""
+        drafters, policies and generator). ``max_batch``: rows at once (default: all prompts, at
+        most 32; the rest wait for a free row). Results in the order of ``prompts``."""
         from .batch import BatchEngine
 
-        batch = BatchEngine(self, max_batch=max_batch or max(1, len(prompts)))
+        batch = BatchEngine(self, max_batch=max_batch or min(max(1, len(prompts)), 32))
         ids = [batch.add(p, config, **overrides) for p in prompts]
         results = batch.run()
         return [results[i] for i in ids]
