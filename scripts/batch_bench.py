@@ -13,7 +13,8 @@ seconds (those in flight finish). ``mismatch`` counts requests whose greedy outp
 from the sequential engine's (fp32 batched forwards are not bit-identical: near-ties can flip),
 and in brackets those that the tie-aware checker (``exactness.check_tie_aware``) does not
 explain as numeric near-ties (target: 0).
-The first-time measurement of the verify-cost surfaces runs before timing and is cached.
+The verify-cost surface and the batch costs are measured before timing (once per machine, cached;
+``--refresh-costs`` measures them again: do, on a quiet machine, if they were measured under load).
 Writes ``bench.json`` and ``bench.md`` in ``--out``.
 """
 
@@ -119,6 +120,8 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=64)
     ap.add_argument("--level-s", type=float, default=600.0, help="stop admitting requests after this long")
     ap.add_argument("--grid-rows", default="1,2,4,8,16,32", help="rows of the batch cost grid")
+    ap.add_argument("--refresh-costs", action="store_true",
+                    help="measure the verify-cost surface and the batch costs again (on a quiet machine)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="docs/results/batch")
     args = ap.parse_args()
@@ -133,10 +136,11 @@ def main() -> None:
     engines = {"sequential-auto": SpeculativeEngine(target), "batched-ar": SpeculativeEngine(target, ["none"]),
                "batched-auto": SpeculativeEngine(target)}
     print("verify-cost surfaces (measured once per machine, cached)...", flush=True)
-    engines["sequential-auto"].verify_costs()
+    engines["sequential-auto"].verify_costs(refresh=args.refresh_costs)
     costs = None
     if "batched-auto" in modes and max(levels) > 1:
-        costs = load_or_measure_batch(target, rows=[int(x) for x in args.grid_rows.split(",")])
+        costs = load_or_measure_batch(target, rows=[int(x) for x in args.grid_rows.split(",")],
+                                      refresh=args.refresh_costs)
         for c in costs.contexts:
             print(costs.table(c), flush=True)
     prompts_all = [engines["sequential-auto"].encode_prompt(p.turns[0]) for p in load_workload(args.suite)]
@@ -145,7 +149,10 @@ def main() -> None:
         if m == "sequential-auto":
             engines[m].generate(warm, max_new_tokens=16)
         else:
-            engines[m].generate_batch([warm, warm], max_new_tokens=16)
+            warm_batch = BatchEngine(engines[m], max_batch=2, batch_costs=costs)
+            for _ in range(2):
+                warm_batch.add(warm, max_new_tokens=16)
+            warm_batch.run()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
