@@ -8,30 +8,21 @@ import asyncio
 import httpx
 import pytest
 
-from serving import save_tiny_chat_model, serve_in_thread
+from serving import serve_in_thread
+from test_serve import (TEXT, _InlineLoop, assert_stopped_within_one_round, model_dir,  # noqa: F401
+                        reference)  # the same tiny model fixtures and checks
 
 from adaspec.config import GenerationConfig
 from adaspec.engine import SpeculativeEngine
 from adaspec.models import load_model
 from adaspec.serve import ServeConfig, create_app
 from adaspec.serve.metrics import ServerMetrics
-from adaspec.serve.scheduler import BatchExecutor, Delta, Failed, Finished, Job, Plan
+from adaspec.serve.scheduler import BatchExecutor, Delta, Finished, Job, Plan
 from adaspec.serve.state import LearntState
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
 MODEL = "tiny"
-TEXT = "w07 w08 w09 w07 w08 w09 w07"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return SpeculativeEngine(load_model(model_dir), [])
 
 
 def test_concurrent_requests_are_batched_and_exact(model_dir, reference):
@@ -75,15 +66,6 @@ def test_concurrent_requests_are_batched_and_exact(model_dir, reference):
     assert max(batch_sizes) <= 4
 
 
-class _InlineLoop:
-    def __init__(self, after):
-        self.events, self.after = [], after
-
-    def call_soon_threadsafe(self, fn, event):
-        self.events.append(event)
-        self.after(event)
-
-
 @pytest.mark.parametrize("what", ["cancel", "timeout"])
 def test_batched_cancel_and_timeout_stop_within_one_round(model_dir, what):
     engine = SpeculativeEngine(load_model(model_dir), ["prompt-lookup", "suffix"])
@@ -110,11 +92,6 @@ def test_batched_cancel_and_timeout_stop_within_one_round(model_dir, what):
     outcomes = {id(job): outcome for job, outcome in ended}
     assert outcomes[id(target)] == ("cancelled" if what == "cancel" else "timeout")
     assert outcomes[id(other)] == "ok"
-    deltas = [e for e in loop.events if isinstance(e, Delta)]
-    assert len(deltas) == 1  # the round that was running, then nothing
-    if what == "timeout":
-        assert isinstance(loop.events[-1], Failed) and loop.events[-1].error.status == 504
-    else:
-        assert not any(isinstance(e, (Finished, Failed)) for e in loop.events)
+    assert_stopped_within_one_round(loop.events, what)
     assert isinstance(other_loop.events[-1], Finished)  # the batch mate finishes normally
     assert executor.batch.active == [] and len(executor.batch) == 0
