@@ -249,6 +249,30 @@ def test_prefill_is_chunked_while_others_decode(model):
     assert out[late].token_ids == ref
 
 
+def test_short_prompts_join_together_within_the_prefill_budget(model):
+    engine = _engine(model, "none")
+    prompts = _prompts(6)  # 5, 17, 11, 1, 30, 40 tokens: 4 + 16 + 10 + 0 = 30 to prefill, then 29
+    batch = BatchEngine(engine, max_batch=8, prefill_chunk=32)
+    ids = [batch.add(p, max_new_tokens=5) for p in prompts]
+    fed = []
+    forward = engine.target.forward
+
+    def counting(state, tokens, keep=1, hidden=False):
+        if len(tokens) > 1 or state is not batch._cache:
+            fed.append(len(tokens))
+        return forward(state, tokens, keep, hidden)
+
+    engine.target.forward = counting
+    try:
+        batch.step()
+        assert batch.active == ids[:4] and sum(fed) == 32  # four prompts joined in one step
+        batch.step()  # the 5th: 2 tokens in step 1, 27 now; the 6th starts with the 5 left
+        assert batch.active == ids[:5] and batch.pending == ids[5:] and sum(fed) == 64
+        assert batch._joining.prefilled == 5
+    finally:
+        del engine.target.forward
+
+
 def test_kv_after_rollback_equals_a_fresh_cache(model):
     """After rounds with rejected drafts (holes), merges and a compaction, every row's valid
     columns hold the KV a batch-1 prefill of its tokens gives."""

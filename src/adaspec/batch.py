@@ -97,7 +97,7 @@ class BatchEngine:
     """Continuous batching over a ``SpeculativeEngine`` (transformers targets).
 
     ``add(prompt, config)`` queues a request and returns its id; ``step()`` admits waiting
-    requests (one prefill chunk per step), runs one batched round for every active row and
+    requests (at most ``prefill_chunk`` prompt tokens per step), runs one batched round for every active row and
     returns the ``BatchEvent``s; ``cancel(id)`` drops a request at once. Requests may use the
     engine's drafters (forked per request: ``Drafter.fork``) and policies (copied per request;
     ``auto``'s global counts stay shared, as across the engine's sequential requests) or their
@@ -106,7 +106,8 @@ class BatchEngine:
     Args:
         engine: the engine whose target, drafters and cost model are used.
         max_batch: most rows verified together (more requests wait in a queue).
-        prefill_chunk: most prompt tokens prefilled per ``step()``.
+        prefill_chunk: most prompt tokens prefilled per ``step()`` (a long prompt over several
+            steps, several short ones in one).
         compact_fraction: compact the cache when holes exceed this fraction of the longest row.
         batch_costs: the batch verify-cost surface for per-row pricing (``BatchCosts``); None:
             measured (and cached on disk) when the policies price rounds, else unused.
@@ -226,21 +227,28 @@ class BatchEngine:
 
     @torch.inference_mode()
     def step(self) -> list[BatchEvent]:
-        """Admit (one prefill chunk at most), then one batched round for every active row."""
-        if self._joining is None and self._waiting and len(self._rows) < self.max_batch:
-            self._joining = self._waiting.popleft()
-            self._joining.prefill = self.target.new_state()
-            self._joining.t_start = time.perf_counter()  # stats time the request from here (queueing apart)
-        if self._joining is not None:
-            self._prefill_chunk(self._joining)
+        """Admit (at most ``prefill_chunk`` prompt tokens of prefill: one chunk of a long prompt,
+        or several short prompts), then one batched round for every active row."""
+        budget = self.prefill_chunk
+        while budget > 0:
+            if self._joining is None:
+                if not self._waiting or len(self._rows) >= self.max_batch:
+                    break
+                self._joining = self._waiting.popleft()
+                self._joining.prefill = self.target.new_state()
+                self._joining.t_start = time.perf_counter()  # stats time it from here (queueing apart)
+            budget -= self._prefill_chunk(self._joining, budget)
+            if self._joining is not None:  # the budget ran out inside its prompt
+                break
         return self._round() if self._rows else []
 
     # -- prefill and joining -------------------------------------------------------------------
-    def _prefill_chunk(self, req: _Request) -> None:
-        """Feed the next chunk of the prompt (all but its last token); merge when done."""
+    def _prefill_chunk(self, req: _Request, budget: int) -> int:
+        """Feed up to ``budget`` more tokens of the prompt (all but its last token); merge the
+        request as a row when its prompt is in. Returns the tokens fed."""
         todo = req.prompt_ids[:-1]
-        if req.prefilled < len(todo):
-            chunk = todo[req.prefilled: req.prefilled + self.prefill_chunk]
+        chunk = todo[req.prefilled: req.prefilled + budget]
+        if chunk:
             self.target.forward(req.prefill, chunk, keep=1)
             req.prefilled += len(chunk)
         if req.prefilled >= len(todo):
@@ -248,6 +256,7 @@ class BatchEngine:
             self._merge(req.prefill, req.prefilled)
             req.prefill, self._joining = None, None
             self._rows.append(req)
+        return len(chunk)
 
     def _merge(self, single: Any, length: int) -> None:
         """Append a batch-1 cache of ``length`` tokens as a new row (left-padded with holes)."""
