@@ -15,7 +15,9 @@ left-padded) when holes grow past ``compact_fraction`` of the longest row. A new
 prefilled on its own batch-1 cache, at most ``prefill_chunk`` tokens per ``step()``, then merged
 (left-padded with holes); a finished or cancelled row leaves at once (``index_select``). The
 alternative, per-request caches stacked into a batch each round, copies every cache every round
-(HF's ``DynamicCache`` already copies once per forward), which measured slower.
+(HF's ``DynamicCache`` already copies once per forward), which measured slower even against
+30% holes (SmolLM2, 256 tokens per row, 4 tokens per row and round: 4 rows 642 vs 595 ms, 16
+rows 2662 vs 1648 ms on a loaded machine; a compaction cost about a fifth of a round).
 """
 
 from __future__ import annotations
