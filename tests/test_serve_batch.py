@@ -4,11 +4,13 @@ answers of plain decoding; cancellation and deadlines stop a batched job within 
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import httpx
 import pytest
 
-from serving import serve_in_thread
+from serving import free_port, serve_in_thread, start_cli_server, wait_until_up
+from test_serve_load import _load, expected  # noqa: F401 - the load test's prompts and answers
 from test_serve import (TEXT, _InlineLoop, assert_stopped_within_one_round, model_dir,  # noqa: F401
                         reference)  # the same tiny model fixtures and checks
 
@@ -95,3 +97,34 @@ def test_batched_cancel_and_timeout_stop_within_one_round(model_dir, what):
     assert_stopped_within_one_round(loop.events, what)
     assert isinstance(other_loop.events[-1], Finished)  # the batch mate finishes normally
     assert executor.batch.active == [] and len(executor.batch) == 0
+
+
+def test_load_with_max_batch_8_gets_exact_answers(model_dir, expected, tmp_path):
+    """The load test of ``adaspec serve`` (streaming openai clients, every answer equal to its
+    greedy text, clean SIGTERM) against ``--max-batch 8`` with the default drafters and ``auto``."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_cli_server(model_dir, port, tmp_path / "state.json", "--max-batch", "8",
+                            cache=tmp_path / "cache")
+    try:
+        wait_until_up(proc, base, timeout=300)
+        running: list[float] = []
+
+        async def load_and_watch():
+            task = asyncio.create_task(_load(base, clients=32, requests=256))
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                while not task.done():
+                    text = (await http.get("/metrics")).text
+                    running.extend(float(line.split()[-1]) for line in text.splitlines()
+                                   if line.startswith("adaspec_requests_running "))
+                    await asyncio.sleep(0.05)
+            return await task
+
+        done, errors = asyncio.run(load_and_watch())
+        assert not errors and len(done) == 256
+        assert max(running) > 1  # requests were decoded together
+        for o in done:
+            assert o.finish_reason == "length" and o.text == expected[o.index], o
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
