@@ -80,6 +80,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "-s", "bandit9"], r"unknown selector 'bandit9'"),
         (["serve", "--port", "70000"], r"--port 70000: must be an integer >= 1 and <= 65535"),
         (["serve", "--max-queue", "0"], r"--max-queue 0: must be"),
+        (["serve", "--max-batch", "0"], r"--max-batch 0: must be an integer >= 1"),
+        (["serve", "--max-batch", "4", "--backend", "llama.cpp"], r"--max-batch > 1 .* transformers backend"),
         (["serve", "--timeout", "0"], r"--timeout 0.0: must be"),
         (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),
         # bench-serve

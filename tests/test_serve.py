@@ -346,12 +346,17 @@ def test_cancel_and_timeout_stop_within_one_round(model_dir, what):
     job = _job(engine, loop)
     outcome = executor(job)
     assert outcome == ("cancelled" if what == "cancel" else "timeout")
-    deltas = [e for e in loop.events if isinstance(e, Delta)]
-    assert len(deltas) == 1  # the round that was running, then nothing
+    assert_stopped_within_one_round(loop.events, what)
+
+
+def assert_stopped_within_one_round(events, what):
+    """One delta (the round that was running), then nothing but a 504 for a timeout."""
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert len(deltas) == 1
     if what == "timeout":
-        assert isinstance(loop.events[-1], Failed) and loop.events[-1].error.status == 504
+        assert isinstance(events[-1], Failed) and events[-1].error.status == 504
     else:
-        assert not any(isinstance(e, (Finished, Failed)) for e in loop.events)
+        assert not any(isinstance(e, (Finished, Failed)) for e in events)
 
 
 def test_a_late_queued_job_is_answered_504_without_running(model_dir):

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import torch
 
@@ -398,22 +399,123 @@ def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
     """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
     contexts = grid_contexts(loaded, contexts, ks)
     key = _surface_key(loaded, contexts, ks)
-    path = Path(cache_dir()) / "costs" / f"{key}.json"
+    return _cached(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
+                   lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress),
+                   "verify-cost surface", refresh)
+
+
+def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,
+            refresh: bool = False) -> Any:
+    """A measurement (with a ``key`` attribute) read from ``path``, or measured and written there
+    when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal."""
     if path.is_file() and not refresh:
         try:
-            surface = VerifyCostSurface.from_dict(json.loads(path.read_text()))
-            surface.key = key
-            return surface
+            found = parse(json.loads(path.read_text()))
+            found.key = key
+            return found
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
-            log.warning("ignoring unreadable cost cache %s: %s", path, exc)
-    surface = measure_verify_surface(loaded, contexts, ks, repeats, progress=progress)
-    surface.key = key
+            log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
+    fresh = measure()
+    fresh.key = key
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(surface.to_dict()))
+        path.write_text(json.dumps(fresh.to_dict()))
     except OSError as exc:
-        log.warning("could not cache the verify-cost surface in %s: %s", path, exc)
-    return surface
+        log.warning("could not cache the %s in %s: %s", what, path, exc)
+    return fresh
+
+
+#: the batch verify-cost grid: rows in the batch, tokens per row, cache lengths (columns)
+BATCH_ROWS = (1, 2, 4, 8, 16, 32)
+BATCH_WIDTHS = (1, 2, 3, 4, 6, 8)
+BATCH_CONTEXTS = (128, 512)
+BATCH_FORMAT = "batch/1"  # part of the cache key: bump when the measurement changes
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear: the first value below the grid, the last segment's slope (>= 0) past it."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect_right(xs, x) - 1, len(xs) - 2)
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    if x > xs[-1]:
+        slope = max(slope, 0.0)
+    return ys[i] + slope * (x - xs[i])
+
+
+@dataclass
+class BatchCosts:
+    """Median seconds V(rows, width, L) of one padded batch forward: ``rows`` rows of ``width``
+    new tokens each on an ``L``-column batch cache (``seconds[context][rows][width]``),
+    interpolated linearly along width, rows and L (``_interp``).
+
+    ``row_cost`` is what one row's block costs in such a batch, for the per-row policies: its
+    share of a plain batched step plus the whole increase its width causes, since the forward
+    is as wide as its widest row: V(R, 1)/R + V(R, w) - V(R, 1). With the other rows plain,
+    a row that drafts raises the batch's tokens per second exactly when its own rate under this
+    price rises, so as the batch grows compute-bound (V(R, w) - V(R, 1) ~ R (w - 1) V1), rows
+    draft less, down to plain decoding."""
+
+    contexts: list[int]
+    rows: list[int]
+    widths: list[int]
+    seconds: list[list[list[float]]]
+    key: str = ""
+    measure_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, xs in (("contexts", self.contexts), ("rows", self.rows), ("widths", self.widths)):
+            if not xs or sorted(set(xs)) != list(xs):
+                raise ConfigError(f"batch costs {name} {xs} must be non-empty and strictly increasing")
+        if (len(self.seconds) != len(self.contexts) or any(len(r) != len(self.rows) for r in self.seconds)
+                or any(len(w) != len(self.widths) for r in self.seconds for w in r)):
+            raise ConfigError(f"batch costs seconds must be {len(self.contexts)} x {len(self.rows)} x "
+                              f"{len(self.widths)} values (contexts x rows x widths)")
+
+    def cost(self, rows: int, width: int, context: int) -> float:
+        """Seconds of a forward over ``rows`` rows of ``width`` tokens on ``context`` columns."""
+        if width <= 0 or rows <= 0:
+            return 0.0
+        per_ctx = [_interp(self.rows, [_interp(self.widths, w, width) for w in r], rows) for r in self.seconds]
+        return max(0.0, _interp(self.contexts, per_ctx, context))
+
+    def row_cost(self, rows: int, width: int, context: int) -> float:
+        """The price of one row's ``width``-token block in a batch of ``rows`` (class docstring)."""
+        if width <= 0:
+            return 0.0
+        plain = self.cost(rows, 1, context)
+        return plain / max(rows, 1) + max(0.0, self.cost(rows, width, context) - plain)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BatchCosts:
+        return cls(list(data["contexts"]), list(data["rows"]), list(data["widths"]),
+                   [[list(w) for w in r] for r in data["seconds"]], data.get("key", ""),
+                   float(data.get("measure_s", 0.0)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self, context: int | None = None) -> str:
+        """Milliseconds per (rows, width) at one cache length (default: the first)."""
+        c = self.contexts[0] if context is None else context
+        head = f"cache {c}: rows " + "".join(f"{'w=' + str(w):>8}" for w in self.widths)
+        lines = [head] + [f"{r:>15} " + "".join(f"{self.cost(r, w, c) * 1e3:8.1f}" for w in self.widths)
+                          for r in self.rows]
+        return "\n".join(lines)
+
+
+def load_or_measure_batch_costs(loaded: TargetBackend,
+                                measure: Callable[..., BatchCosts],
+                                rows: Sequence[int] = BATCH_ROWS, widths: Sequence[int] = BATCH_WIDTHS,
+                                contexts: Sequence[int] = BATCH_CONTEXTS, refresh: bool = False) -> BatchCosts:
+    """``measure(loaded, rows, widths, contexts)`` once per model, device, dtype and thread count
+    (the surface's key scheme), cached in ``$ADASPEC_CACHE/costs``."""
+    contexts = grid_contexts(loaded, contexts, widths)
+    ident = f"{BATCH_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|rows={list(rows)}|w={list(widths)}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return _cached(Path(cache_dir()) / "costs" / f"batch-{key}.json", key, BatchCosts.from_dict,
+                   lambda: measure(loaded, list(rows), list(widths), list(contexts)), "batch verify costs",
+                   refresh)
 
 
 class CostModel:
@@ -440,6 +542,11 @@ class CostModel:
         #: (policies, full-information scoring, bookkeeping): paid by every round alike
         self.round_overhead_s = 0.0
         self._overhead_seen = False
+        #: batched rounds (``adaspec.batch``): the batch surface, the round's rows and cache
+        #: columns; with rows > 1 ``verify_cost`` is the row's price in the batch (``row_cost``)
+        self.batch: BatchCosts | None = None
+        self.rows = 1
+        self.batch_context = 0
 
     @property
     def curve(self) -> VerifyCostSurface | None:
@@ -471,7 +578,10 @@ class CostModel:
 
     def verify_cost(self, width: int, context: int | None = None) -> float:
         """Seconds of one target forward over ``width`` tokens on a ``context``-token cache
-        (default: the current round's): the surface, else observed times, else 0."""
+        (default: the current round's): the surface, else observed times, else 0. In a batch
+        of several rows: the row's price of a ``width``-token block (``BatchCosts.row_cost``)."""
+        if self.batch is not None and self.rows > 1:
+            return self.batch.row_cost(self.rows, width, self.batch_context)
         if self.surface is not None:
             return self.surface.cost(width, self.context if context is None else context)
         if width in self.verify_width_s:

@@ -266,6 +266,19 @@ class SpeculativeEngine:
                 on_tokens(chunk)
         return GenerationResult(self.decode(out), out, prompt_ids, stats)
 
+    def generate_batch(self, prompts: Sequence[Prompt], config: GenerationConfig | None = None, *,
+                       max_batch: int | None = None, **overrides: Any) -> list[GenerationResult]:
+        """Generate completions of several prompts together (continuous batching, ``adaspec.batch``:
+        one target forward per round verifies every row's drafts; each request keeps its own
+        drafters, policies and generator). ``max_batch``: rows at once (default: all prompts, at
+        most 32; the rest wait for a free row). Results in the order of ``prompts``."""
+        from .batch import BatchEngine
+
+        batch = BatchEngine(self, max_batch=max_batch or min(max(1, len(prompts)), 32))
+        ids = [batch.add(p, config, **overrides) for p in prompts]
+        results = batch.run()
+        return [results[i] for i in ids]
+
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
                **overrides: Any) -> Iterator[str]:
         """Yield text pieces as tokens are accepted (incomplete UTF-8 is held back)."""

@@ -109,6 +109,8 @@ def serve(
     served_name: str | None = typer.Option(None, "--served-model-name",
                                            help="model id clients send (default: --model)"),
     max_queue: int = typer.Option(64, help="queued requests before answering 429"),
+    max_batch: int = typer.Option(1, "--max-batch", help="requests decoded together (continuous batching, "
+                                  "transformers backend); 1: one at a time"),
     timeout: float = typer.Option(600.0, help="per-request timeout in seconds (queue included)"),
     max_tokens: int = typer.Option(256, help="max_tokens when a request does not set it"),
     state_file: Path | None = typer.Option(None, help="learnt-state file (default: in the adaspec "
@@ -127,6 +129,7 @@ def serve(
     import hashlib
 
     from ..artifacts import cache_dir
+    from ..backends import check_backend
     from ..engine import SpeculativeEngine
 
     try:
@@ -142,6 +145,10 @@ def serve(
         check_policies([selector], [length], [k])
         check_number("--port", port, low=1, high=65535, integer=True)
         check_number("--max-queue", max_queue, low=1, integer=True)
+        check_number("--max-batch", max_batch, low=1, integer=True)
+        if max_batch > 1 and check_backend(backend) != "transformers":
+            raise AdaspecError("--max-batch > 1 (continuous batching) runs on the transformers backend: "
+                               "drop --backend llama.cpp or use --max-batch 1")
         check_number("--timeout", timeout, low=0.0, low_open=True)
         check_number("--max-tokens", max_tokens, low=1, integer=True)
         check_number("--save-every", save_every, low=1, integer=True)
@@ -166,7 +173,7 @@ def serve(
                                                                    else [])).encode()).hexdigest()[:12]
             state_file = cache_dir() / "serve" / f"state-{digest}.json"
         config = ServeConfig(model_id=served_name or model, selector=selector, length=length, k=k,
-                             max_queue=max_queue, timeout_s=timeout, state_file=state_file,
+                             max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, state_file=state_file,
                              save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace)
     except AdaspecError as exc:
         _fail(exc)

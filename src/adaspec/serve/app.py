@@ -34,8 +34,8 @@ from ..selection import build_selector
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, AdaspecOptions, bad_request,
                        chunk_body, completion_body, new_id, parse_body, usage)
-from .scheduler import (Delta, EngineExecutor, Event, Failed, Finished, Job, Plan, QueueFull, Scheduler,
-                        timeout_error)
+from .scheduler import (BatchExecutor, Delta, EngineExecutor, Event, Failed, Finished, Job, Plan, QueueFull,
+                        Scheduler, timeout_error)
 from .state import LearntState
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class ServeConfig:
     save_every: int = 50
     default_max_tokens: int = 256
     shutdown_grace_s: float = 30.0
+    max_batch: int = 1  # > 1: continuous batching of up to this many requests (BatchExecutor)
 
 
 class Server:
@@ -80,7 +81,11 @@ class Server:
             "model": target_fingerprint(engine.target), "drafters": names})
         self.executor = EngineExecutor(engine, self.state, self.metrics, config.timeout_s,
                                        on_commit=self._maybe_save)
-        self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics)
+        batch = None
+        if config.max_batch > 1:
+            batch = BatchExecutor(engine, self.state, self.metrics, config.timeout_s, config.max_batch,
+                                  on_commit=self._maybe_save)
+        self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics, batch=batch)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @asynccontextmanager

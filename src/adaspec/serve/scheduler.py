@@ -6,8 +6,10 @@ executor, which runs the engine and sends ``Delta`` / ``Finished`` / ``Failed`` 
 the job's asyncio queue. Cancellation (client gone) and the deadline are checked after every
 round, so a cancelled job stops within one round and a queued one is skipped.
 
-Continuous batching would replace ``EngineExecutor`` by one that keeps several jobs active
-and advances them together; ``Job``, its events and the handlers stay as they are.
+With ``max_batch > 1`` (``adaspec serve --max-batch N``) the worker runs a ``BatchExecutor``
+instead: up to N jobs decode together on a ``BatchEngine`` (continuous batching: a job joins
+when a row is free and leaves when it ends), with the same events, cancellation and deadlines,
+checked before every batched round.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..batch import BatchEngine, BatchEvent
 from ..config import GenerationConfig
 from ..engine import SpeculativeEngine
 from ..errors import AdaspecError
@@ -199,12 +202,126 @@ class EngineExecutor:
             m.tpot.observe((latency - ttft) / (stats.new_tokens - 1))
 
 
+@dataclass(eq=False)
+class _Live:
+    """A job decoding in the batch: its text, learners and first-token time."""
+
+    job: Job
+    text: TextAssembler
+    learners: tuple[Any, Any]
+    queue_s: float
+    first: float | None = None
+
+
+class BatchExecutor:
+    """Serves up to ``max_batch`` jobs together on a ``BatchEngine``: ``admit(job)`` when a row
+    is free (None, or the job's outcome if it ended at once), ``step()`` one batched round
+    (the outcomes of the jobs that ended); learners are checked out per job, as one at a time."""
+
+    def __init__(self, engine: SpeculativeEngine, state: LearntState, metrics: ServerMetrics,
+                 timeout_s: float, max_batch: int, on_commit: Callable[[], None] | None = None):
+        self.one = EngineExecutor(engine, state, metrics, timeout_s, on_commit)  # its metrics and errors
+        self.engine, self.state, self.metrics = engine, state, metrics
+        self.batch = BatchEngine(engine, max_batch=max_batch)
+        self.live: dict[int, _Live] = {}
+
+    @property
+    def room(self) -> int:
+        """Jobs that can be admitted now."""
+        return self.batch.max_batch - len(self.batch)
+
+    def admit(self, job: Job) -> str | None:
+        plan = job.plan
+        queue_s = time.monotonic() - job.arrived
+        self.metrics.queue_wait.observe(queue_s)
+        if job.cancelled.is_set():
+            return "cancelled"
+        if time.monotonic() > job.deadline:
+            job.emit(Failed(timeout_error(self.one.timeout_s)))
+            return "timeout"
+
+        def build() -> tuple[Any, Any]:
+            view = self.engine.with_policies(plan.drafters, selector=plan.selector, length=plan.length, k=plan.k)
+            return view.selector, view.length
+
+        learners = self.state.checkout(plan.key, build)
+        try:
+            rid = self.batch.add(plan.prompt_ids, plan.config, drafters=plan.drafters, selector=learners[0],
+                                 length=learners[1], k=plan.k)
+        except AdaspecError as exc:
+            self._commit(plan, learners, None)
+            job.emit(Failed(APIError(400, str(exc), param="adaspec")))
+            return "error"
+        self.live[rid] = _Live(job, TextAssembler(self.engine.decode, plan.config.stop), learners, queue_s)
+        return None
+
+    def step(self) -> list[tuple[Job, str]]:
+        """Drop cancelled and late jobs, then one batched round; the jobs that ended."""
+        ended: list[tuple[Job, str]] = []
+        for rid, live in list(self.live.items()):
+            outcome = "cancelled" if live.job.cancelled.is_set() else (
+                "timeout" if time.monotonic() > live.job.deadline else "")
+            if outcome:
+                self.batch.cancel(rid)
+                if outcome == "timeout":
+                    live.job.emit(Failed(timeout_error(self.one.timeout_s)))
+                self._commit(live.job.plan, live.learners, None)
+                del self.live[rid]
+                ended.append((live.job, outcome))
+        for ev in self.batch.step():
+            done = self._deliver(ev)
+            if done is not None:
+                ended.append(done)
+        return ended
+
+    def _deliver(self, ev: BatchEvent) -> tuple[Job, str] | None:
+        live = self.live[ev.request]
+        if ev.tokens:
+            live.first = live.first or time.monotonic()
+            delta = live.text.push(ev.tokens)
+            if delta:
+                live.job.emit(Delta(delta))
+        if not ev.finished:
+            return None
+        del self.live[ev.request]
+        job, stats = live.job, ev.result.stats
+        self._commit(job.plan, live.learners, stats)
+        rest = live.text.finish()
+        if rest:
+            job.emit(Delta(rest))
+        reason = "stop" if live.text.stopped else FINISH_REASONS.get(stats.stop_reason, "stop")
+        ttft = (live.first or time.monotonic()) - job.arrived
+        self.one._observe(stats, ttft, time.monotonic() - job.arrived, job.plan.endpoint)
+        job.emit(Finished(reason, stats.new_tokens, stats, live.queue_s, ttft))
+        return job, "ok"
+
+    def _commit(self, plan: Plan, learners: tuple[Any, Any], stats: RequestStats | None) -> None:
+        for p in learners:  # back on the engine's cost model (the state file pickles it by reference)
+            if getattr(p, "wants_costs", False):
+                p.costs = self.engine.cost_model
+        self.state.commit(plan.key, learners, stats)
+        if self.one.on_commit is not None:
+            self.one.on_commit()
+
+    def fail_all(self, error: APIError) -> list[Job]:
+        """After an internal error: fail every live job and start over with an empty batch."""
+        jobs = [live.job for live in self.live.values()]
+        for rid, live in list(self.live.items()):
+            self._commit(live.job.plan, live.learners, None)
+            live.job.emit(Failed(error))
+        self.live.clear()
+        self.batch = BatchEngine(self.engine, max_batch=self.batch.max_batch)
+        return jobs
+
+
 class Scheduler:
     """A bounded FIFO of jobs in front of one worker thread that runs ``execute``. A job whose
     client leaves while it waits is taken out of the queue at once (its place is free)."""
 
-    def __init__(self, execute: Callable[[Job], str], max_queue: int, metrics: ServerMetrics):
+    def __init__(self, execute: Callable[[Job], str], max_queue: int, metrics: ServerMetrics,
+                 batch: BatchExecutor | None = None):
         self._execute = execute
+        self._batch = batch
         self._max = max_queue
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -220,7 +337,8 @@ class Scheduler:
         return len(self._jobs)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="adaspec-engine", daemon=True)
+        work = self._work if self._batch is None else self._work_batch
+        self._thread = threading.Thread(target=work, name="adaspec-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -256,9 +374,7 @@ class Scheduler:
     def _work(self) -> None:
         while (job := self._next()) is not None:
             if self.closing:
-                job.emit(Failed(APIError(503, "the server shut down before serving this request",
-                                         type="server_error", code="shutting_down")))
-                self._metrics.requests.labels(job.plan.endpoint, "rejected").inc()
+                self._reject_closing(job)
                 continue
             self.running = 1
             self._metrics.running.set(1)
@@ -274,6 +390,45 @@ class Scheduler:
             self.running = 0
             self._metrics.running.set(0)
             self._metrics.requests.labels(job.plan.endpoint, outcome).inc()
+
+    def _reject_closing(self, job: Job) -> None:
+        job.emit(Failed(APIError(503, "the server shut down before serving this request",
+                                 type="server_error", code="shutting_down")))
+        self._metrics.requests.labels(job.plan.endpoint, "rejected").inc()
+
+    def _work_batch(self) -> None:
+        """Admit queued jobs while rows are free, then one batched round; until stopped and idle."""
+        ex = self._batch
+        assert ex is not None
+        while True:
+            with self._cond:
+                while not self._jobs and not ex.live and not self._stop:
+                    self._cond.wait()
+                if not self._jobs and not ex.live:
+                    return
+                admitted = []
+                while self._jobs and ex.room > 0:
+                    admitted.append(self._jobs.popleft())
+                self._metrics.queue_length.set(len(self._jobs))
+            ended: list[tuple[Job, str]] = []
+            try:
+                for job in admitted:
+                    if self.closing:
+                        self._reject_closing(job)
+                        continue
+                    outcome = ex.admit(job)
+                    if outcome is not None:
+                        ended.append((job, outcome))
+                ended += ex.step()
+            except Exception:  # noqa: BLE001 - a bug must fail the batch's requests, not the worker
+                log.exception("batched round failed")
+                error = APIError(500, "internal error while generating: see the server log",
+                                 type="server_error", code="internal_error")
+                ended += [(job, "error") for job in ex.fail_all(error)]
+            for job, outcome in ended:
+                self._metrics.requests.labels(job.plan.endpoint, outcome).inc()
+            self.running = len(ex.live)
+            self._metrics.running.set(self.running)
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new jobs, end queued ones with 503, let the running one finish, join."""

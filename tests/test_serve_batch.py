@@ -1,0 +1,130 @@
+"""``adaspec serve --max-batch N``: concurrent requests decoded together on a tiny model give the
+answers of plain decoding; cancellation and deadlines stop a batched job within one round."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import pytest
+
+from serving import free_port, serve_in_thread, start_cli_server, wait_until_up
+from test_serve_load import _load, expected  # noqa: F401 - the load test's prompts and answers
+from test_serve import (TEXT, _InlineLoop, assert_stopped_within_one_round, model_dir,  # noqa: F401
+                        reference)  # the same tiny model fixtures and checks
+
+from adaspec.config import GenerationConfig
+from adaspec.engine import SpeculativeEngine
+from adaspec.models import load_model
+from adaspec.serve import ServeConfig, create_app
+from adaspec.serve.metrics import ServerMetrics
+from adaspec.serve.scheduler import BatchExecutor, Delta, Finished, Job, Plan
+from adaspec.serve.state import LearntState
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
+MODEL = "tiny"
+
+
+def test_concurrent_requests_are_batched_and_exact(model_dir, reference):
+    engine = SpeculativeEngine(load_model(model_dir), ["prompt-lookup", "suffix"],
+                               selector="ucbspec:scope=global", length=4)
+    app = create_app(engine, ServeConfig(model_id=MODEL, selector="ucbspec:scope=global", length=4, k=4,
+                                         max_batch=4))
+    prompts = [f"w0{i} w1{i} w0{i} w1{i} w0{i}" for i in range(1, 7)]
+    budgets = [12, 5, 20, 9, 16, 3]
+    batch_sizes = []
+    executor = app.state.server.scheduler._batch
+    step = executor.batch.step
+
+    def spy():
+        batch_sizes.append(len(executor.batch.active))
+        return step()
+
+    executor.batch.step = spy
+
+    async def main(base):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            calls = [http.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": n,
+                                                        "temperature": 0, "stream": i % 2 == 1})
+                     for i, (p, n) in enumerate(zip(prompts, budgets))]
+            return await asyncio.gather(*calls)
+
+    with serve_in_thread(app) as base:
+        responses = asyncio.run(main(base))
+    for i, (resp, p, n) in enumerate(zip(responses, prompts, budgets)):
+        assert resp.status_code == 200
+        want = reference.generate(p, GenerationConfig(max_new_tokens=n, chat_template=False)).text
+        if i % 2 == 1:  # streamed: concatenate the chunks
+            import json
+            chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+                      if line.startswith("data: {")]
+            got = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            got = resp.json()["choices"][0]["text"]
+        assert got == want, i
+    assert max(batch_sizes) > 1  # requests really shared rounds
+    assert max(batch_sizes) <= 4
+
+
+@pytest.mark.parametrize("what", ["cancel", "timeout"])
+def test_batched_cancel_and_timeout_stop_within_one_round(model_dir, what):
+    engine = SpeculativeEngine(load_model(model_dir), ["prompt-lookup", "suffix"])
+    executor = BatchExecutor(engine, LearntState(engine.cost_model), ServerMetrics(), timeout_s=7, max_batch=2)
+    ids = engine.encode_prompt(TEXT, chat_template=False)
+    plan = Plan(ids, GenerationConfig(max_new_tokens=40), [0, 1], "round-robin", 2, 2, "text")
+    target = None
+
+    def after(event):
+        if isinstance(event, Delta):
+            if what == "cancel":
+                target.cancel()
+            else:
+                target.deadline = 0.0
+
+    loop = _InlineLoop(after)
+    target = Job(plan, loop, deadline=1e18)
+    other_loop = _InlineLoop(lambda e: None)
+    other = Job(Plan(ids, GenerationConfig(max_new_tokens=6), [0], None, 2, 2, "text"), other_loop, deadline=1e18)
+    assert executor.admit(target) is None and executor.admit(other) is None
+    ended = []
+    while executor.live:
+        ended += executor.step()
+    outcomes = {id(job): outcome for job, outcome in ended}
+    assert outcomes[id(target)] == ("cancelled" if what == "cancel" else "timeout")
+    assert outcomes[id(other)] == "ok"
+    assert_stopped_within_one_round(loop.events, what)
+    assert isinstance(other_loop.events[-1], Finished)  # the batch mate finishes normally
+    assert executor.batch.active == [] and len(executor.batch) == 0
+
+
+def test_load_with_max_batch_8_gets_exact_answers(model_dir, expected, tmp_path):
+    """The load test of ``adaspec serve`` (streaming openai clients, every answer equal to its
+    greedy text, clean SIGTERM) against ``--max-batch 8`` with the default drafters and ``auto``."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_cli_server(model_dir, port, tmp_path / "state.json", "--max-batch", "8",
+                            cache=tmp_path / "cache")
+    try:
+        wait_until_up(proc, base, timeout=300)
+        running: list[float] = []
+
+        async def load_and_watch():
+            task = asyncio.create_task(_load(base, clients=32, requests=256))
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                while not task.done():
+                    text = (await http.get("/metrics")).text
+                    running.extend(float(line.split()[-1]) for line in text.splitlines()
+                                   if line.startswith("adaspec_requests_running "))
+                    await asyncio.sleep(0.05)
+            return await task
+
+        done, errors = asyncio.run(load_and_watch())
+        assert not errors and len(done) == 256
+        assert max(running) > 1  # requests were decoded together
+        for o in done:
+            assert o.finish_reason == "length" and o.text == expected[o.index], o
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
