@@ -35,7 +35,6 @@ import torch
 from .config import GenerationConfig
 from .costs import BatchCosts
 from .drafters import Draft, Drafter, DraftStep, Decision
-from .drafters.base import apply_decisions
 from .engine import GenerationResult
 from .errors import AdaspecError, ConfigError
 from .feedback import RoundFeedback
@@ -377,13 +376,7 @@ class BatchEngine:
             spent[0] += time.perf_counter() - t
             return verdict
 
-        if cap > 0 and i in peeked:
-            draft = Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
-        elif cap > 0:
-            draft = drafter.draft(tokens, cap, req.cfg.sampling, req.generator, decide,
-                                  want_hidden=length.needs_hidden and drafter.is_model)
-        else:
-            draft = Draft()
+        draft = view._draft_chain(i, tokens, cap, peeked, req.cfg.sampling, req.generator, decide)
         return _RowPlan(i, cap, draft, catch_up_tokens, (t0, t1, t_pre, t2, now()), spent[0])
 
     def _forward(self, inputs: list[list[int]]) -> torch.Tensor:

@@ -452,13 +452,8 @@ class SpeculativeEngine:
                 tree = self._draft_tree(drafter, tokens, cap, sampling)
                 if tree.is_chain:  # a chain is drafted and verified as one
                     draft, tree = Draft(tokens=apply_decisions(tree.tokens, decide)), None
-            elif cap > 0 and i in peeked and cap <= len(peeked[i].tokens):  # already proposed: as drafted
-                draft = Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
-            elif cap > 0:
-                draft = drafter.draft(tokens, cap, sampling, generator, decide,
-                                      want_hidden=length.needs_hidden and drafter.is_model)
             else:
-                draft = Draft()
+                draft = self._draft_chain(i, tokens, cap, peeked, sampling, generator, decide)
             t3 = now()
 
             gammas = None
@@ -522,6 +517,19 @@ class SpeculativeEngine:
         for d in drafters:
             d.end_request(tokens[n_prompt:])
         return stats
+
+    def _draft_chain(self, i: int, tokens: list[int], cap: int, peeked: dict[int, Peek],
+                     sampling: SamplingConfig, generator: torch.Generator | None,
+                     decide: Callable[[DraftStep], Decision]) -> Draft:
+        """Drafter ``i``'s chain of at most ``cap`` tokens: its looked-at block when that covers
+        the cap (drafted exactly as the drafter would), else a fresh draft."""
+        if cap <= 0:
+            return Draft()
+        if i in peeked and cap <= len(peeked[i].tokens):
+            return Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
+        drafter = self.drafters[i]
+        return drafter.draft(tokens, cap, sampling, generator, decide,
+                             want_hidden=self.length.needs_hidden and drafter.is_model)
 
     def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int,
                     sampling: SamplingConfig | None = None) -> DraftTree:

@@ -425,7 +425,6 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     with ``AutoLength`` (the same controller) unless a length policy is given."""
 
     name = "auto"
-    full_information = True
     wants_costs = True
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
