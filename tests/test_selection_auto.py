@@ -519,3 +519,23 @@ def test_peeked_drafters_learn_from_their_blocks_without_evaluation():
                             target_logits=None, sampling=GREEDY))
     counts = c.request_ctx[0][ctx]  # decayed once by request_decay = 0.98
     assert counts.t[1] == pytest.approx(1.98) and counts.s[1] == pytest.approx(0.98)
+
+
+def test_cold_start_plans_on_the_prior_mean_and_the_bound_comes_with_trials():
+    """A fresh controller (no trials) plans exactly as with shrink=0: the lower bound is for
+    estimates picked for being lucky, and before any data nothing was picked (a full bound on
+    the prior made a fresh engine decode plainly on SmolLM2 prompts that copy)."""
+    def plan(shrink: float, trials: int) -> tuple[tuple[float, float, float], int]:
+        c = AutoController(shrink=shrink)
+        c.costs = FixedCosts(flat(1.0, 0.05))
+        c.begin_request(["suffix", "none"])
+        for _ in range(trials):  # evidence at the prior's own rates: the mean stays, the bound tightens
+            c.global_counts[0].s = [s + p for s, p in zip(c.global_counts[0].s, (0.5, 0.5, 0.7))]
+            c.global_counts[0].t = [t + 1.0 for t in c.global_counts[0].t]
+        return c.estimate(0), c.choose().k
+
+    cold, cold_k = plan(1.0, 0)
+    mean, mean_k = plan(0.0, 0)
+    assert cold == pytest.approx(mean) and cold_k == mean_k > 0
+    warm = plan(1.0, 1000)[0]
+    assert all(w < m - 0.05 for w, m in zip(warm[1:], mean[1:]))  # with evidence, the full bound

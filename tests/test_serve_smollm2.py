@@ -14,8 +14,10 @@ from adaspec.serve import DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, Se
 
 pytestmark = pytest.mark.slow
 
-MESSAGES = [{"role": "user", "content": "Write a Python function that returns the squares of a list, "
-                                        "then show how to call it."}]
+#: a prompt whose answer copies from it, so that auto drafts from its first request (on a prompt
+#: with nothing to copy, auto may rightly decode plainly and MAT stays 1)
+MESSAGES = [{"role": "user", "content": "Repeat this list exactly, one item per line: apples, pears, "
+                                        "plums, apples, pears, figs."}]
 
 
 @pytest.fixture(scope="module")
