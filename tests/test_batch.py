@@ -368,6 +368,31 @@ def test_rows_draft_less_as_the_batch_grows_compute_bound():
     assert caps[1] > 0 and caps[32] == 0 and caps[1] >= caps[2] >= caps[32]
 
 
+def test_rows_skip_planning_where_no_block_can_pay(model, monkeypatch):
+    """In a compute-bound batch where even a fully accepted block cannot pay, cost-aware rows
+    take plain steps without asking their policies; a static-k row still drafts (the user
+    asked for k); the output stays the target's; a one-row batch plans as usual."""
+    engine = _engine(model, "auto")
+    batch = BatchEngine(engine, max_batch=4, batch_costs=_synthetic(compute=5e-2))
+    batch._wants_costs = True
+    auto_ids = [batch.add(p, max_new_tokens=10) for p in _prompts(3)]
+    static_id = batch.add(_prompts(3)[2], max_new_tokens=10, drafters=[0], selector="static",
+                          length="static", k=3)
+    planned: list[int] = []
+    real_plan = batch._plan
+    monkeypatch.setattr(batch, "_plan", lambda req: planned.append(req.id) or real_plan(req))
+    results = batch.run()
+    assert planned and set(planned) == {static_id}  # only the static row was planned
+    assert any(r.drafted for r in results[static_id].stats.rounds)
+    plain = SpeculativeEngine(model, [])
+    for i, p in zip(auto_ids, _prompts(3)):
+        assert all(r.drafter == "none" and r.drafted == 0 for r in results[i].stats.rounds)
+        assert results[i].token_ids == plain.generate(p, max_new_tokens=10).token_ids
+    assert batch.cost_model.batch is not None
+    batch.cost_model.rows = 1
+    assert batch._drafting_can_pay()  # one row: the batch price does not apply
+
+
 def test_requests_share_auto_global_counts_but_not_request_state(model):
     """Per-request copies of ``auto``: what the batch's requests learn reaches the engine's global
     counts (as sequential requests do); request counts and plans stay per request."""

@@ -46,6 +46,10 @@ from .sampling import process_logits, verify_greedy, verify_sampling
 DEFAULT_PREFILL_CHUNK = 256
 #: compact the cache when its hole columns exceed this fraction of the longest row
 DEFAULT_COMPACT_FRACTION = 0.25
+#: widest block ``_drafting_can_pay`` considers (auto's longest draft, 16, plus the last token)
+MAX_WIDTH = 17
+#: ``_RowPlan.drafter`` of a plain step that no policy planned
+PLAIN = -1
 
 
 @dataclass
@@ -80,6 +84,11 @@ class _Request:
     prefill: Any = None
     prefilled: int = 0  # prompt tokens (of all but the last) in ``prefill``
     started: bool = False
+
+    @property
+    def cost_aware(self) -> bool:
+        """Do the request's policies price rounds (then they never draft where it cannot pay)?"""
+        return any(getattr(p, "wants_costs", False) for p in (self.view.selector, self.view.length))
 
 
 @dataclass
@@ -334,19 +343,45 @@ class BatchEngine:
                 for layer in self._cache.layers]
 
     # -- one round --------------------------------------------------------------------------------
+    @staticmethod
+    def _start(req: _Request) -> None:
+        """The request's first round: its drafters and policies begin (as in ``_rounds``)."""
+        if req.started:
+            return
+        view = req.view
+        for d in view.drafters:
+            d.begin_request(req.prompt_ids)
+        view.selector.begin_request(view.drafter_names)
+        if hasattr(view.selector, "observe_prompt"):
+            view.selector.observe_prompt(req.prompt_ids)
+        view.length.begin_request()
+        req.started = True
+
+    def _drafting_can_pay(self) -> bool:
+        """Could any block pay in this batch if every drafted token were accepted: w tokens for
+        o + price(w) against one for o + price(1), w up to ``MAX_WIDTH``, on the batch price
+        (``CostModel.verify_cost``) with the round overhead o? When not, no cost-aware policy
+        drafts, so their rows take plain steps without planning (whose per-row Python work, the
+        looks and the policies, measured 3-4% of a compute-bound round at 8-32 rows)."""
+        cm = self.cost_model
+        if cm.batch is None or cm.rows <= 1:
+            return True
+        o = cm.round_overhead_s
+        plain = o + cm.verify_cost(1)
+        return any(w * plain > o + cm.verify_cost(w) for w in range(2, MAX_WIDTH + 1))
+
+    def _plain(self, req: _Request) -> _RowPlan:
+        """A plain step without asking the row's policies (drafting cannot pay in this batch)."""
+        self._start(req)
+        t = time.perf_counter()
+        return _RowPlan(PLAIN, 0, Draft(), 0, (t, t, t, t, t), 0.0)
+
     def _plan(self, req: _Request) -> _RowPlan:
         """The row's drafter choice, catch-up and draft (as in ``SpeculativeEngine._rounds``)."""
         view, tokens = req.view, req.tokens
         selector, length, drafters = view.selector, view.length, view.drafters
         now = time.perf_counter
-        if not req.started:
-            for d in drafters:
-                d.begin_request(req.prompt_ids)
-            selector.begin_request(view.drafter_names)
-            if hasattr(selector, "observe_prompt"):
-                selector.observe_prompt(req.prompt_ids)
-            length.begin_request()
-            req.started = True
+        self._start(req)
         t0 = now()
         self.cost_model.context = len(tokens) - 1
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
@@ -391,7 +426,8 @@ class BatchEngine:
         self.cost_model.batch_context = self._valid.shape[1]
         if self._wants_costs and rows > 1 and self.cost_model.batch is None:
             self.cost_model.batch = load_or_measure_batch(self.target)
-        plans = [self._plan(req) for req in self._rows]
+        plain = not self._drafting_can_pay()
+        plans = [self._plain(req) if plain and req.cost_aware else self._plan(req) for req in self._rows]
         t_fwd = time.perf_counter()
         t_before = self._valid.shape[1]
         logits = self._forward([[req.tokens[-1], *p.draft.tokens] for req, p in zip(self._rows, plans)])
@@ -439,6 +475,11 @@ class BatchEngine:
         context_len = len(req.tokens)
         req.tokens.extend(emitted)
         req.remaining -= len(emitted)
+        if i == PLAIN:  # not planned (drafting could not pay): no policy or drafter saw the round
+            return self._event(req, RoundRecord(
+                drafter="none", k_cap=0, drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0,
+                verify_s=verify_s, catch_up_s=0.0, catch_up_tokens=0, policy_s=0.0, eval_s=0.0,
+                total_s=verify_s, drafter_prefill_s=0.0), emitted, reason)
         req.seen[i] = len(req.tokens)
         t0, t_sel, t_pre, t_caught, t_drafted = plan.t
         draft_s = t_drafted - t_caught - plan.policy_in_draft
@@ -467,6 +508,10 @@ class BatchEngine:
                              catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,
                              policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6), eval_s=t6 - t5,
                              total_s=own + verify_s, drafter_prefill_s=t_pre - t_sel)
+        return self._event(req, record, emitted, reason)
+
+    def _event(self, req: _Request, record: RoundRecord, emitted: list[int], reason: str) -> BatchEvent:
+        """Record the round; the request's event (with its result when it finished)."""
         req.stats.rounds.append(record)
         event = BatchEvent(req.id, emitted, round=record)
         if reason:
