@@ -128,3 +128,19 @@ def test_load_with_max_batch_8_gets_exact_answers(model_dir, expected, tmp_path)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
+
+
+def test_serve_batches_by_default_where_the_engine_can(model_dir):
+    """``adaspec serve`` without --max-batch: 8 rows with model-free drafters; one request at a
+    time with a drafter that cannot fork (said, not failed); an explicit N > 1 there is an error."""
+    from adaspec.cli import SERVE_BATCH, serve_batch_size
+    from adaspec.errors import AdaspecError
+
+    target = load_model(model_dir)
+    assert serve_batch_size(SpeculativeEngine(target), None) == SERVE_BATCH == 8
+    assert serve_batch_size(SpeculativeEngine(target), 3) == 3
+    model_drafter = SpeculativeEngine(target, ["self"])
+    assert serve_batch_size(model_drafter, None) == 1
+    assert serve_batch_size(model_drafter, 1) == 1
+    with pytest.raises(AdaspecError, match=r"--max-batch 4: drafter 'self' cannot draft for several requests"):
+        serve_batch_size(model_drafter, 4)

@@ -103,6 +103,26 @@ class _RowPlan:
     policy_in_draft: float
 
 
+def batching_problem(engine: Any, drafters: bool = True) -> str | None:
+    """Why ``engine`` cannot decode requests in a batch (a message naming the fix), or None:
+    the target, its attention, trees and (``drafters``) every loaded drafter are checked."""
+    if not isinstance(engine.target, LoadedModel):
+        return (f"batched decoding runs on the transformers backend, and this engine's target is on "
+                f"{engine.target.backend!r}: load the model with backend='transformers'")
+    if engine.tree:
+        return "batched rounds verify chains: build the engine with tree=False"
+    impl = getattr(engine.target.model.config, "_attn_implementation", None)
+    if impl not in TREE_ATTENTION:
+        return (f"batched rounds need an attention implementation that takes a custom 4D mask "
+                f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
+                "attn_implementation='sdpa'")
+    for d in engine.drafters if drafters else ():
+        if type(d).fork is Drafter.fork or getattr(d, "uses_target_features", False):
+            return (f"drafter {d.name!r} cannot draft for several requests at once: batch with the "
+                    "model-free drafters (none, prompt-lookup, suffix)")
+    return None
+
+
 class BatchEngine:
     """Continuous batching over a ``SpeculativeEngine`` (transformers targets).
 
@@ -125,16 +145,9 @@ class BatchEngine:
 
     def __init__(self, engine: Any, *, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  compact_fraction: float = DEFAULT_COMPACT_FRACTION, batch_costs: BatchCosts | None = None):
-        if not isinstance(engine.target, LoadedModel):
-            raise ConfigError(f"batched decoding runs on the transformers backend, and this engine's target "
-                              f"is on {engine.target.backend!r}: load the model with backend='transformers'")
-        if engine.tree:
-            raise ConfigError("batched rounds verify chains: build the engine with tree=False")
-        impl = getattr(engine.target.model.config, "_attn_implementation", None)
-        if impl not in TREE_ATTENTION:
-            raise ConfigError(f"batched rounds need an attention implementation that takes a custom 4D mask "
-                              f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
-                              "attn_implementation='sdpa'")
+        problem = batching_problem(engine, drafters=False)
+        if problem:
+            raise ConfigError(problem)
         for name, v, lo in (("max_batch", max_batch, 1), ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
