@@ -180,8 +180,9 @@ def test_greedy_tree_verdict_is_the_longest_argmax_path():
     from adaspec.sampling import verify_greedy
 
     chain = DraftTree.chain([5, 6, 8])
-    lg = torch.randn(4, V)
+    lg = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
     lg[0, 5] = lg[1, 6] = 50.0
+    lg[2, 8] = -50.0  # the third draft is rejected (an unseeded draw once made it the argmax)
     v = verify_greedy(lg, chain.tokens)
     t = verify_tree_greedy(lg, chain)
     assert (len(t.path), t.next_token) == (v.n_accepted, v.next_token) == (2, int(lg[2].argmax()))
