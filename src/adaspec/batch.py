@@ -361,13 +361,7 @@ class BatchEngine:
         """The request's first round: its drafters and policies begin (as in ``_rounds``)."""
         if req.started:
             return
-        view = req.view
-        for d in view.drafters:
-            d.begin_request(req.prompt_ids)
-        view.selector.begin_request(view.drafter_names)
-        if hasattr(view.selector, "observe_prompt"):
-            view.selector.observe_prompt(req.prompt_ids)
-        view.length.begin_request()
+        req.view._begin_request(req.prompt_ids)
         req.started = True
 
     def _drafting_can_pay(self) -> bool:

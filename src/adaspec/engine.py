@@ -397,12 +397,7 @@ class SpeculativeEngine:
             self.target.prefill(cache, tokens)
         stats.prefill_s = now() - t_start
 
-        for d in drafters:
-            d.begin_request(prompt_ids)
-        selector.begin_request(self.drafter_names)
-        if hasattr(selector, "observe_prompt"):  # policies that decide from the prompt (router)
-            selector.observe_prompt(prompt_ids)
-        length.begin_request()
+        self._begin_request(prompt_ids)
         seen = [0] * len(drafters)  # context length each drafter has been brought up to
         n_prompt, remaining = len(prompt_ids), cfg.max_new_tokens
         # tokens a stop string can span: at most its UTF-8 bytes (byte-fallback tokens are 1 byte)
@@ -517,6 +512,15 @@ class SpeculativeEngine:
         for d in drafters:
             d.end_request(tokens[n_prompt:])
         return stats
+
+    def _begin_request(self, prompt_ids: list[int]) -> None:
+        """A request's drafters and policies begin (also the batch engine's, per request)."""
+        for d in self.drafters:
+            d.begin_request(prompt_ids)
+        self.selector.begin_request(self.drafter_names)
+        if hasattr(self.selector, "observe_prompt"):  # policies that decide from the prompt (router)
+            self.selector.observe_prompt(prompt_ids)
+        self.length.begin_request()
 
     def _draft_chain(self, i: int, tokens: list[int], cap: int, peeked: dict[int, Peek],
                      sampling: SamplingConfig, generator: torch.Generator | None,
