@@ -452,3 +452,24 @@ def test_wider_drafter_logits_are_aligned_and_output_stays_exact(target):
     drafter.begin_request(prompt)
     props = drafter.score(prompt, result.token_ids[:5], GREEDY)
     assert props.probs.shape == (5, VOCAB)
+
+
+@pytest.mark.parametrize("make", [lambda: SuffixDrafter(), lambda: PromptLookupDrafter()])
+def test_indexed_draft_proposes_lazily_and_equals_the_cut_peek(make):
+    """``draft`` asks the policy after each token and proposes no more than it keeps (+1 for a
+    dropped one); its tokens equal ``apply_decisions`` over the whole ``peek``."""
+    from adaspec.drafters.base import apply_decisions
+    ctx = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    for stop_at, verdict in ((0, Decision.DISCARD), (0, Decision.STOP), (2, Decision.STOP), (3, Decision.DISCARD)):
+        def decide(step, stop_at=stop_at, verdict=verdict):
+            return verdict if step.index == stop_at else Decision.CONTINUE
+        d = make()
+        calls = []
+        propose = d.propose
+        d.propose = lambda: calls.append(1) or propose()
+        got = d.draft(ctx, 8, SamplingConfig(), None, decide).tokens
+        ref = make()
+        want = apply_decisions(ref.peek(ctx, 8).tokens, decide)
+        assert got == want and len(calls) == stop_at + 1
+        # the index holds only the kept tokens: a second round continues from them
+        assert d.peek(ctx + got, 4).tokens == make().peek(ctx + got, 4).tokens

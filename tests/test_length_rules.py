@@ -378,3 +378,19 @@ def test_oracle_bounds_the_engine(models):
         res = SpeculativeEngine(target, [drafter], k=k).generate(PROMPT, max_new_tokens=30)
         assert res.token_ids == want
         assert len(res.stats.rounds) >= oracle.rounds
+
+
+def test_cost_rule_plans_a_plain_step_for_a_model_free_drafter_that_cannot_pay():
+    """begin_round returns 0 (no lookups at all) exactly when decide would drop the first
+    token of a model-free drafter; model drafters (acceptance from q) always get the cap."""
+    steep = [1.0 + 0.8 * j for j in range(16)]  # llama.cpp-like: every token costs 0.8 steps
+    for seconds, a, drops in ((steep, 0.6, True), ([1.0] * 16, 0.6, False), (steep, 0.95, False)):
+        rule = cost_rule(seconds, 0.01, prior_acceptance=a)
+        rule.bind_drafters([False, True])
+        unbound = cost_rule(seconds, 0.01, prior_acceptance=a)  # the old path: decide the first token
+        n, verdict = run_round(unbound, None)
+        assert (verdict is D and n == 0) == drops
+        assert rule.begin_round(0) == (0 if drops else rule.max_len)
+        assert rule.begin_round(1) == rule.max_len  # a model drafter: q decides per token
+        if not drops:  # the cap path still drafts as before
+            assert run_round(rule, None) == run_round(cost_rule(seconds, 0.01, prior_acceptance=a), None)

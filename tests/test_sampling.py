@@ -415,3 +415,17 @@ class TestVerifySamplingZeros:
                 corrections.append(v.next_token)
         assert len(corrections) > N_TRIALS // 8  # rejection probability 1/2
         _assert_follows(corrections, Q, "fallback correction ~ norm(p)")
+
+
+def test_row_argmax_equals_torchs_on_ties_views_and_dtypes():
+    """The numpy path of greedy verification picks what torch.argmax picks (first maximum)."""
+    from adaspec.sampling import row_argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 50, generator=g)
+    x[2, 7] = x[2, 30] = x[2].max() + 1.0  # a tie: the first index wins
+    x[4] = 0.0
+    for t in (x, x[1:5], x[:, ::2], x.half(), x.double(), x.bfloat16(), x.T.contiguous().T):
+        assert row_argmax(t) == t.argmax(-1).tolist()
+    with torch.inference_mode():
+        y = torch.randn(3, 50, generator=g)
+        assert row_argmax(y) == y.argmax(-1).tolist()

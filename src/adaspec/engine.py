@@ -132,8 +132,9 @@ class SpeculativeEngine:
         """Build the drafter and length policies (paired when the selector sets the length too)
         and tell a selector that asks which drafters run a network."""
         self.selector, self.length = build_policies(selector, length, k, n_drafters=len(self.drafters))
-        if hasattr(self.selector, "bind_drafters"):
-            self.selector.bind_drafters([d.is_model for d in self.drafters])
+        for policy in (self.selector, self.length):
+            if hasattr(policy, "bind_drafters"):
+                policy.bind_drafters([d.is_model for d in self.drafters])
 
     def _check_trees(self) -> None:
         if isinstance(self.tree_nodes, bool) or self.tree_nodes < 1:

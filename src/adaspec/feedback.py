@@ -16,6 +16,7 @@ import torch
 
 from .config import SamplingConfig
 from .drafters.base import Draft, Proposals
+from .sampling import row_argmax
 
 
 def gammas_from_proposals(
@@ -31,7 +32,7 @@ def gammas_from_proposals(
     if proposals.tokens is not None:
         toks = proposals.tokens[:m]
         if sampling.greedy:
-            am = target_logits.argmax(-1).tolist()
+            am = row_argmax(target_logits)
             return [1.0 if t == a else 0.0 for t, a in zip(toks, am)]
         return [float(target_probs[j, t]) if t >= 0 else 0.0 for j, t in enumerate(toks)]
     q = proposals.probs

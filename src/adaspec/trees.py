@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
-from .sampling import sample
+from .sampling import row_argmax, sample
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def _walk(tree: DraftTree, pick: Callable[[int], int]) -> TreeVerdict:
 
 def verify_tree_greedy(target_logits: torch.Tensor, tree: DraftTree) -> TreeVerdict:
     """Greedy: the longest path whose tokens equal the target's argmax, plus the next argmax."""
-    argmax = target_logits.argmax(dim=-1).tolist()
+    argmax = row_argmax(target_logits)
     return _walk(tree, argmax.__getitem__)
 
 

@@ -355,8 +355,9 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     validate_k(k)
     pool = _Pool.of(trace, drafters)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
-    if hasattr(sel, "bind_drafters"):  # as the engine does
-        sel.bind_drafters([s is not None and trace.is_model[s] for s in pool.src])
+    for policy in (sel, ln):  # as the engine does
+        if hasattr(policy, "bind_drafters"):
+            policy.bind_drafters([s is not None and trace.is_model[s] for s in pool.src])
     if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "

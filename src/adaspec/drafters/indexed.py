@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from ..config import SamplingConfig
 from ..trees import DraftTree
-from .base import Draft, Drafter, Peek, Proposals, StepDecider, apply_decisions
+from .base import Decision, Draft, Drafter, DraftStep, Peek, Proposals, StepDecider
 from .index import NgramIndex
 
 #: weight of a continuation first seen at a shorter (less specific) match, per level
@@ -111,7 +111,23 @@ class IndexedDrafter(Drafter):
 
     def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,
               want_hidden: bool = False) -> Draft:
-        return Draft(tokens=apply_decisions(self.peek(context, max_tokens).tokens, decide))
+        """``peek``'s block cut by the length policy, proposed one token at a time: a policy
+        that stops after k tokens costs k lookups, not ``max_tokens`` (the same tokens as
+        ``apply_decisions`` over the whole peek, since a proposal never depends on later ones)."""
+        self.catch_up(context)
+        kept: list[int] = []
+        for j in range(max_tokens):
+            tok = self.propose()
+            if tok is None:
+                break
+            verdict = decide(DraftStep(j, tok))
+            if verdict is Decision.DISCARD:
+                break
+            kept.append(tok)
+            self._index.append(tok)
+            if verdict is Decision.STOP:
+                break
+        return Draft(tokens=kept)
 
     def peek(self, context: Sequence[int], max_tokens: int) -> Peek:
         """Proposed tokens are appended to the index (a match continues through them); the next

@@ -4,7 +4,7 @@ this machine's measured costs (SpecDec++ Theorem 4.3 with a non-flat verify cost
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..drafters.base import Decision, DraftStep
 from ..feedback import RoundFeedback
@@ -72,6 +72,7 @@ class CostModelRule(LengthPolicy):
         self.draft_prior = check_float("draft_prior", draft_prior, 0.0, math.inf, 0.1)
         self.min_gain = check_float("min_gain", min_gain, 0.0, math.inf, 0.0)
         self.costs = None  # set by the engine (adaspec.costs.CostModel)
+        self._model_free: list[bool] | None = None  # per drafter, from ``bind_drafters``
         self.reset()
         self.begin_round(0)
 
@@ -114,9 +115,24 @@ class CostModelRule(LengthPolicy):
         self._confs: list[float] = []
         self._vcache: dict[int, float] = {}
 
+    def bind_drafters(self, is_model: Sequence[bool]) -> None:
+        """Which drafters run a network (the engine and replay tell every policy that asks)."""
+        self._model_free = [not m for m in is_model]
+
     def begin_round(self, drafter: int) -> int:
+        """The round's cap; 0 (a plain step, nothing drafted or looked up) when the drafter is
+        model-free and ``decide`` would drop its first token anyway: its acceptance estimate is
+        one number per drafter, so that verdict is known before any token is proposed."""
         self._new_round(drafter)
         self._draft_s, self._verify_fn = self._cost_functions(drafter)
+        free = self._model_free
+        if free is not None and drafter < len(free) and free[drafter]:
+            a = self.acceptance(drafter)
+            self._p_all, self._expected = a, 1.0 + a
+            verdict = self._choose(1, a)
+            self._p_all, self._expected = 1.0, 1.0
+            if verdict is Decision.DISCARD:
+                return 0
         return self.max_len
 
     def _verify(self, width: int) -> float:
