@@ -228,13 +228,76 @@ def test_drafter_trees_are_best_first_and_contain_the_chain(drafter):
     assert d.peek(BRANCHY, 5).tokens == chain
 
 
-def test_level_mix_weighs_specific_matches_first():
-    from adaspec.drafters.indexed import level_mix
+def test_level_candidates_rank_by_level_then_frequency_with_their_buckets():
+    from adaspec.drafters.indexed import candidate_key, level_candidates
 
-    got = dict(level_mix(5, [[5, 5, 7], [5, 7, 9, 9]]))
-    assert list(got) == [5, 7, 9]  # the chain's token first, then by weight
-    assert got[5] == pytest.approx((2 / 3) / 1.125) and got[9] == pytest.approx(0.125 / 1.125)
-    assert sum(got.values()) == pytest.approx(1.0)
+    got = dict(level_candidates(5, [(5, [5, 5, 7]), (2, [5, 7, 9, 9])]))
+    assert list(got) == [5, 7, 9]  # the chain's token first, then level by level, by frequency
+    assert got[5] == (5, 2, 0) == candidate_key(5, 2, 3, False)  # 2/3 of the 5-token matches
+    assert got[7] == (5, 1, 0)  # 1/3: share bucket [0.2, 0.5)
+    assert got[9] == (2, 2, 1)  # first seen at the 2-token level, after a level without it
+    assert candidate_key(24, 4, 4, False) == (16, 3, 0)  # a unanimous long match
+    assert list(dict(level_candidates(7, [(3, []), (1, [8, 7, 8])]))) == [7, 8]
+
+
+def test_candidate_calibration_is_a_beta_mean_learned_from_the_emitted_tokens():
+    from adaspec.drafters.indexed import CALIBRATION_WEIGHT, CandidateCalibration
+    from adaspec.drafters.suffix import SuffixDrafter
+
+    cal = CandidateCalibration({(2, 3, 0): 0.5}, default=0.1)
+    assert cal.estimate((2, 3, 0)) == 0.5 and cal.estimate((9, 9, 9)) == 0.1
+    cal.observe((2, 3, 0), True)
+    cal.observe((2, 3, 0), False)
+    cal.observe((2, 3, 0), True)
+    w = CALIBRATION_WEIGHT
+    assert cal.estimate((2, 3, 0)) == pytest.approx((2 + w * 0.5) / (3 + w))
+
+    d = SuffixDrafter()
+    d.begin_request(BRANCHY)
+    tree = d.draft_tree(BRANCHY, 3, 12)
+    root = [tree.tokens[i] for i in tree.children()[0]]
+    root_keys = dict(d.candidate_keys())  # the index is back at BRANCHY: the root's candidates
+    assert set(root) <= set(root_keys)
+    assert not d.calibration.trials  # nothing is settled before the target has spoken
+    emitted = [root[1], 99]  # the target took the second root candidate, then a new token
+    d.catch_up(BRANCHY + emitted)
+    trials, hits = d.calibration.trials, d.calibration.hits
+    # every root candidate is one trial (also those the budget might cut), the emitted one a hit
+    assert sum(trials.values()) >= len(root_keys)
+    assert hits[root_keys[root[1]]] >= 1 and sum(hits.values()) == 1  # 99 was nobody's candidate
+    before = dict(trials)
+    d.catch_up(BRANCHY + emitted + [3])  # settled once: later contexts add nothing
+    assert d.calibration.trials == before
+
+
+def test_calibrated_scores_order_the_tree_and_follow_the_evidence():
+    from adaspec.drafters.suffix import SuffixDrafter
+
+    d = SuffixDrafter()
+    d.begin_request(BRANCHY)
+    first = d.draft_tree(BRANCHY, 1, 8)
+    keys = dict(d.candidate_keys())
+    assert first.scores == [d.calibration.estimate(keys[t]) for t in first.tokens]
+    # a bucket that keeps missing loses its estimate, one that keeps hitting gains
+    loser, winner = keys[first.tokens[0]], keys[first.tokens[-1]]
+    for _ in range(40):
+        d.calibration.observe(loser, False)
+        d.calibration.observe(winner, True)
+    again = d.draft_tree(BRANCHY, 1, 8)
+    if loser != winner:
+        assert again.tokens[0] == first.tokens[-1]
+
+
+def test_suffix_trees_offer_the_last_tokens_continuations_without_a_match():
+    from adaspec.drafters.suffix import SuffixDrafter
+
+    ctx = [1, 2, 3, 4, 2, 5, 6, 7, 8, 2]  # "2" recurs, but no 2-token suffix does
+    d = SuffixDrafter()
+    d.begin_request(ctx)
+    assert d.peek(ctx, 5).tokens == []  # the chain has no match
+    tree = d.draft_tree(ctx, 2, 6)
+    assert [tree.tokens[i] for i in tree.children()[0]] == [5, 3]  # the 1-gram level, recent first
+    assert 0 < tree.scores[0] < 0.5  # a weak, calibrated estimate the node budget can cut
 
 
 class ChainOnly:
@@ -246,9 +309,10 @@ class ChainOnly:
         from adaspec.drafters.lookup import PromptLookupDrafter
         from adaspec.drafters.suffix import SuffixDrafter
 
-        for cls in (PromptLookupDrafter, SuffixDrafter):
-            orig = cls.candidates
-            monkeypatch.setattr(cls, "candidates", lambda self, _o=orig: _o(self)[:1])
+        for cls in (PromptLookupDrafter, SuffixDrafter):  # the chain's proposal alone (none without one)
+            orig = cls.candidate_keys
+            monkeypatch.setattr(cls, "candidate_keys",
+                                lambda self, _o=orig: _o(self)[:1] if self.propose() is not None else [])
         return IndexedDrafter
 
 

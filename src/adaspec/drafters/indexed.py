@@ -6,6 +6,7 @@ import copy
 import heapq
 import itertools
 from abc import abstractmethod
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
 
@@ -14,29 +15,88 @@ from ..trees import DraftTree
 from .base import Decision, Draft, Drafter, DraftStep, Peek, Proposals, StepDecider
 from .index import NgramIndex
 
-#: weight of a continuation first seen at a shorter (less specific) match, per level
-LEVEL_DISCOUNT = 0.25
 #: children considered per tree node
 TREE_BRANCH = 4
+#: match-length buckets (lower edges) of a candidate's level: SuffixDecoding scores a
+#: continuation by its match length and frequency (Oliaro et al. 2024, Sec. 3)
+CALIBRATION_MATCH = (1, 2, 3, 5, 8, 16)
+#: share of its level's matches (lower edges): a continuation's frequency score
+CALIBRATION_SHARE = (0.0, 0.2, 0.5, 1.0)
+#: trials the prior of a bucket is worth (Beta prior, as ``auto`` v2's estimates)
+CALIBRATION_WEIGHT = 8.0
+
+#: a candidate's calibration bucket: (match-length bucket of the level it first appears at,
+#: share bucket of its frequency there, 1 if a longer level had matches without it, else 0)
+CandidateKey = tuple[int, int, int]
 
 
-def level_mix(first: int, levels: Sequence[Sequence[int]],
-              discount: float = LEVEL_DISCOUNT) -> list[tuple[int, float]]:
-    """Next-token candidates with estimated probabilities from the continuations of matches,
-    most specific match level first (SuffixDecoding-style frequency scoring): a token weighs
-    its share of its first level's matches, times ``discount`` per level it is late;
-    normalised; ``first`` (the chain's proposal) leads, the others follow by weight."""
-    weights: dict[int, float] = {}
-    for j, level in enumerate(levels):
+def _bucket(edges: Sequence[float], x: float) -> int:
+    return max(bisect_right(edges, x) - 1, 0)
+
+
+def candidate_key(match: int, count: int, total: int, late: bool) -> CandidateKey:
+    """The calibration bucket of a continuation seen ``count`` times among the ``total``
+    matches of length ``match`` (``late``: a longer match level did not contain it)."""
+    return (CALIBRATION_MATCH[_bucket(CALIBRATION_MATCH, match)],
+            _bucket(CALIBRATION_SHARE, count / total), int(late))
+
+
+def level_candidates(first: int, levels: Sequence[tuple[int, Sequence[int]]]
+                     ) -> list[tuple[int, CandidateKey]]:
+    """Distinct next-token candidates from the continuations of matches, one level per match
+    length, most specific first (SuffixDecoding-style: Oliaro et al. 2024): a token's bucket
+    is its match length and its share of that level's matches at the first level it appears
+    at. ``first`` (the chain's proposal) leads, the others follow in level order, most frequent
+    first (ties: the order of the level, i.e. most recent first)."""
+    keys: dict[int, CandidateKey] = {}
+    order: list[tuple[int, int, int, int]] = []  # (level, -count, position, token)
+    seen_level = False
+    for j, (match, level) in enumerate(levels):
         if not level:
             continue
-        scale = discount ** j / len(level)
-        for tok, c in Counter(level).items():
-            if tok not in weights:
-                weights[tok] = c * scale
-    total = sum(weights.values()) or 1.0
-    rest = sorted((t for t in weights if t != first), key=lambda t: -weights[t])
-    return [(t, weights.get(t, 0.0) / total) for t in [first, *rest]]
+        counts = Counter(level)
+        for pos, tok in enumerate(dict.fromkeys(level)):
+            if tok not in keys:
+                keys[tok] = candidate_key(match, counts[tok], len(level), seen_level)
+                order.append((j, -counts[tok], pos, tok))
+        seen_level = True
+    rest = [t for *_, t in sorted(order) if t != first]
+    return [(t, keys[t]) for t in ([first] if first in keys else []) + rest]
+
+
+class CandidateCalibration:
+    """Calibrated acceptance estimates of a model-free drafter's tree candidates.
+
+    A candidate's probability of being the target's next token (given that its node's path
+    was accepted) is estimated per bucket (``candidate_key``) as a Beta mean,
+    (hits + w p0) / (trials + w), with the prior p0 (``prior``, measured offline; unknown
+    buckets: ``default``) worth w = ``CALIBRATION_WEIGHT`` trials, updated online from what the
+    target emitted after every expanded node of the drafter's trees (``IndexedDrafter`` settles
+    them at the next ``catch_up``; candidates the node budget cut are settled too, since the
+    emitted tokens show whether they would have matched). Only past tokens enter, so trees
+    stay a function of the context and the drafter's history, never of the round's draw (the
+    one-hot exactness argument of ``adaspec.trees``). Under sampling an emitted token is a draw
+    from the target's p, so a hit is an unbiased sample of p(candidate). The counts are kept
+    across requests (like ``auto``'s global estimates) and shared by ``fork``'s twins.
+    These estimates are the node scores the engine's node budget (``trees.nodes_worth_verifying``)
+    prices, so they should be probabilities, not frequency shares (EAGLE-2, Li et al. 2024,
+    Sec. 3: a draft score is only useful for pruning when it tracks the acceptance rate).
+    """
+
+    def __init__(self, prior: dict[CandidateKey, float], default: float = 0.1,
+                 weight: float = CALIBRATION_WEIGHT):
+        self.prior, self.default, self.weight = dict(prior), float(default), float(weight)
+        self.hits: dict[CandidateKey, float] = {}
+        self.trials: dict[CandidateKey, float] = {}
+
+    def estimate(self, key: CandidateKey) -> float:
+        w = self.weight
+        return ((self.hits.get(key, 0.0) + w * self.prior.get(key, self.default))
+                / (self.trials.get(key, 0.0) + w))
+
+    def observe(self, key: CandidateKey, hit: bool) -> None:
+        self.hits[key] = self.hits.get(key, 0.0) + float(hit)
+        self.trials[key] = self.trials.get(key, 0.0) + 1.0
 
 
 class IndexedDrafter(Drafter):
@@ -46,10 +106,18 @@ class IndexedDrafter(Drafter):
     next ``catch_up`` if they were rejected. ``q`` is one-hot, so it is reported as None.
     """
 
+    #: prior of the tree candidates' calibration per bucket (``CandidateCalibration``)
+    CALIBRATION_PRIOR: dict[CandidateKey, float] = {}
+    #: its prior for a bucket not in the table
+    CALIBRATION_DEFAULT = 0.1
+
     def __init__(self, sizes: Sequence[int]):
         self._index = NgramIndex(sizes)
         self._trusted = 0
         self._match = 0  # match length behind the last proposal (set by ``propose``)
+        self.calibration = CandidateCalibration(self.CALIBRATION_PRIOR, self.CALIBRATION_DEFAULT)
+        #: the last tree's context length and candidates per expanded path, settled at catch_up
+        self._offered: tuple[int, dict[tuple[int, ...], list[tuple[int, CandidateKey]]]] | None = None
 
     supports_tree = True
 
@@ -57,11 +125,17 @@ class IndexedDrafter(Drafter):
     def propose(self) -> int | None:
         """Next-token proposal after the indexed tokens, or None if there is none."""
 
-    def candidates(self) -> list[tuple[int, float]]:
-        """Distinct next-token candidates after the indexed tokens with estimated acceptance
-        probabilities, ``propose()``'s token first (default: that token alone)."""
+    def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
+        """Distinct next-token candidates after the indexed tokens with their calibration
+        buckets (``candidate_key``), ``propose()``'s token first when it has one (default: that
+        token alone)."""
         tok = self.propose()
-        return [] if tok is None else [(tok, 1.0)]
+        return [] if tok is None else [(tok, candidate_key(max(self._match, 1), 1, 1, False))]
+
+    def candidates(self) -> list[tuple[int, float]]:
+        """``candidate_keys`` with calibrated acceptance estimates (``CandidateCalibration``)."""
+        est = self.calibration.estimate
+        return [(tok, est(key)) for tok, key in self.candidate_keys()]
 
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
                    sampling: SamplingConfig | None = None) -> DraftTree:
@@ -69,7 +143,9 @@ class IndexedDrafter(Drafter):
         its parent's times its candidate probability (the estimated probability that its path
         is accepted), the highest-scoring open candidate is added next, so nodes come in
         best-first order (ties: the chain's proposals first). One candidate at every node gives
-        ``peek``'s chain exactly."""
+        ``peek``'s chain exactly. Candidate probabilities are calibrated
+        (``CandidateCalibration``): every expanded node's candidates are kept and settled
+        against the emitted tokens at the next ``catch_up``."""
         self.catch_up(context)
         index = self._index
         base = len(index)
@@ -78,12 +154,15 @@ class IndexedDrafter(Drafter):
         scores: list[float] = []
         heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
         order = itertools.count()
+        offered: dict[tuple[int, ...], list[tuple[int, CandidateKey]]] = {}
+        est = self.calibration.estimate
 
         def expand(node: int, score: float, path: tuple[int, ...]) -> None:
             index.truncate(base)
             index.extend(path)
-            for tok, w in self.candidates()[:TREE_BRANCH]:
-                heapq.heappush(heap, (-score * w, next(order), node, tok, path))
+            offered[path] = cands = self.candidate_keys()[:TREE_BRANCH]
+            for tok, key in cands:
+                heapq.heappush(heap, (-score * est(key), next(order), node, tok, path))
 
         expand(-1, 1.0, ())
         while heap and len(tokens) < max_nodes:
@@ -94,19 +173,42 @@ class IndexedDrafter(Drafter):
             if len(path) + 1 < max_depth:
                 expand(len(tokens) - 1, -neg, (*path, tok))
         index.truncate(base)
+        self._offered = (base, offered)
         return DraftTree(tokens, parents, scores)
+
+    def _settle(self, context: Sequence[int]) -> None:
+        """Score the last tree's candidates against the tokens emitted after its context: at
+        each expanded node on the emitted path, every candidate is a trial, the emitted token
+        a hit."""
+        assert self._offered is not None
+        base, offered = self._offered
+        if len(context) <= base:
+            return
+        self._offered = None
+        path: tuple[int, ...] = ()
+        for tok in context[base:]:
+            cands = offered.get(path)
+            if cands is None:
+                break
+            for cand, key in cands:
+                self.calibration.observe(key, cand == tok)
+            path = (*path, tok)
 
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
         self._index.clear()
         self._trusted = 0
+        self._offered = None
 
     def fork(self) -> IndexedDrafter:
-        twin = copy.copy(self)  # settings and datastore shared, index of its own
+        twin = copy.copy(self)  # settings, datastore and calibration shared, index of its own
         twin._index = NgramIndex(self._index.sizes)
         twin._trusted = 0
+        twin._offered = None
         return twin
 
     def catch_up(self, context: Sequence[int]) -> None:
+        if self._offered is not None:
+            self._settle(context)
         self._trusted = self._index.sync(context, self._trusted)
 
     def draft(self, context, max_tokens, sampling, generator, decide: StepDecider,

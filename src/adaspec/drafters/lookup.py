@@ -10,7 +10,7 @@ match and stay a pure function of the prefix.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .indexed import IndexedDrafter, level_mix
+from .indexed import CandidateKey, IndexedDrafter, level_candidates
 
 #: most recent matches per n-gram size read for a tree's candidates
 MAX_TREE_HITS = 64
@@ -18,6 +18,16 @@ MAX_TREE_HITS = 64
 
 class PromptLookupDrafter(IndexedDrafter):
     name = "prompt-lookup"
+    #: tree candidates' acceptance per (n-gram size bucket, share bucket, late) before any data
+    #: (``CandidateCalibration``): measured on the mixed suite (SmolLM2, 2 prompts per
+    #: category, 128 tokens, buckets with >= 20 trials)
+    CALIBRATION_PRIOR = {
+        (1, 0, 0): 0.11, (1, 0, 1): 0.03, (1, 1, 0): 0.10, (1, 1, 1): 0.05, (1, 2, 0): 0.20,
+        (1, 2, 1): 0.04, (1, 3, 0): 0.38, (2, 0, 1): 0.10, (2, 1, 0): 0.21, (2, 1, 1): 0.12,
+        (2, 2, 0): 0.24, (2, 2, 1): 0.07, (2, 3, 0): 0.58, (3, 1, 0): 0.36, (3, 2, 0): 0.27,
+        (3, 3, 0): 0.85,
+    }
+    CALIBRATION_DEFAULT = 0.05
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str | None = None):
         if not (1 <= min_ngram <= max_ngram):
@@ -39,16 +49,17 @@ class PromptLookupDrafter(IndexedDrafter):
                 return toks[hits[-1]]
         return None
 
-    def candidates(self) -> list[tuple[int, float]]:
+    def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
         """The continuations of several distinct matches: every n-gram size with matches is a
-        level (longest first), its tokens weighted by their share of its recent matches."""
+        level (longest first), its tokens ranked by their share of its recent matches; the
+        chain's proposal (the most recent match of the longest n-gram) leads."""
         first = self.propose()
         if first is None:
             return []
         toks = self._index.tokens
-        levels = [[toks[h] for h in self._index.continuations(tuple(toks[-n:]))[-MAX_TREE_HITS:]]
+        levels = [(n, [toks[h] for h in reversed(self._index.continuations(tuple(toks[-n:]))[-MAX_TREE_HITS:])])
                   for n in self._index.sizes if len(toks) >= n]
-        return level_mix(first, levels)
+        return level_candidates(first, levels)
 
     def describe(self) -> str:
         return f"{self.name}(ngram={self.min_ngram}..{self.max_ngram})"

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import AdaspecError
 from .index import NgramIndex
-from .indexed import IndexedDrafter, level_mix
+from .indexed import CandidateKey, IndexedDrafter, level_candidates
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,16 @@ class SuffixDatastore:
 
 class SuffixDrafter(IndexedDrafter):
     name = "suffix"
+    #: tree candidates' acceptance per (match-length bucket, share bucket, late) before any
+    #: data (``CandidateCalibration``): measured on the mixed suite (SmolLM2, 2 prompts per
+    #: category, 128 tokens, buckets with >= 20 trials; ``docs/drafters-and-policies.md``)
+    CALIBRATION_PRIOR = {
+        (1, 0, 0): 0.11, (1, 0, 1): 0.03, (1, 1, 0): 0.10, (1, 1, 1): 0.05, (1, 2, 0): 0.20,
+        (1, 2, 1): 0.04, (1, 3, 0): 0.38, (2, 1, 0): 0.21, (2, 1, 1): 0.17, (2, 2, 0): 0.24,
+        (2, 2, 1): 0.09, (2, 3, 0): 0.58, (2, 3, 1): 0.07, (3, 2, 0): 0.23, (3, 3, 0): 0.70,
+        (3, 3, 1): 0.06, (5, 3, 0): 0.75, (8, 3, 0): 0.88, (16, 3, 0): 0.97,
+    }
+    CALIBRATION_DEFAULT = 0.05
 
     def __init__(self, min_match: int = 2, max_match: int = 24, max_candidates: int = 64,
                  datastore: SuffixDatastore | None = None, learn: bool = False,
@@ -130,7 +140,8 @@ class SuffixDrafter(IndexedDrafter):
             raise AdaspecError("datastore min_match differs from the drafter's: rebuild it")
         self.learn = learn
         self.name = name or self.name
-        super().__init__([min_match])
+        # 1-grams too: a tree's last candidate level (``candidate_keys``), never the chain's
+        super().__init__([min_match, 1])
 
     def _matches(self, source: list[int], hits: list[int], seq: list[int],
                  out: list[tuple[int, int]]) -> None:
@@ -173,16 +184,28 @@ class SuffixDrafter(IndexedDrafter):
         self._match = best
         return self._top([t for ln, t in found if ln == best])
 
-    def candidates(self) -> list[tuple[int, float]]:
-        """SuffixDecoding-style scores: each match length is a level (longest first), its
-        continuations weighted by their frequency among its matches."""
+    def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
+        """SuffixDecoding-style candidates (Oliaro et al. 2024): each match length is a level
+        (longest first), its continuations ranked by their frequency among its matches; below
+        ``min_match``, the continuations of the last token's recent occurrences in the request
+        (the 1-gram level, as prompt lookup's shortest n-gram), so a tree has candidates where
+        the chain has no match (on the mixed suite 73% of suffix rounds had none). The chain's
+        proposal (``propose``) leads when there is one."""
         found = self._found()
-        if not found:
+        levels: list[tuple[int, list[int]]] = []
+        first = None
+        if found:
+            lengths = sorted({ln for ln, _ in found}, reverse=True)
+            levels = [(length, [t for ln, t in found if ln == length]) for length in lengths]
+            self._match = lengths[0]
+            first = self._top(levels[0][1])
+        seq = self._index.tokens
+        if self.min_match > 1 and seq:
+            hits = self._index.continuations((seq[-1],))[-self.max_candidates:]
+            levels.append((1, [seq[h] for h in reversed(hits)]))  # most recent first
+        if not any(lv for _, lv in levels):
             return []
-        lengths = sorted({ln for ln, _ in found}, reverse=True)
-        levels = [[t for ln, t in found if ln == length] for length in lengths]
-        self._match = lengths[0]
-        return level_mix(self._top(levels[0]), levels)
+        return level_candidates(self._top(levels[0][1]) if first is None else first, levels)
 
     def end_request(self, output_ids: Sequence[int]) -> None:
         if self.learn and self.datastore is not None:
