@@ -1,7 +1,14 @@
 """Where does replay's predicted time differ from a live run? Component by component.
 
+    python scripts/replay_components.py bench results/smollm2-auto-v2 [--skip code-editing-01]
     python scripts/replay_components.py run --per-category 1 -n 64 --out /tmp/rc.pkl
     python scripts/replay_components.py analyse /tmp/rc.pkl
+
+``bench`` reads a finished ``adaspec bench`` output directory (summary.json, rounds.csv --
+the last repeat's rounds -- and trace.npz) and prints: the bench's error per configuration
+(also without ``--skip`` prompts), the error per prompt (a burst of other load shows as one
+prompt far off for every configuration), and the live verify step per width over the
+trace's surface (mean and median) next to the ratio the trace prices with, per configuration.
 
 ``run`` records a trace of the workload (fresh verify-cost surface, calibration) and runs the
 bench configurations (default: those of benchmarks/smollm2-auto-v2.toml) live on the same
@@ -140,8 +147,8 @@ def analyse(args: argparse.Namespace) -> None:
     cfgs: list[BenchConfig] = data["configs"]
     live = data["live"]
     o = trace.overheads
-    print(f"trace: round_s {o.round_s * 1e3:.3f} ms, request_s {o.request_s * 1e3:.2f} ms, verify_scale "
-          f"{o.verify_scale:.3f} + {o.verify_scale_per_width:.4f} (w-1)")
+    print(f"trace: round_s {o.round_s * 1e3:.3f} ms, request_s {o.request_s * 1e3:.2f} ms, live verify / surface "
+          + ", ".join(f"w={w} {r:.3f}" for w, r in zip(o.verify_widths, o.verify_ratios)))
     preds = predict_configs(trace, cfgs)
     width_live: dict[tuple[str, int], list[float]] = defaultdict(list)
     width_pred: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -195,6 +202,68 @@ def analyse(args: argparse.Namespace) -> None:
         print(f"{c.name[:30]:30s}{cells}")
 
 
+def bench(args: argparse.Namespace) -> None:
+    import csv
+    import json
+
+    out = Path(args.dir)
+    trace = Trace.load(args.trace or out / "trace.npz")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = list(csv.DictReader(open(out / "rounds.csv", encoding="utf-8")))
+    _, cfgs = bench_configs(args.config)
+    names = [r["config"] for r in summary["overall"]]
+    cfgs = [c for c in cfgs if c.name in names]
+    skip = set(args.skip.split(",")) if args.skip else set()
+    idx = {(p.meta.get("id"), p.meta.get("turn", 0)): i for i, p in enumerate(trace.prompts)}
+    preds = predict_configs(trace, cfgs)
+    live_pp = {(r["config"], r["prompt_id"]): r["seconds"] for r in summary["per_prompt"]}
+    pids = list(dict.fromkeys(r["prompt_id"] for r in summary["per_prompt"]))
+
+    def pred_of(name: str, keep) -> float:
+        res = preds[name]
+        n = max(1, res.n_rounds)
+        return sum(p.seconds + res.policy_s * len(p.rounds) / n for p in res.prompts
+                   if keep(trace.prompts[p.index].meta.get("id")))
+
+    for label, keep in (("all prompts", lambda pid: True), (f"without {sorted(skip)}", lambda pid: pid not in skip)):
+        if label != "all prompts" and not skip:
+            continue
+        live = {c.name: sum(live_pp[(c.name, p)] for p in pids if keep(p)) for c in cfgs}
+        pred = {c.name: pred_of(c.name, keep) for c in cfgs}
+        print(f"\n{label}: error = predicted / live tokens/s - 1 (rounds: live last repeat / replay)")
+        for c in cfgs:
+            n_live = sum(1 for r in rows if r["config"] == c.name and keep(r["prompt_id"]))
+            n_rep = sum(len(p.rounds) for p in preds[c.name].prompts if keep(trace.prompts[p.index].meta.get("id")))
+            print(f"  {c.name[:48]:48s} live {live[c.name]:7.2f} s  pred {pred[c.name]:7.2f} s  "
+                  f"{live[c.name] / pred[c.name] - 1:+6.1%}   rounds {n_live}/{n_rep}")
+        print("  same ranking:", sorted(live, key=live.get) == sorted(pred, key=pred.get))
+    print("\nper prompt (live / predicted - 1):")
+    for pid in pids:
+        cells = " ".join(f"{live_pp[(c.name, pid)] / pred_of(c.name, lambda x: x == pid) - 1:+7.1%}" for c in cfgs)
+        print(f"  {pid:20s} {cells}")
+    by: dict[tuple[str, str, int], list] = defaultdict(list)
+    for r in rows:
+        if r["prompt_id"] not in skip:
+            by[(r["config"], r["prompt_id"], int(r["turn"]))].append(r)
+    ratios: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for (c, pid, turn), rs in by.items():
+        t = trace.prompts[idx[(pid, turn)]].n_prompt
+        for r in sorted(rs, key=lambda r: int(r["round"])):
+            w = int(r["drafted"]) + 1
+            ratios[(c, w)].append(float(r["verify_s"]) / trace.surface.cost(w, t - 1))
+            ratios[("all", w)].append(ratios[(c, w)][-1])
+            t += int(r["emitted"])
+    o = trace.overheads
+    print("\nlive verify step / surface by width: mean, median (n); priced at")
+    for w in sorted({w for _, w in ratios}):
+        v = ratios[("all", w)]
+        if len(v) >= 5:
+            per_cfg = "  ".join(f"{c[:12]} {statistics.fmean(ratios[(c, w)]):.3f}" for c in names
+                                if len(ratios.get((c, w), [])) >= 5)
+            print(f"  w={w:2d}: {statistics.fmean(v):.3f} {statistics.median(v):.3f} ({len(v):5d}); "
+                  f"priced {o.verify_factor(w):.3f}   {per_cfg}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -207,11 +276,16 @@ def main() -> None:
     r.add_argument("--prompts", type=int, default=0)
     r.add_argument("--trace-first", action="store_true", help="record before the live runs (default: after, as the bench)")
     r.add_argument("--out", default="/tmp/replay_components.pkl")
+    b = sub.add_parser("bench")
+    b.add_argument("dir", help="an adaspec bench output directory with summary.json, rounds.csv, trace.npz")
+    b.add_argument("--config", default="benchmarks/smollm2-auto-v2.toml", help="the bench file it ran")
+    b.add_argument("--trace", default=None)
+    b.add_argument("--skip", default="", help="prompt ids to leave out (comma-separated), e.g. burst-hit ones")
     a = sub.add_parser("analyse")
     a.add_argument("data")
     a.add_argument("--trace", default=None)
     args = ap.parse_args()
-    run(args) if args.cmd == "run" else analyse(args)
+    {"run": run, "analyse": analyse, "bench": bench}[args.cmd](args)
 
 
 if __name__ == "__main__":
