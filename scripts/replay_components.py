@@ -150,6 +150,14 @@ def analyse(args: argparse.Namespace) -> None:
     print(f"trace: round_s {o.round_s * 1e3:.3f} ms, request_s {o.request_s * 1e3:.2f} ms, live verify / surface "
           + ", ".join(f"w={w} {r:.3f}" for w, r in zip(o.verify_widths, o.verify_ratios)))
     preds = predict_configs(trace, cfgs)
+    # the pricing before issue 23's fix, on the same trace: the line in the width, and policies
+    # deciding on the scaled surface
+    import dataclasses
+
+    line = dataclasses.replace(o, verify_widths=[], verify_ratios=[])
+    before = dataclasses.replace(trace, overheads=line, cache={},
+                                 policy_surface=trace.surface.scaled(o.verify_scale, o.verify_scale_per_width))
+    preds_before = predict_configs(before, cfgs)
     width_live: dict[tuple[str, int], list[float]] = defaultdict(list)
     width_pred: dict[tuple[str, int], list[float]] = defaultdict(list)
     rows = []
@@ -178,7 +186,8 @@ def analyse(args: argparse.Namespace) -> None:
         rep_rounds = sum(len(p.rounds) for p in res.prompts)
         live_rounds = sum(len(s.rounds) for reps in live[c.name] for s in reps) / n_rep
         rows.append((c.name, lv, pr, res))
-        print(f"{c.name[:44]:44s} {medians:7.2f} {pred_s:7.2f} {medians / pred_s - 1:+7.1%}   rounds live "
+        print(f"{c.name[:44]:44s} {medians:7.2f} {pred_s:7.2f} {medians / pred_s - 1:+7.1%}   (before: "
+              f"{medians / preds_before[c.name].predicted_s - 1:+6.1%}, {preds_before[c.name].n_rounds} rounds)   rounds live "
               f"{live_rounds:.0f} replay {rep_rounds}, replay policy_s {res.policy_s:.3f}")
     print("\nper component, seconds summed over requests (mean of repeats): live / priced on the live rounds")
     print(f"{'configuration':30s}" + "".join(f"{k:>16s}" for k in COMPONENTS) + f"{'total':>16s}{'replay':>8s}")
