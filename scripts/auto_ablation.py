@@ -72,8 +72,7 @@ def oracle_by_category(trace: Trace, costs: VerifyCostSurface | None) -> dict[st
 def diagnose(trace: Trace, r: ReplayResult, costs: VerifyCostSurface | None) -> None:
     """Where auto's rounds lose, per category: counts and the verify seconds they add over a
     plain step (priced on the same surface as the replay)."""
-    surface = costs if costs is not None else trace.surface.scaled(trace.overheads.verify_scale,
-                                                                     trace.overheads.verify_scale_per_width)
+    surface = costs if costs is not None else trace.surface.scaled(trace.overheads.verify_factor)
     idx = {name: trace.index_of(name) for name in POOL[:2]}
     rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for pr in r.prompts:

@@ -78,7 +78,8 @@ def main() -> None:
           f"recording {rec_s:.0f} s")
     o = trace.overheads
     print(f"engine overheads: {o.round_s * 1e3:.2f} ms per round, {o.request_s * 1e3:.1f} ms per request; "
-          f"live verify step / surface V(1, L): {o.verify_scale:.3f}")
+          "live verify step / surface V(w, L): "
+          + (", ".join(f"w={w} {r:.3f}" for w, r in zip(o.verify_widths, o.verify_ratios)) or f"{o.verify_scale:.3f}"))
     for name, c in zip(trace.specs, trace.drafter_costs):
         print(f"  {name}: draft {c.draft}, catch-up {c.catch_up}, evaluate {c.evaluate}")
     print(f"{'configuration':58s} {'live tok/s':>10s} {'pred tok/s':>10s} {'error':>7s}")

@@ -11,8 +11,9 @@ from conftest import make_tiny_model
 
 from adaspec.bench.replay import oracle_bounds, replay
 from adaspec.bench.trace import record_trace
+from adaspec.bench.trace import Trace, _CyclingLength, _trimmed_mean
 from adaspec.costs import (CostModel, DrafterCosts, EngineOverheads, LinearCost, VerifyCostCurve,
-                           VerifyCostSurface, nonneg_lstsq)
+                           VerifyCostSurface, cached_surface, load_or_measure, nonneg_lstsq)
 from adaspec.drafters import Decision, DraftStep
 from adaspec.errors import ConfigError
 from adaspec.length.cost_rule import CostModelRule
@@ -158,9 +159,10 @@ def _expected(trace, res, full_information: bool = False) -> tuple[float, float]
     the evaluation brings every drafter up to date, so only the first round's drafter pays a
     prompt prefill, as in the engine)."""
     costs, o = trace.drafter_costs, trace.overheads
-    s = trace.surface.scaled(o.verify_scale, o.verify_scale_per_width)  # live verify step / surface
-    assert s.cost(2, 40) == pytest.approx(1.26 * trace.surface.cost(2, 40))
-    assert s.cost(8, 8) == pytest.approx(1.32 * trace.surface.cost(8, 8))
+    s = trace.surface.scaled(o.verify_factor)  # live verify step / surface, per width
+    if not o.verify_widths:  # the line of older traces
+        assert s.cost(2, 40) == pytest.approx(1.26 * trace.surface.cost(2, 40))
+        assert s.cost(8, 8) == pytest.approx(1.32 * trace.surface.cost(8, 8))
     total = ar = 0.0
     src = [None if d == "none" else trace.specs.index(d) for d in res.drafters]
     for p in res.prompts:
@@ -227,3 +229,88 @@ def test_cost_model_drafter_functions_take_precedence_over_running_means():
     assert cm.draft_cost(0, 3, context=0) == pytest.approx(0.007)
     assert cm.catch_up_cost(0, 2) == pytest.approx(0.006) and cm.catch_up_cost(0, 0) == 0.0
     assert cm.draft_cost(1, 3) == pytest.approx(0.3) and cm.catch_up_cost(1, 1) == pytest.approx(0.1)
+
+
+# -- the live verify step per width, and the surface the live policies read ------------------
+def test_verify_factor_is_a_table_per_width():
+    """Live/surface verify ratios per observed width, linear between them, flat past the ends
+    (it is not monotone in the width); traces without the table keep the line."""
+    o = EngineOverheads(verify_widths=[1, 5, 8], verify_ratios=[0.95, 0.85, 0.9])
+    assert o.verify_factor(1) == pytest.approx(0.95) and o.verify_factor(5) == pytest.approx(0.85)
+    assert o.verify_factor(3) == pytest.approx(0.90)  # halfway between 1 and 5
+    assert o.verify_factor(6) == pytest.approx(0.85 + 0.05 / 3)
+    assert o.verify_factor(17) == pytest.approx(0.9)  # past the last width: flat
+    line = EngineOverheads(verify_scale=0.9, verify_scale_per_width=0.01)
+    assert line.verify_factor(1) == pytest.approx(0.9) and line.verify_factor(6) == pytest.approx(0.95)
+    assert EngineOverheads.from_dict(dataclasses.asdict(o)) == o
+    assert EngineOverheads.from_dict({}).verify_factor(4) == 1.0  # no calibration: the surface as measured
+
+
+def test_a_surface_scaled_per_width():
+    """Grid widths are scaled by the function, widths between them interpolate the scaled
+    values, prefills take the ratio at width 1."""
+    s = surface()
+    f = {1: 0.5, 2: 1.0, 3: 1.0, 4: 2.0, 8: 1.0}.__getitem__
+    t = s.scaled(f)
+    assert t.cost(1, 100) == pytest.approx(0.5) and t.cost(4, 1000) == pytest.approx(7.0)
+    assert t.cost(6, 100) == pytest.approx((2.4 + 1.4) / 2)  # between the scaled k=4 and k=8
+    assert t.prefill_seconds == [5.0, 50.0]
+    assert s.scaled(1.0, 0.1).cost(3, 100) == pytest.approx(1.2 * 1.6)  # the line, as before
+
+
+def test_trimmed_mean_and_cycling_caps():
+    """Calibration: one burst does not set a width's ratio; caps visit every grid width."""
+    assert _trimmed_mean([1.0] * 9 + [10.0]) == pytest.approx(1.0)
+    assert _trimmed_mean([2.0]) == 2.0
+    cyc = _CyclingLength([1, 4, 7])
+    assert [cyc.begin_round(0) for _ in range(5)] == [1, 4, 7, 1, 4]
+
+
+def test_replay_prices_with_the_width_table(priced):
+    """A trace whose overheads hold the table: every verify is priced at its width's ratio."""
+    over = dataclasses.replace(priced.overheads, verify_widths=[1, 3, 5], verify_ratios=[1.0, 0.5, 2.0])
+    trace = dataclasses.replace(priced, overheads=over, cache={})
+    for drafters in (["prompt-lookup"], ["none"]):
+        res = replay(trace, None, None, k=4, drafters=drafters)
+        seconds, ar = _expected(trace, res)
+        assert res.seconds == pytest.approx(seconds) and res.ar_seconds == pytest.approx(ar)
+    wide = replay(trace, None, None, k=4, drafters=["prompt-lookup"])
+    assert wide.seconds != pytest.approx(replay(priced, None, None, k=4, drafters=["prompt-lookup"]).seconds)
+
+
+def test_replay_policies_decide_on_the_surface_live_engines_read(priced):
+    """``policy_surface`` (the cached surface the live run's engines loaded) drives the
+    cost-aware policies' decisions; prices stay on the recorded surface. A policy surface
+    whose wide forwards are dear makes the cost-model rule draft shorter blocks."""
+    ks = [1, 2, 4, 8]
+    flat = VerifyCostSurface([8, 40], ks, [[1.0] * 4, [1.0] * 4])
+    steep = VerifyCostSurface([8, 40], ks, [[float(k) for k in ks]] * 2)
+    on_flat = replay(dataclasses.replace(priced, policy_surface=flat, cache={}), None, "cost-model",
+                     drafters=["prompt-lookup"])
+    on_steep = replay(dataclasses.replace(priced, policy_surface=steep, cache={}), None, "cost-model",
+                      drafters=["prompt-lookup"])
+    assert on_steep.drafted < on_flat.drafted
+    for res in (on_flat, on_steep):  # priced on the recorded surface
+        assert res.seconds == pytest.approx(_expected(priced, res)[0])
+
+
+def test_policy_surface_and_width_table_survive_save_and_load(priced, tmp_path):
+    over = dataclasses.replace(priced.overheads, verify_widths=[1, 6], verify_ratios=[0.95, 0.82])
+    trace = dataclasses.replace(priced, overheads=over, policy_surface=surface(), cache={})
+    back = Trace.load(trace.save(tmp_path / "t.npz"))
+    assert back.overheads == over
+    assert back.policy_surface is not None and back.policy_surface.seconds == surface().seconds
+    assert Trace.load(priced.save(tmp_path / "u.npz")).policy_surface is None
+
+
+def test_cached_surface_reads_without_measuring(tmp_path, monkeypatch):
+    """What an engine would load now, or None: never a measurement."""
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    from adaspec.models import as_loaded
+
+    target = as_loaded(make_tiny_model(seed=0, vocab=V))
+    grid = {"ks": (1, 2), "contexts": (8, 16)}
+    assert cached_surface(target, **grid) is None
+    measured = load_or_measure(target, repeats=1, **grid)
+    found = cached_surface(target, **grid)
+    assert found is not None and found.seconds == measured.seconds and found.key == measured.key

@@ -123,6 +123,8 @@ def test_the_trace_has_signal(env):
     assert trace.info["argmax_mismatches"] == 0
     assert trace.surface is not None and trace.drafter_costs[0].draft(5, 100) > 0
     assert trace.overheads.verify_scale > 0 and trace.overheads.verify_scale_per_width >= 0
+    o = trace.overheads  # the calibration's caps cycle over the grid: a ratio for several widths
+    assert len(o.verify_widths) >= 2 and o.verify_widths[0] == 1 and all(r > 0 for r in o.verify_ratios)
 
 
 def test_tree_attention_scoring_equals_one_by_one(env):

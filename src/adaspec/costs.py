@@ -179,13 +179,16 @@ class VerifyCostSurface:
         i = min(max(bisect_right(xs, n_tokens) - 1, 0), len(xs) - 2)
         return max(0.0, ys[i] + (ys[i + 1] - ys[i]) * (n_tokens - xs[i]) / (xs[i + 1] - xs[i]))
 
-    def scaled(self, factor: float, per_width: float = 0.0) -> VerifyCostSurface:
-        """The surface with V(k, L) multiplied by ``factor + per_width (k - 1)`` (the live verify
-        step relative to the measured forward: ``EngineOverheads.verify_scale``); prefills by
-        ``factor``."""
-        rows = [[x * (factor + per_width * (k - 1)) for k, x in zip(self.ks, r)] for r in self.seconds]
+    def scaled(self, factor: float | Callable[[int], float], per_width: float = 0.0) -> VerifyCostSurface:
+        """The surface with V(k, L) multiplied by the live verify step's ratio to the measured
+        forward at width k: ``factor(k)`` for a function of the width
+        (``EngineOverheads.verify_factor``), else ``factor + per_width (k - 1)``; prefills by
+        the ratio at width 1. Grid widths are scaled, so widths between them interpolate the
+        scaled values."""
+        f = factor if callable(factor) else (lambda k: factor + per_width * (k - 1))
+        rows = [[x * f(k) for k, x in zip(self.ks, r)] for r in self.seconds]
         return VerifyCostSurface(list(self.contexts), list(self.ks), rows,
-                                 [x * factor for x in self.prefill_seconds], self.key, self.measure_s)
+                                 [x * f(1) for x in self.prefill_seconds], self.key, self.measure_s)
 
     def to_dict(self) -> dict:
         return {"contexts": self.contexts, "ks": self.ks, "seconds": self.seconds,
@@ -274,26 +277,47 @@ class DrafterCosts:
 class EngineOverheads:
     """What live runs add to the measured costs: per round, the engine's time outside the
     verify step, drafters and policies (bookkeeping, stop checks, records) and per request
-    (begin_request of drafters and policies, statistics); ``verify_scale``, the live verify
-    step (forward, greedy verification, input tensor, cache crop) over the surface's V(w, L)
-    at the same width and cache length, fitted as ``verify_scale + verify_scale_per_width
-    (w - 1)`` (measured on SmolLM2: ~0.94 at w <= 6, ~0.98 at 8-12, ~1.05 past 13: live
-    forwards follow Python drafting, the grid's follow other forwards; it also carries a
-    surface measured under other load over to the live runs); and the full-information
-    evaluation of the ``none`` drafter (gammas of an empty proposal) per verified token."""
+    (begin_request of drafters and policies, statistics); the live verify step (forward,
+    greedy verification, input tensor, cache crop) over the surface's V(w, L) at the same
+    width and cache length, per width; and the full-information evaluation of the ``none``
+    drafter (gammas of an empty proposal) per verified token.
+
+    The verify ratio is a table (``verify_widths``, ``verify_ratios``: one robust mean per
+    width observed live, piecewise linear between them, flat outside), not one factor nor a
+    line in w: it is not monotone in w. Measured on SmolLM2 fp32 (2 threads, mixed suite,
+    every round of a quiet 7-configuration bench): 0.95 at w=1, 0.86 at 5, 0.82-0.84 at 6,
+    0.88-0.90 at 8, 0.82-0.90 at 12, 0.90-0.94 at 16-17 -- the grid's forwards, each after
+    a forward of another width and with five caches alive, cost relatively more at mid widths
+    than the engine's. A line through those points (the earlier model, ``verify_scale +
+    verify_scale_per_width (w - 1)``, fitted mostly on widths 1 and 17 of the calibration
+    runs) priced w=5-6 8-17% too high, so replay under-predicted every drafting
+    configuration; it is kept for traces recorded before the table (``verify_factor``)."""
 
     round_s: float = 0.0
     request_s: float = 0.0
     verify_scale: float = 1.0
     verify_scale_per_width: float = 0.0
     none_evaluate: LinearCost = field(default_factory=LinearCost)
+    verify_widths: list[int] = field(default_factory=list)
+    verify_ratios: list[float] = field(default_factory=list)
+
+    def verify_factor(self, width: int) -> float:
+        """Live verify step / surface at ``width``: the table (``_interp``, flat past its
+        ends), else the line of older traces."""
+        if self.verify_widths:
+            if width >= self.verify_widths[-1]:
+                return self.verify_ratios[-1]
+            return _interp(self.verify_widths, self.verify_ratios, width)
+        return self.verify_scale + self.verify_scale_per_width * (width - 1)
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineOverheads:
         return cls(round_s=float(data.get("round_s", 0.0)), request_s=float(data.get("request_s", 0.0)),
                    verify_scale=float(data.get("verify_scale", 1.0)),
                    verify_scale_per_width=float(data.get("verify_scale_per_width", 0.0)),
-                   none_evaluate=LinearCost(**data.get("none_evaluate", {})))
+                   none_evaluate=LinearCost(**data.get("none_evaluate", {})),
+                   verify_widths=[int(w) for w in data.get("verify_widths", [])],
+                   verify_ratios=[float(r) for r in data.get("verify_ratios", [])])
 
 
 def _surface_key(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> str:
@@ -402,6 +426,22 @@ def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
     return _cached(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
                    lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress),
                    "verify-cost surface", refresh)
+
+
+def cached_surface(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
+                   contexts: Sequence[int] = DEFAULT_CONTEXTS) -> VerifyCostSurface | None:
+    """The surface ``load_or_measure`` would return now without measuring: the cached one, or
+    None if there is none (or it is unreadable). Engines read it (``verify_costs``), so a
+    trace keeps it as the surface its live policies decided on (``Trace.policy_surface``)."""
+    contexts = grid_contexts(loaded, contexts, ks)
+    key = _surface_key(loaded, contexts, ks)
+    path = Path(cache_dir()) / "costs" / f"{key}.json"
+    try:
+        found = VerifyCostSurface.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return None
+    found.key = key
+    return found
 
 
 def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,

@@ -23,13 +23,14 @@ Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost
 times synthesised from the recorded costs, so the replay is deterministic but not a live run.
 
 Predicted seconds price every round where it runs (``_RoundPricer``): the verify-cost
-surface V(k+1, L) at the round's cache length L (times the recorded live/measured ratio
-``verify_scale``), the drafter's cost functions of (tokens, L)
+surface V(k+1, L) at the round's cache length L (times the recorded live/measured ratio at
+that width, ``EngineOverheads.verify_factor``), the drafter's cost functions of (tokens, L)
 for drafting, catch-up, prompt prefill and full-information evaluation, the engine's
 measured per-round and per-request overheads and the target prefill measured for the prompt
-in the recording: the deterministic ``seconds``. The policies' own compute time is measured during the replay (the
-same code runs live; ``policy_s``) and added in ``predicted_s``, from which tokens/s and the
-speed-up are computed.
+in the recording: the deterministic ``seconds``. Cost-aware policies decide on the surface the
+live engines read (``Trace.policy_surface``, unscaled), as theirs did. The policies' own
+compute time is measured during the replay (the same code runs live; ``policy_s``) and added
+in ``predicted_s``, from which tokens/s and the speed-up are computed.
 Not supported: sampling, stop strings, length policies that read a model drafter's
 hidden states (``specdecpp`` with a model drafter; with model-free drafters it is static), and
 draft trees (``tree=True`` raises ``ConfigError``): a trace records each drafter's *chain* at
@@ -278,12 +279,17 @@ class _RoundPricer:
 
     def __init__(self, trace: Trace, pool: _Pool, costs: VerifyCostSurface | None = None):
         on = trace.surface is not None
-        #: V as the live runs see it (``EngineOverheads.verify_scale``); a swapped-in surface
-        #: (``replay(costs=...)``, e.g. another backend's) is used as given, prefills included
+        #: V as the live runs pay it (the surface times ``EngineOverheads.verify_factor`` of the
+        #: width); a swapped-in surface (``replay(costs=...)``, e.g. another backend's) is used
+        #: as given, prefills included
         o = trace.overheads
         self.swapped = costs is not None and on
         self.surface: VerifyCostSurface | None = (
-            costs if self.swapped else trace.surface.scaled(o.verify_scale, o.verify_scale_per_width) if on else None)
+            costs if self.swapped else trace.surface.scaled(o.verify_factor) if on else None)
+        #: V as the live policies read it: the measured surface the engine loads, unscaled
+        #: (``Trace.policy_surface`` if the recording re-measured another one)
+        self.policy_surface: VerifyCostSurface | None = (
+            costs if self.swapped else (trace.policy_surface or trace.surface) if on else None)
         self.costs: list[DrafterCosts | None] = [trace.drafter_costs[s] if on and s is not None else None
                                                  for s in pool.src]
         self.over = trace.overheads if on else EngineOverheads()
@@ -367,8 +373,10 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
     price = _RoundPricer(trace, pool, costs)
-    # as in the engine: the surface, and running means of the (synthesised) drafter costs
-    cost_model = CostModel(price.surface)
+    # as in the engine: the surface it loads (not the live/measured-scaled one replay prices
+    # with: the scale is not what live policies see), and running means of the (synthesised)
+    # drafter costs
+    cost_model = CostModel(price.policy_surface)
     for policy in (sel, ln):
         if getattr(policy, "wants_costs", False):
             policy.costs = cost_model

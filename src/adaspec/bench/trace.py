@@ -49,11 +49,12 @@ import numpy as np
 import torch
 
 from ..config import GenerationConfig, SamplingConfig
-from ..costs import (DrafterCosts, EngineOverheads, LinearCost, VerifyCostSurface, load_or_measure,
-                     nonneg_lstsq)
+from ..costs import (DrafterCosts, EngineOverheads, LinearCost, VerifyCostSurface, cached_surface,
+                     load_or_measure, nonneg_lstsq)
 from ..drafters import Decision, Drafter, DraftStep, build_drafter
 from ..errors import AdaspecError, ConfigError
 from ..length.rules import drafter_probs, stats_of
+from ..length import StaticLength
 from ..selection.baselines import RoundRobinPolicy
 from ..models import LoadedModel, as_loaded, check_fingerprint, target_fingerprint
 
@@ -120,6 +121,10 @@ class Trace:
     prompts: list[PromptTrace]
     info: dict[str, Any] = field(default_factory=dict)
     overheads: EngineOverheads = field(default_factory=EngineOverheads)
+    #: the surface the live engines' cost-aware policies read when the workload ran (the cached
+    #: one before ``record`` measured ``surface`` afresh); replay's policies decide on it, as
+    #: theirs did (None: ``surface``)
+    policy_surface: VerifyCostSurface | None = None
     #: derived per-prompt views (``adaspec.replay``), built once per loaded trace
     cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -147,6 +152,7 @@ class Trace:
             "surface": self.surface.to_dict() if self.surface is not None else None,
             "drafter_costs": [asdict(c) for c in self.drafter_costs],
             "overheads": asdict(self.overheads),
+            "policy_surface": self.policy_surface.to_dict() if self.policy_surface is not None else None,
             "prompts": [{"n_out": p.n_out, "stop_reason": p.stop_reason, "prefill_s": p.prefill_s,
                          "ar_s": p.ar_s, "meta": p.meta} for p in self.prompts],
             "info": self.info,
@@ -213,7 +219,9 @@ class Trace:
                    max_new_tokens=h["max_new_tokens"], max_draft=h["max_draft"], eos_ids=h["eos_ids"],
                    stop_on_eos=h["stop_on_eos"], surface=surface,
                    drafter_costs=[DrafterCosts.from_dict(c) for c in h["drafter_costs"]], prompts=prompts,
-                   info=h.get("info", {}), overheads=EngineOverheads.from_dict(h.get("overheads", {})))
+                   info=h.get("info", {}), overheads=EngineOverheads.from_dict(h.get("overheads", {})),
+                   policy_surface=(VerifyCostSurface.from_dict(h["policy_surface"]) if h.get("policy_surface")
+                                   else None))
 
 
 # -- recording ------------------------------------------------------------------------------
@@ -570,9 +578,11 @@ class TraceRecorder:
         for full in (False, True):
             policy = _FullInfoRoundRobin() if full else RoundRobinPolicy()
             fresh = [build_drafter(s, self.loaded) for s in self.specs_in]  # no state from recording
-            # drafting: blocks up to max_draft, so drafting costs and verify steps of every width are seen
+            # drafting: caps cycling over the surface's widths up to max_draft, so drafting costs
+            # of every length and live verify steps of every grid width are seen
+            caps = sorted({min(w - 1, self.max_draft) for w in surface.ks if w > 1}) or [self.max_draft]
             engine = SpeculativeEngine(self.loaded, [*fresh, "none"], selector=policy,
-                                       k=5 if full else self.max_draft)
+                                       length=None if full else _CyclingLength(caps), k=5)
             for pt in self._calibration_prompts():
                 self._say(f"calibrating drafter costs ({'evaluation' if full else 'drafting'}), "
                           f"prompt of {pt.n_prompt} tokens")
@@ -605,11 +615,13 @@ class TraceRecorder:
 
     def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost,
                    verify_rows: list[tuple[int, float]]) -> EngineOverheads:
-        """Means of the AR runs' per-round and per-request overheads; the live verify step over
-        the surface, fitted in the width over the AR rounds and ``verify_rows`` (width, ratio)
-        of the calibration runs (one mean per width, so every width weighs alike). Means, not
-        medians: replay predicts total seconds, and a round's time is skewed to the right (a
-        median under-prices a run by 1-3% here)."""
+        """Means of the AR runs' per-round and per-request overheads, and the live verify step
+        over the surface per width (``EngineOverheads.verify_widths``/``verify_ratios``): a
+        trimmed mean (``VERIFY_TRIM``) of the ratios of the AR rounds (width 1) and of
+        ``verify_rows`` (width, ratio) of the calibration runs, for every width seen at least
+        3 times. Means, not medians: replay predicts total seconds, and a round's time is
+        skewed to the right (a median under-prices a run by 1-3% here). The line of older
+        traces (``verify_scale``, ``verify_scale_per_width``) is still fitted, for reports."""
         per_round, per_request = [], []
         by_width: dict[int, list[float]] = {}
         for w, ratio in verify_rows:
@@ -623,10 +635,12 @@ class TraceRecorder:
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
         if not per_round:
             return EngineOverheads(none_evaluate=none_evaluate)
-        points = [(w - 1, fmean(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1]
+        table = sorted((w, _trimmed_mean(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1)
+        points = [(w - 1, r) for w, r in table]
         scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
         return EngineOverheads(round_s=max(0.0, fmean(per_round)), request_s=max(0.0, fmean(per_request)),
-                               verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate)
+                               verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate,
+                               verify_widths=[w for w, _ in table], verify_ratios=[r for _, r in table])
 
     def finish(self, calibrate: bool = True, fresh_costs: bool = False) -> Trace:
         """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``).
@@ -634,6 +648,7 @@ class TraceRecorder:
         this machine's speed, and the surface's shape, drift by tens of percent over an hour
         (measured here: V(6)/V(1) at 1,024 cached tokens went from 1.64 to 1.81), and a trace
         should carry the costs of the time it was recorded."""
+        before = cached_surface(self.loaded) if calibrate and fresh_costs else None  # what engines read
         surface = load_or_measure(self.loaded, refresh=fresh_costs) if calibrate else None
         if surface is not None:
             costs, overheads = self.calibrate(surface)
@@ -657,7 +672,31 @@ class TraceRecorder:
                      names=[d.name for d in self.drafters], is_model=[bool(d.is_model) for d in self.drafters],
                      max_new_tokens=self.max_new_tokens, max_draft=self.max_draft, eos_ids=list(self.eos),
                      stop_on_eos=self.stop_on_eos, surface=surface, drafter_costs=costs,
-                     prompts=list(self.prompts), info=info, overheads=overheads)
+                     prompts=list(self.prompts), info=info, overheads=overheads,
+                     policy_surface=before if before is not None and before.seconds != surface.seconds else None)
+
+
+class _CyclingLength(StaticLength):
+    """Caps in turn from a list (calibration: verify steps of every width of the grid)."""
+
+    def __init__(self, caps: Sequence[int]):
+        super().__init__(k=max(caps))
+        self.caps, self._j = list(caps), 0
+
+    def begin_round(self, drafter: int) -> int:
+        self._j += 1
+        return self.caps[(self._j - 1) % len(self.caps)]
+
+
+#: share of the largest live/surface verify ratios left out of each width's mean: a burst
+#: of other load during the few calibration rounds of a width would otherwise set its price
+#: for the whole trace (the bench's live times are medians over repeats, which drop bursts too)
+VERIFY_TRIM = 0.1
+
+
+def _trimmed_mean(values: Sequence[float], trim: float = VERIFY_TRIM) -> float:
+    v = sorted(values)
+    return fmean(v[: max(1, round(len(v) * (1 - trim)))])
 
 
 class _FullInfoRoundRobin(RoundRobinPolicy):
