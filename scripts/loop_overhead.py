@@ -2,10 +2,10 @@
 
 Records each prompt's greedy continuation on the real target once, then replays the engine on a
 *scripted* target: its logits follow that continuation (so every drafter, policy and verdict
-behaves as in the live run) and each forward sleeps for the time the measured verify-cost surface
-gives it (so cost-aware policies see the same prices). The engine's CPU time during the replay
-(``time.thread_time``: sleeps cost none, and another process on the machine inflates it far less
-than wall time) is its overhead: looking, policies, drafting, catch-up, verification on the
+behaves as in the live run) and each forward spins for the time the measured verify-cost surface
+gives it (so cost-aware policies see the same prices, and the core stays as busy as live). The
+engine thread's CPU time during the replay, minus the spins (``time.thread_time``; other load
+inflates it less than wall time), is its overhead: looking, policies, drafting, catch-up, verification on the
 logits, bookkeeping. Printed per configuration as microseconds per round and per token, and as a
 share of the predicted wall time (surface forwards + overhead).
 
@@ -48,6 +48,7 @@ class ScriptedTarget(TargetBackend):
         self.backend, self.name, self.tokenizer = real.backend, real.name, real.tokenizer
         self.truth: list[int] = []
         self.slept = 0.0
+        self.spun = 0.0  # CPU time of the spins (not the engine's work)
 
     device = property(lambda self: torch.device("cpu"))
     dtype = property(lambda self: torch.float32)
@@ -61,8 +62,14 @@ class ScriptedTarget(TargetBackend):
         return [0]
 
     def _sleep(self, s: float) -> None:
+        """Spin (not sleep) for the forward's price: the core stays as busy as under a real
+        forward (a sleeping core wakes slow and cold, which inflated the measured overhead
+        2-4x on a quiet machine); the spin's own CPU time is subtracted (``spun``)."""
         self.slept += s
-        time.sleep(s)
+        c0, end = time.thread_time(), time.perf_counter() + s
+        while time.perf_counter() < end:
+            pass
+        self.spun += time.thread_time() - c0
 
     def prefill(self, state: list[int], prompt: Sequence[int]) -> None:
         if len(prompt) > 1:
@@ -151,10 +158,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 ids = truth[: len(truth) - 0]  # the prompt is the truth's head
                 n_prompt = len(real_engine.encode_prompt(bp.text))
                 scripted.truth = truth
-                scripted.slept = 0.0
+                scripted.slept = scripted.spun = 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 out = eng.generate(ids[:n_prompt], max_new_tokens=args.max_new_tokens)
-                cpu += time.thread_time() - c0
+                cpu += time.thread_time() - c0 - scripted.spun
                 wall += time.perf_counter() - t0
                 slept += scripted.slept
                 if list(out.token_ids) != truth[n_prompt:n_prompt + len(out.token_ids)]:
