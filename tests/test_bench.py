@@ -79,6 +79,9 @@ def test_default_configs_with_peers_and_duplicates():
         default_configs(["prompt-lookup", "prompt-lookup"], [3])
     with pytest.raises(ConfigError, match="k must be"):
         default_configs(["prompt-lookup"], [0])
+    with pytest.raises(ConfigError, match="ks is empty"):  # was an IndexError
+        default_configs(["suffix"], [], lengths=["cost-model"], static=False)
+    assert [c.kind for c in default_configs([], [], peers=["hf-pld"])] == ["ar", "peer"]
 
 
 def test_bench_file_toml(tmp_path):

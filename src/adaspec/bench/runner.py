@@ -465,6 +465,9 @@ def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Seque
     over the whole drafter pool (at the first K); every length policy with every drafter; and
     every peer. ``tree``: every engine configuration is followed by its twin with draft trees
     (``NAME +tree``), so chains and trees sit side by side."""
+    if not ks and drafters and (static or selectors or lengths):
+        raise ConfigError("ks is empty: give at least one K (-k 5, ks = [5]): it sets the static "
+                          "configurations and the K of the selector and length configurations")
     for k in ks:
         validate_k(k)
     configs = [BenchConfig(AR_NAME, [])]
