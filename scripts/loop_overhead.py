@@ -131,11 +131,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     surface = real_engine.verify_costs()
     prompts = load_workload(args.suite, args.per_category)
     scripted = ScriptedTarget(real, surface)
-    truths = []
+    truths: list[tuple[int, list[int]]] = []  # (prompt length, prompt + greedy continuation)
     for i, bp in enumerate(prompts):
         ids = real_engine.encode_prompt(bp.text)
         out = real_engine.generate(ids, max_new_tokens=args.max_new_tokens)
-        truths.append(list(ids) + list(out.token_ids))
+        truths.append((len(ids), list(ids) + list(out.token_ids)))
         print(f"\rrecorded {i + 1}/{len(prompts)} continuations", end="", flush=True)
     print()
 
@@ -154,13 +154,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 prof.enable()
             cpu = slept = wall = 0.0
             rounds = tokens = 0
-            for truth, bp in zip(truths, prompts):
-                ids = truth[: len(truth) - 0]  # the prompt is the truth's head
-                n_prompt = len(real_engine.encode_prompt(bp.text))
+            for n_prompt, truth in truths:
                 scripted.truth = truth
                 scripted.slept = scripted.spun = 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
-                out = eng.generate(ids[:n_prompt], max_new_tokens=args.max_new_tokens)
+                out = eng.generate(truth[:n_prompt], max_new_tokens=args.max_new_tokens)
                 cpu += time.thread_time() - c0 - scripted.spun
                 wall += time.perf_counter() - t0
                 slept += scripted.slept

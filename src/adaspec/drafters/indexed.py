@@ -132,11 +132,6 @@ class IndexedDrafter(Drafter):
         tok = self.propose()
         return [] if tok is None else [(tok, candidate_key(max(self._match, 1), 1, 1, False))]
 
-    def candidates(self) -> list[tuple[int, float]]:
-        """``candidate_keys`` with calibrated acceptance estimates (``CandidateCalibration``)."""
-        est = self.calibration.estimate
-        return [(tok, est(key)) for tok, key in self.candidate_keys()]
-
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
                    sampling: SamplingConfig | None = None) -> DraftTree:
         """A best-first tree of up to ``max_nodes`` nodes, ``max_depth`` deep: a node's score is
