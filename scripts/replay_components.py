@@ -271,6 +271,10 @@ def bench(args: argparse.Namespace) -> None:
                                 if len(ratios.get((c, w), [])) >= 5)
             print(f"  w={w:2d}: {statistics.fmean(v):.3f} {statistics.median(v):.3f} ({len(v):5d}); "
                   f"priced {o.verify_factor(w):.3f}   {per_cfg}")
+    cal = trace.info.get("calibration_verify")
+    if cal:  # traces since the drift-free table: what the calibration runs saw, before scaling
+        print("  calibration runs' own ratios (trimmed means):",
+              "  ".join(f"w={w}: {r:.3f}" for w, r in sorted((int(w), r) for w, r in cal.items())))
 
 
 def main() -> None:

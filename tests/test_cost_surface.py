@@ -11,7 +11,7 @@ from conftest import make_tiny_model
 
 from adaspec.bench.replay import oracle_bounds, replay
 from adaspec.bench.trace import record_trace
-from adaspec.bench.trace import Trace, _CyclingLength, _trimmed_mean
+from adaspec.bench.trace import Trace, _CyclingLength, _trimmed_mean, calibration_ratios
 from adaspec.costs import (CostModel, DrafterCosts, EngineOverheads, LinearCost, VerifyCostCurve,
                            VerifyCostSurface, cached_surface, load_or_measure, nonneg_lstsq)
 from adaspec.drafters import Decision, DraftStep
@@ -264,6 +264,17 @@ def test_trimmed_mean_and_cycling_caps():
     assert _trimmed_mean([2.0]) == 2.0
     cyc = _CyclingLength([1, 4, 7])
     assert [cyc.begin_round(0) for _ in range(5)] == [1, 4, 7, 1, 4]
+
+
+def test_calibration_ratios_cancel_drift():
+    """The calibration runs' widths are read over their own width-1 rounds: a machine 10%
+    faster during calibration than during the recording moves no width's relative price."""
+    slow_w1, slow_w6 = 1.0, 1.1  # live / surface as the bench will see it
+    rows = [(1, 0.9 * slow_w1)] * 20 + [(6, 0.9 * slow_w6)] * 10 + [(6, 50.0)] + [(3, 1.0)] * 2
+    rel = dict(calibration_ratios(rows))
+    assert rel[6] == pytest.approx(slow_w6 / slow_w1) and 3 not in rel  # 2 rows: too few
+    assert dict(calibration_ratios(rows, relative=False))[6] == pytest.approx(0.9 * slow_w6)
+    assert calibration_ratios([(6, 1.0)] * 5) == []  # no width-1 rounds: nothing to be relative to
 
 
 def test_replay_prices_with_the_width_table(priced):

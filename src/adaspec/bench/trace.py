@@ -413,6 +413,7 @@ class TraceRecorder:
         self._feature_forward: Any = None
         self._tree = tree  # tree-attention branch scoring works for this model (None: not checked)
         self._ar_stats: list[Any] = []  # RequestStats of the AR runs (engine overheads)
+        self._calibration_verify: dict[int, float] = {}  # width -> raw live/surface (diagnosis)
 
     def _say(self, msg: str) -> None:
         if self.progress is not None:
@@ -616,26 +617,30 @@ class TraceRecorder:
     def _overheads(self, surface: VerifyCostSurface, none_evaluate: LinearCost,
                    verify_rows: list[tuple[int, float]]) -> EngineOverheads:
         """Means of the AR runs' per-round and per-request overheads, and the live verify step
-        over the surface per width (``EngineOverheads.verify_widths``/``verify_ratios``): a
-        trimmed mean (``VERIFY_TRIM``) of the ratios of the AR rounds (width 1) and of
-        ``verify_rows`` (width, ratio) of the calibration runs, for every width seen at least
-        3 times. Means, not medians: replay predicts total seconds, and a round's time is
-        skewed to the right (a median under-prices a run by 1-3% here). The line of older
-        traces (``verify_scale``, ``verify_scale_per_width``) is still fitted, for reports."""
-        per_round, per_request = [], []
-        by_width: dict[int, list[float]] = {}
-        for w, ratio in verify_rows:
-            by_width.setdefault(w, []).append(ratio)
+        over the surface per width (``EngineOverheads.verify_widths``/``verify_ratios``).
+
+        Width 1: a trimmed mean (``VERIFY_TRIM``) of the AR rounds' ratios. Wider: the
+        calibration runs' trimmed mean at that width over their own width-1 rounds, times the
+        AR ratio (``calibration_ratios``). The calibration runs take a minute after the
+        recording, and this machine's speed drifts by several percent between the two (seen:
+        width 6 priced 0.95 against 1.03 live while width 1 matched at 0.93); a ratio of two
+        widths measured in the same minute carries no drift. Means, not medians: replay
+        predicts total seconds, and a round's time is skewed to the right (a median
+        under-prices a run by 1-3% here). The line of older traces (``verify_scale``,
+        ``verify_scale_per_width``) is still fitted, for reports."""
+        per_round, per_request, ar = [], [], []
         for pt, st in zip(self.prompts, self._ar_stats):
             ctx = pt.n_prompt - 1  # the cache holds all tokens but the newest
             for r in st.rounds:
                 per_round.append(r.total_s - r.verify_s)
-                by_width.setdefault(1, []).append(r.verify_s / surface.cost(1, ctx))
+                ar.append(r.verify_s / surface.cost(1, ctx))
                 ctx += r.emitted
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
         if not per_round:
             return EngineOverheads(none_evaluate=none_evaluate)
-        table = sorted((w, _trimmed_mean(v)) for w, v in by_width.items() if len(v) >= 3 or w == 1)
+        table = [(1, _trimmed_mean(ar))] + [(w, table_r * _trimmed_mean(ar))
+                                            for w, table_r in calibration_ratios(verify_rows) if w > 1]
+        self._calibration_verify = dict(calibration_ratios(verify_rows, relative=False))
         points = [(w - 1, r) for w, r in table]
         scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
         return EngineOverheads(round_s=max(0.0, fmean(per_round)), request_s=max(0.0, fmean(per_request)),
@@ -662,6 +667,8 @@ class TraceRecorder:
             "dtype": str(self.loaded.dtype).replace("torch.", ""), "device": str(self.loaded.device),
             "threads": torch.get_num_threads(),
             "describe": [d.describe() for d in self.drafters],
+            # the calibration runs' own live/surface verify ratio per width, before scaling
+            "calibration_verify": {str(w): round(r, 4) for w, r in self._calibration_verify.items()},
         }
         try:
             from .. import __version__
@@ -697,6 +704,20 @@ VERIFY_TRIM = 0.1
 def _trimmed_mean(values: Sequence[float], trim: float = VERIFY_TRIM) -> float:
     v = sorted(values)
     return fmean(v[: max(1, round(len(v) * (1 - trim)))])
+
+
+def calibration_ratios(rows: Sequence[tuple[int, float]], relative: bool = True) -> list[tuple[int, float]]:
+    """(width, trimmed mean of live verify / surface) for every width seen at least 3 times in
+    ``rows``; ``relative``: over the same rows' width-1 mean (drift between the calibration
+    runs and the recording cancels), and only if width 1 was seen."""
+    by_width: dict[int, list[float]] = {}
+    for w, ratio in rows:
+        by_width.setdefault(w, []).append(ratio)
+    table = sorted((w, _trimmed_mean(v)) for w, v in by_width.items() if len(v) >= 3)
+    if not relative:
+        return table
+    base = dict(table).get(1)
+    return [(w, r / base) for w, r in table] if base else []
 
 
 class _FullInfoRoundRobin(RoundRobinPolicy):
