@@ -325,3 +325,12 @@ def test_cached_surface_reads_without_measuring(tmp_path, monkeypatch):
     measured = load_or_measure(target, repeats=1, **grid)
     found = cached_surface(target, **grid)
     assert found is not None and found.seconds == measured.seconds and found.key == measured.key
+
+
+def test_surface_row_equals_cost_at_every_width_and_context():
+    """``row`` (every width at once, for the policies' per-round pricing) is ``cost`` exactly."""
+    s = VerifyCostSurface([32, 256, 1024], [1, 2, 4, 8], [[1.0, 1.5, 1.3, 2.0], [1.2, 1.9, 1.6, 2.4],
+                                                          [1.5, 2.5, 2.0, 3.0]])
+    for ctx in (0, 32, 100, 256, 700, 1024, 5000):
+        for max_k in (1, 5, 8, 12):
+            assert s.row(ctx, max_k) == pytest.approx([0.0] + [s.cost(k, ctx) for k in range(1, max_k + 1)])

@@ -546,7 +546,7 @@ class BatchEngine:
         for p in (engine.selector, engine.length):
             ctl = getattr(p, "controller", None)
             if ctl is not None and getattr(ctl, "scope", "") == "global":
-                for attr in ("global_counts", "global_ctx"):
+                for attr in ("global_counts", "global_ctx", "global_clock"):
                     shared = getattr(ctl, attr, None)
                     if shared is not None:
                         memo[id(shared)] = shared

@@ -153,6 +153,22 @@ class VerifyCostSurface:
         v = a + (b - a) * (context - cs[i]) / (cs[i + 1] - cs[i])
         return max(v, b) if context > cs[-1] else v
 
+    def row(self, context: int, max_k: int) -> list[float]:
+        """[0, V(1, L), ..., V(max_k, L)]: ``cost`` for every width at once, one interpolation
+        (policies price every width each round)."""
+        cs = self.contexts
+        if max_k >= len(self._dense[0]):
+            return [0.0] + [self.cost(k, context) for k in range(1, max_k + 1)]
+        if context <= cs[0] or len(cs) == 1:
+            return self._dense[0][: max_k + 1]
+        i = min(bisect_right(cs, context) - 1, len(cs) - 2)
+        f = (context - cs[i]) / (cs[i + 1] - cs[i])
+        lo, hi = self._dense[i], self._dense[i + 1]
+        out = [a + (b - a) * f for a, b in zip(lo[: max_k + 1], hi[: max_k + 1])]
+        if context > cs[-1]:
+            out = [max(v, b) for v, b in zip(out, hi)]
+        return out
+
     def curve(self, context: int) -> VerifyCostCurve:
         """V(., context) over the grid's ks (a grid row, or interpolated)."""
         return VerifyCostCurve(list(self.ks), [self.cost(k, context) for k in self.ks], context, self.key)
@@ -630,6 +646,12 @@ class CostModel:
             nearest = min(self.verify_width_s, key=lambda w: abs(w - width))
             return self.verify_width_s[nearest]
         return 0.0
+
+    def verify_row(self, max_width: int) -> list[float]:
+        """[0, verify_cost(1), ..., verify_cost(max_width)] at the current round's context."""
+        if self.surface is not None and not (self.batch is not None and self.rows > 1):
+            return self.surface.row(self.context, max_width)
+        return [0.0] + [self.verify_cost(w) for w in range(1, max_width + 1)]
 
     def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
         """Estimated seconds for ``drafter`` to draft ``n_tokens`` at ``context`` (default: the

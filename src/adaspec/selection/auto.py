@@ -88,7 +88,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..drafters.base import Decision, DraftStep
@@ -102,39 +102,87 @@ DEFAULT_PRIOR = (0.5, 0.5, 0.7)
 NONE_NAMES = ("none",)
 
 
-@dataclass
+class DecayClock:
+    """Rounds seen by one level of counts (a request's, or the global one), and its per-round
+    decay: counts decay lazily, by keep^(rounds since they were last touched), so a round
+    ticks one clock instead of multiplying every count of every context."""
+
+    __slots__ = ("keep", "now")
+
+    def __init__(self, keep: float = 1.0):
+        self.keep, self.now = float(keep), 0
+
+
 class ChainCounts:
-    """Discounted success / trial counts of one drafter's acceptance chain."""
+    """Discounted success / trial counts of one drafter's acceptance chain: (proposal, first,
+    continue), decayed by its level's ``DecayClock`` (none: never decayed)."""
 
-    s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # proposal, first, continue
-    t: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    __slots__ = ("_s", "_t", "clock", "stamp")
 
-    def decay(self, keep: float) -> None:
-        for i in range(3):
-            self.s[i] *= keep
-            self.t[i] *= keep
+    def __init__(self, s: Sequence[float] | None = None, t: Sequence[float] | None = None,
+                 clock: DecayClock | None = None):
+        self._s = list(s) if s is not None else [0.0, 0.0, 0.0]
+        self._t = list(t) if t is not None else [0.0, 0.0, 0.0]
+        self.clock = clock
+        self.stamp = clock.now if clock is not None else 0
+
+    def _sync(self) -> None:
+        c = self.clock
+        if c is not None and c.now != self.stamp:
+            f = c.keep ** (c.now - self.stamp)
+            self._s = [x * f for x in self._s]
+            self._t = [x * f for x in self._t]
+            self.stamp = c.now
+
+    @property
+    def s(self) -> list[float]:
+        self._sync()
+        return self._s
+
+    @s.setter
+    def s(self, value: Sequence[float]) -> None:
+        self._sync()
+        self._s = list(value)
+
+    @property
+    def t(self) -> list[float]:
+        self._sync()
+        return self._t
+
+    @t.setter
+    def t(self, value: Sequence[float]) -> None:
+        self._sync()
+        self._t = list(value)
+
+    def __repr__(self) -> str:
+        return f"ChainCounts(s={self.s}, t={self.t})"
 
     def observe(self, gammas: Sequence[float], alphas: Sequence[float], proposed: bool | None) -> None:
         """Add one chain observed from a round's first emitted position (module docstring)."""
+        self._sync()
+        s, t = self._s, self._t
         if proposed is not None:
-            self.t[0] += 1.0
-            self.s[0] += 1.0 if proposed else 0.0
+            t[0] += 1.0
+            s[0] += 1.0 if proposed else 0.0
             if not proposed:
                 return
         if not gammas:
             return
-        self.t[1] += 1.0
-        self.s[1] += float(gammas[0])
+        t[1] += 1.0
+        s[1] += float(gammas[0])
         for j in range(1, len(gammas)):
             w = float(alphas[j - 1]) if j - 1 < len(alphas) else float(gammas[j - 1])
             if w <= 0.0:
                 break
-            self.t[2] += w
-            self.s[2] += w * float(gammas[j])
+            t[2] += w
+            s[2] += w * float(gammas[j])
 
     def estimate(self, prior: Sequence[float], weight: float) -> tuple[float, float, float]:
         """(h, a, c): Beta-style means with ``prior`` worth ``weight`` trials."""
-        return tuple((self.s[i] + weight * prior[i]) / (self.t[i] + weight) for i in range(3))  # type: ignore[return-value]
+        self._sync()
+        s, t = self._s, self._t
+        return ((s[0] + weight * prior[0]) / (t[0] + weight), (s[1] + weight * prior[1]) / (t[1] + weight),
+                (s[2] + weight * prior[2]) / (t[2] + weight))
 
 
 def lower_bound(p: float, n: float, z: float) -> float:
@@ -194,6 +242,8 @@ class AutoController:
         self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (wants_costs)
         self.names: list[str] = []
         self.is_model: list[bool] = []
+        #: the two levels' decay clocks (a batch shares the global one with the global counts)
+        self.global_clock, self.request_clock = DecayClock(global_decay), DecayClock(request_decay)
         self.global_counts: list[ChainCounts] = []
         self.request_counts: list[ChainCounts] = []
         self.rounds = 0
@@ -216,10 +266,10 @@ class AutoController:
         names = list(names)
         if self.scope == "request" or names != self.names:
             self.names = names
-            self.global_counts = [ChainCounts() for _ in names]
+            self.global_counts = [ChainCounts(clock=self.global_clock) for _ in names]
             self.global_ctx = [{} for _ in names]
         self.is_model = list(is_model) if is_model is not None else [False] * len(names)
-        self.request_counts = [ChainCounts() for _ in names]
+        self.request_counts = [ChainCounts(clock=self.request_clock) for _ in names]
         self.request_ctx = [{} for _ in names]
         self.rounds = 0
         self.plan = None
@@ -296,7 +346,11 @@ class AutoController:
         is then scored like the others (the engine evaluates a chosen drafter that drafted
         nothing)."""
         verify, draft, overhead = self._cost_fns()
-        widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]  # V(w) at this round's context, once
+        row = getattr(self.costs, "verify_row", None) if self.objective == "time" else None
+        if row is not None:  # V(w) at this round's context, once
+            widths = row(self.max_k + 1)
+        else:
+            widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
         plans = [self.best_k(d, widths.__getitem__, draft, overhead) for d in range(len(self.names))]
         best = max(plans, key=lambda p: (p.rate, p.k))
         if best.k == 0:
@@ -331,22 +385,19 @@ class AutoController:
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, fb: RoundFeedback) -> None:
-        for counts in self.request_counts:
-            counts.decay(self.request_decay)
-        for counts in self.global_counts:
-            counts.decay(self.global_decay)
-        levels = ((self.request_ctx, self.request_decay), (self.global_ctx, self.global_decay))
-        for level, keep in levels:
-            for by_ctx in level:
-                for counts in by_ctx.values():
-                    counts.decay(keep)
+        self.request_clock.now += 1  # every count decays by its level's keep per round (lazily)
+        self.global_clock.now += 1
+        levels = ((self.request_ctx, self.request_clock), (self.global_ctx, self.global_clock))
         for d, gammas, alphas, proposed in self._chains(fb, self.peeked if self.learn_from_peeks else {}):
             self.request_counts[d].observe(gammas, alphas, proposed)
             self.global_counts[d].observe(gammas, alphas, proposed)
             ctx = self.contexts.get(d)
             if ctx is not None:
-                for level, _ in levels:
-                    level[d].setdefault(ctx, ChainCounts()).observe(gammas, alphas, proposed)
+                for level, clock in levels:
+                    counts = level[d].get(ctx)
+                    if counts is None:
+                        counts = level[d][ctx] = ChainCounts(clock=clock)
+                    counts.observe(gammas, alphas, proposed)
         self.rounds += 1
 
     @staticmethod
@@ -515,10 +566,10 @@ class AutoLength(_SharedCosts, LengthPolicy):
         if not self.shared:  # alone: one arm per drafter index, names learnt lazily
             c = self.controller
             c.plan = None
-            c.request_counts = [ChainCounts() for _ in c.names]
+            c.request_counts = [ChainCounts(clock=c.request_clock) for _ in c.names]
             c.request_ctx = [{} for _ in c.names]
             if self.scope == "request":
-                c.global_counts = [ChainCounts() for _ in c.names]
+                c.global_counts = [ChainCounts(clock=c.global_clock) for _ in c.names]
                 c.global_ctx = [{} for _ in c.names]
 
     def _ensure(self, d: int) -> None:
@@ -526,8 +577,8 @@ class AutoLength(_SharedCosts, LengthPolicy):
         while len(c.names) <= d:
             c.names.append(f"#{len(c.names)}")
             c.is_model.append(False)
-            c.global_counts.append(ChainCounts())
-            c.request_counts.append(ChainCounts())
+            c.global_counts.append(ChainCounts(clock=c.global_clock))
+            c.request_counts.append(ChainCounts(clock=c.request_clock))
             c.global_ctx.append({})
             c.request_ctx.append({})
 
