@@ -22,6 +22,13 @@ decoding step, rate 1 / (o + V(1))) always available: drafting stops where it do
 and because every k up to ``max_k`` is priced, a cap never stops inside a verify-cost cliff
 when a longer block is cheaper per expected token (the joint length of the issue).
 
+Model drafters' blocks (``confidence_stop=1``, default). The plan is blind to how sure a
+drafter is of each token; a drafter that reports q (a model drafter drafting a chain) gets cap
+``max_k`` and ``AutoLength.decide`` stops its block with the cost-model rule's test on auto's
+costs: go on after token k iff rate(k+m) > rate(k) for some m, rate(k) = E_k / (o + D(k) +
+V(k+1)), E_k = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j = min(1, max q_j f_d), f_d learnt online
+(``length.cost_rule.BlockRate``, ``ConfidenceCalibration``; docs/drafters-and-policies.md).
+
 Looking first (``peek=1``, default). A model-free drafter's proposal is a table lookup, so the
 engine asks each of them for the first ``peek_depth`` tokens of its block before the choice
 (``Drafter.peek``) and reuses the chosen one's block as the draft (a cap past a block cut at
