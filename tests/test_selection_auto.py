@@ -8,6 +8,7 @@ Synthetic environments are model-free: a drafter is a two-state Markov chain of 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from conftest import chisquare_gof, make_tiny_model, word_tokenizer
 
 from adaspec import SpeculativeEngine
 from adaspec.config import SamplingConfig
-from adaspec.drafters.base import Draft
+from adaspec.drafters.base import Decision, Draft, DraftStep, StepStats
 from adaspec.errors import ConfigError
 from adaspec.feedback import RoundFeedback
 from adaspec.models import as_loaded
@@ -539,3 +540,143 @@ def test_cold_start_plans_on_the_prior_mean_and_the_bound_comes_with_trials():
     assert cold == pytest.approx(mean) and cold_k == mean_k > 0
     warm = plan(1.0, 1000)[0]
     assert all(w < m - 0.05 for w, m in zip(warm[1:], mean[1:]))  # with evidence, the full bound
+
+
+# -- per-token stopping for drafters that report q (model drafters) ---------------------------
+def q_step(j: int, conf: float) -> DraftStep:
+    """A drafted token whose q has top probability ``conf`` (as a trace's statistics)."""
+    return DraftStep(j, 0, stats=StepStats(conf, 1.0 - conf, 0.0))
+
+
+def q_requests(sel: AutoSelector, rounds: int, chain: Callable[[random.Random], tuple[list[float], int]],
+               seed: int = 0) -> list[tuple[int, int, int, int]]:
+    """One request over [model, none] with a synthetic model drafter: ``chain(rng)`` gives each
+    round's block, the max q of each token it would draft and how many of them the target
+    accepts. The engine's loop and its full-information scoring of the model (every
+    ``model_eval_every`` rounds) as in ``round_feedback``. Returns (drafter, cap, drafted,
+    accepted run) of every round; ``sel.spent`` the seconds on ``sel.costs``, ``sel.emitted``
+    the tokens, ``sel.length`` the paired length policy."""
+    rng = random.Random(seed)
+    length = sel.length = sel.paired_length()
+    for p in (sel, length):
+        p.bind_drafters([True, False])
+    out = []
+    sel.spent = sel.emitted = 0.0
+    sel.begin_request(["model", "none"])
+    length.begin_request()
+    for r in range(rounds):
+        confs, run = chain(rng)
+        d = sel.select()
+        cap = length.begin_round(d)
+        drafted = 0
+        for j in range(cap if d == 0 else 0):
+            v = length.decide(q_step(j, confs[j]))
+            if v is Decision.DISCARD:
+                break
+            drafted += 1
+            if v is Decision.STOP:
+                break
+        n = min(drafted, run)
+        emitted = [0] * (n + 1)
+        fb = RoundFeedback(round=r, drafter=d, draft=Draft(tokens=[0] * drafted), n_accepted=n,
+                           emitted=emitted, k_cap=cap, target_logits=None, sampling=GREEDY)
+        if (d != 0 or cap == 0) and sel.evaluate(0):
+            g = [1.0 if y < run else 0.0 for y in range(min(len(emitted), run + 1))]
+            fb.counterfactual, fb.counterfactual_alpha = {0: g}, {0: list(g)}
+            fb.counterfactual_proposed = {0: [True] * len(emitted)}
+        sel.update(fb)
+        length.update(fb)
+        sel.spent += sel.costs.round_overhead_s + sel.costs.draft_cost(0, drafted) + \
+            sel.costs.verify_cost(drafted + 1)
+        sel.emitted += len(emitted)
+        out.append((d, cap, drafted, run))
+    return out
+
+
+def sure_then_unsure(hi: float, lo: float) -> Callable[[random.Random], tuple[list[float], int]]:
+    """1-6 tokens at max q = ``hi``, all accepted, then one at ``lo``, rejected, then ``hi``."""
+    def chain(rng: random.Random) -> tuple[list[float], int]:
+        run = rng.randint(1, 6)
+        return [hi] * run + [lo] + [hi] * 64, run
+    return chain
+
+
+def test_model_drafter_blocks_stop_at_the_low_confidence_token():
+    """q is high on the accepted tokens and low on the rejected one: with per-token stopping
+    (the default) every model block ends at the low-q token (kept or dropped), never past it,
+    and the cap is max_k; planning the cap up front (confidence_stop=0, the rule before) drafts
+    past the rejection and is slower on the same costs."""
+    costs = FixedCosts(flat(1.0, 0.05), {0: 0.1})
+    sel = AutoSelector()
+    sel.costs = costs
+    plays = q_requests(sel, 80, sure_then_unsure(0.97, 0.3))
+    model = [(cap, drafted, run) for d, cap, drafted, run in plays if d == 0 and cap > 0]
+    assert len(model) > 60
+    assert all(cap == sel.controller.max_k for cap, _, _ in model)
+    assert all(drafted in (run, run + 1) for _, drafted, run in model)
+    before = AutoSelector(confidence_stop=0)
+    before.costs = costs
+    old = q_requests(before, 80, sure_then_unsure(0.97, 0.3))
+    assert sum(drafted > run + 1 for d, _, drafted, run in old if d == 0) > 20
+    assert sel.spent / sel.emitted < 0.95 * before.spent / before.emitted  # 0.371 vs 0.400 s a token
+
+
+def test_auto_learns_the_confidence_to_acceptance_map_online():
+    """An overconfident drafter (max q 0.9 on every token, each accepted with probability 0.5):
+    before any feedback (f = 1) its blocks run long; the calibration learnt from the verified
+    blocks (ConfidenceCalibration, the cost-model rule's: f = observed / predicted acceptance)
+    falls towards 0.5 / 0.9 and the blocks get short. A calibrated drafter (q = 0.5 on the
+    same chains) is not corrected. The factor is one number per drafter: it fixes over- or
+    under-confidence on average, not per confidence level."""
+    def chain(q: float) -> Callable[[random.Random], tuple[list[float], int]]:
+        def draw(rng: random.Random) -> tuple[list[float], int]:
+            run = 0
+            while rng.random() < 0.5:
+                run += 1
+            return [q] * 64, run
+        return draw
+
+    costs = FixedCosts(flat(1.0, 0.02), {0: 0.05})
+    sel = AutoSelector()
+    sel.costs = costs
+    plays = q_requests(sel, 80, chain(0.9))
+    blocks = [drafted for d, cap, drafted, _ in plays if d == 0 and cap > 0]
+    assert blocks[0] >= 10 and sum(blocks[-30:]) / 30 <= 3
+    assert 0.5 / 0.9 - 0.1 < sel.length.confidence.factor(0) < 0.75
+    calibrated = AutoSelector()
+    calibrated.costs = costs
+    plays = q_requests(calibrated, 80, chain(0.5))
+    late = [drafted for d, cap, drafted, _ in plays[-30:] if d == 0 and cap > 0]
+    assert late and abs(sum(late) / len(late) - sum(blocks[-30:]) / 30) <= 1.0
+    assert 0.85 < calibrated.length.confidence.factor(0) < 1.15
+
+
+def test_model_free_drafters_keep_the_planned_cap():
+    """Per-token stopping applies to drafters that report q: model-free pools play the same
+    (drafter, cap) rounds with it on or off, decide never stops a model-free block, and a
+    model drafter that drafts trees (bind_trees) keeps the plan's cap too."""
+    good, poor = MarkovArm(0.9, 0.8, 0.9), MarkovArm(0.5, 0.3, 0.4)
+    plays = {}
+    for on in (1, 0):
+        sel = AutoSelector(confidence_stop=on)
+        sel.costs = FixedCosts(flat(1.0, 0.03))
+        sel.bind_drafters([False, False])
+        plays[on] = run_requests(sel, [[good, poor], [poor, good]], ["a", "b"], rounds=40)
+    assert plays[1] == plays[0]
+    sel = AutoSelector()
+    sel.costs = FixedCosts(flat(1.0, 0.03))
+    length = sel.paired_length()
+    length.bind_drafters([False, True])
+    sel.begin_request(["lookup", "model"])
+    length.begin_request()
+    c = sel.controller
+    for d in (0, 1):
+        c.request_counts[d].s, c.request_counts[d].t = [1e6, 0.8e6, 0.8e6], [1e6, 1e6, 1e6]
+    assert length.begin_round(0) == c.best_k(0).k < c.max_k
+    assert all(length.decide(DraftStep(j, 5)) is Decision.CONTINUE for j in range(20))
+    assert length.begin_round(1) == c.max_k  # a model drafter's chain: q decides
+    length.bind_trees([False, True])
+    assert length.begin_round(1) == c.best_k(1).k  # its tree: the plan's depth
+    assert length.decide(q_step(0, 0.01)) is Decision.CONTINUE
+    with pytest.raises(ConfigError, match="confidence_stop must be 0 or 1"):
+        AutoSelector(confidence_stop=2)

@@ -237,6 +237,22 @@ def test_auto_replays_like_live_when_costs_are_fixed(env, peek):
     assert len({r.drafter for r in got.rounds}) >= 2 and len({r.k_cap for r in got.rounds}) > 2
 
 
+def test_auto_with_a_model_drafter_replays_its_confidence_stops_like_live(env):
+    """A model drafter in auto's pool stops its blocks token by token on q (AutoLength with
+    BlockRate): replay reads q's recorded statistics where the live engine reads its logits, and
+    with fixed costs the rounds are the same, the stopped blocks included."""
+    target, md, trace = env
+    names = ["noisy", "prompt-lookup", "suffix", "none"]
+    want = live_keys(target, _pool(md, names), _auto_with_fixed_costs(1), None, 5)
+    got = replay(trace, _auto_with_fixed_costs(1), None, k=5, drafters=names)
+    assert got.clipped_rounds == 0
+    for i in range(len(PROMPTS)):
+        assert got.keys(i) == want[i], f"prompt {i}"
+    model = [r for r in got.rounds if r.name == "noisy" and r.k_cap > 0]
+    assert model and max(r.k_cap for r in model) == L  # the cap is max_k (or the budget): q decides
+    assert len({r.drafted for r in model}) > 2 and min(r.drafted for r in model) < L  # stopped on q
+
+
 def test_time_dependent_policies_replay_deterministically(env):
     _, _, trace = env
     for sel, ln in [("cost-ucb", None), ("cost-exp3:seed=1", None), ("cost-hedgespec", None),

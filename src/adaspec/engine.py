@@ -135,6 +135,8 @@ class SpeculativeEngine:
         for policy in (self.selector, self.length):
             if hasattr(policy, "bind_drafters"):
                 policy.bind_drafters([d.is_model for d in self.drafters])
+            if hasattr(policy, "bind_trees"):  # which drafters draft trees (their tokens skip decide)
+                policy.bind_trees([self.tree and d.supports_tree for d in self.drafters])
 
     def _check_trees(self) -> None:
         if isinstance(self.tree_nodes, bool) or self.tree_nodes < 1:

@@ -78,15 +78,14 @@ class CostModelRule(LengthPolicy):
 
     # -- learnt state --------------------------------------------------------------------
     def reset(self) -> None:
-        #: model drafters: drafter -> [discounted sum of gammas, of predicted confidences]
-        self.calibration_sums: dict[int, list[float]] = {}
+        #: model drafters: q -> acceptance (``ConfidenceCalibration``, shared with ``auto``)
+        self.confidence = ConfidenceCalibration(self.prior_weight, self.decay)
         #: model-free drafters: drafter -> [discounted sum of gammas, discounted count]
         self.acceptance_sums: dict[int, list[float]] = {}
 
     def calibration(self, drafter: int) -> float:
         """Observed / predicted acceptance of a model drafter (1 before any feedback)."""
-        g, c = self.calibration_sums.get(drafter, (0.0, 0.0))
-        return (g + self.prior_weight) / (c + self.prior_weight)
+        return self.confidence.factor(drafter)
 
     def acceptance(self, drafter: int) -> float:
         """Estimated per-token acceptance of a model-free drafter."""
@@ -108,13 +107,6 @@ class CostModelRule(LengthPolicy):
         return self.draft_prior * verify(1), verify
 
     # -- the round -----------------------------------------------------------------------
-    def _new_round(self, drafter: int) -> None:
-        self._drafter = drafter
-        self._p_all = 1.0  # P_k: probability that every token drafted so far is accepted
-        self._expected = 1.0  # E_k
-        self._confs: list[float] = []
-        self._vcache: dict[int, float] = {}
-
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine and replay tell every policy that asks)."""
         self._model_free = [not m for m in is_model]
@@ -123,23 +115,17 @@ class CostModelRule(LengthPolicy):
         """The round's cap; 0 (a plain step, nothing drafted or looked up) when the drafter is
         model-free and ``decide`` would drop its first token anyway: its acceptance estimate is
         one number per drafter, so that verdict is known before any token is proposed."""
-        self._new_round(drafter)
-        self._draft_s, self._verify_fn = self._cost_functions(drafter)
+        draft_s, verify = self._cost_functions(drafter)
+
+        def block() -> BlockRate:
+            return BlockRate(draft_s, verify, horizon=self.horizon, limit=self.max_len, min_gain=self.min_gain)
+
+        self._drafter, self._confs, self._rate = drafter, [], block()
         free = self._model_free
         if free is not None and drafter < len(free) and free[drafter]:
-            a = self.acceptance(drafter)
-            self._p_all, self._expected = a, 1.0 + a
-            verdict = self._choose(1, a)
-            self._p_all, self._expected = 1.0, 1.0
-            if verdict is Decision.DISCARD:
+            if block().step(0, self.acceptance(drafter)) is Decision.DISCARD:
                 return 0
         return self.max_len
-
-    def _verify(self, width: int) -> float:
-        v = self._vcache.get(width)
-        if v is None:
-            v = self._vcache[width] = float(self._verify_fn(width))
-        return v
 
     def decide(self, step: DraftStep) -> Decision:
         conf = step_confidence(step)  # max q(x), from q or from a trace's recorded statistics
@@ -147,25 +133,8 @@ class CostModelRule(LengthPolicy):
             a = self.acceptance(self._drafter)
         else:
             self._confs.append(conf)
-            a = min(1.0, conf * self.calibration(self._drafter))
-        self._p_all *= a
-        self._expected += self._p_all
-        return self._choose(step.index + 1, a)
-
-    def _choose(self, k: int, a_next: float) -> Decision:
-        d, e, p = self._draft_s, self._expected, self._p_all
-        v_now = self._verify(k + 1)
-        t_now = d * k + v_now
-        rate_stop = e / t_now
-        rate_drop = (e - p) / (d * k + self._verify(k))
-        best = max(rate_stop, rate_drop) * (1.0 + self.min_gain)
-        gain, pm = 0.0, p
-        for m in range(1, min(self.horizon, self.max_len - k) + 1):
-            pm *= a_next
-            gain += pm
-            if (e + gain) / (t_now + m * d + self._verify(k + m + 1) - v_now) > best:
-                return Decision.CONTINUE
-        return Decision.DISCARD if rate_drop > rate_stop else Decision.STOP
+            a = self.confidence.acceptance(self._drafter, conf)
+        return self._rate.step(step.index, a)
 
     def update(self, feedback: RoundFeedback) -> None:
         if feedback.n_drafted == 0:
@@ -173,12 +142,91 @@ class CostModelRule(LengthPolicy):
         gammas = feedback.chosen_gammas()
         d, keep = feedback.drafter, self.decay
         if self._confs:
-            n = min(len(gammas), len(self._confs))
-            g, c = self.calibration_sums.get(d, (0.0, 0.0))
-            self.calibration_sums[d] = [keep * g + sum(gammas[:n]), keep * c + sum(self._confs[:n])]
+            self.confidence.observe(d, gammas, self._confs)
         else:
             g, n = self.acceptance_sums.get(d, (0.0, 0.0))
             self.acceptance_sums[d] = [keep * g + sum(gammas), keep * n + len(gammas)]
+
+
+class ConfidenceCalibration:
+    """A model drafter's acceptance given its confidence, learned online (the cost-model
+    rule's estimate; ``auto`` shares it): a token drafted with top probability max q is
+    accepted with probability
+
+        a(q) = min(1, max q * f_d),   f_d = (G_d + w) / (C_d + w)
+
+    G_d and C_d the drafter's discounted sums of observed gammas and of predicted confidences
+    over its verified tokens up to the first rejection (each round's sums are multiplied by
+    ``decay`` before adding), w = ``prior_weight`` (f_d = 1 before any feedback)."""
+
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.95):
+        self.prior_weight, self.decay = prior_weight, decay
+        #: drafter -> [discounted sum of gammas, of predicted confidences]
+        self.sums: dict[int, list[float]] = {}
+
+    def factor(self, drafter: int) -> float:
+        """f_d: observed / predicted acceptance (1 before any feedback)."""
+        g, c = self.sums.get(drafter, (0.0, 0.0))
+        return (g + self.prior_weight) / (c + self.prior_weight)
+
+    def acceptance(self, drafter: int, conf: float) -> float:
+        return min(1.0, conf * self.factor(drafter))
+
+    def observe(self, drafter: int, gammas: Sequence[float], confs: Sequence[float]) -> None:
+        """A round's chosen-drafter gammas (``feedback.chosen_gammas()``) against the
+        confidences ``decide`` saw; tokens past the shorter of the two do not count."""
+        n = min(len(gammas), len(confs))
+        g, c = self.sums.get(drafter, (0.0, 0.0))
+        self.sums[drafter] = [self.decay * g + sum(gammas[:n]), self.decay * c + sum(confs[:n])]
+
+
+class BlockRate:
+    """A round's expected tokens per second as its block grows, and the cost-model rule's
+    verdict after each drafted token (``auto`` shares it for drafters that report q).
+
+    After the k-th token, with a_i the acceptance estimate of token i and P_k = prod a_i:
+    E_k = 1 + sum_{i<=k} P_i, T_k = base + k d + V(k+1), rate(k) = E_k / T_k (``base``: the
+    round's time that does not grow with the block, 0 in the cost-model rule, the per-round
+    overhead in ``auto``). CONTINUE iff some m in 1..min(horizon, limit - k) has
+    rate(k+m) > rate(k) (1 + min_gain), the m tokens ahead accepted at a_k each (persistence):
+    looking ahead drafts through a verify-cost cliff. Else DISCARD the k-th token when
+    verifying without it is faster per token (E_{k-1} / (base + k d + V(k)), its drafting
+    sunk), else STOP."""
+
+    def __init__(self, per_token: float, verify: Callable[[int], float], base: float = 0.0,
+                 horizon: int = 16, limit: int = TAPOUT_MAX_LEN, min_gain: float = 0.0):
+        self.per_token, self._verify_fn, self.base = per_token, verify, base
+        self.horizon, self.limit, self.min_gain = horizon, limit, min_gain
+        self.p_all = 1.0  # P_k: probability that every token drafted so far is accepted
+        self.expected = 1.0  # E_k
+        self._vcache: dict[int, float] = {}
+
+    def verify(self, width: int) -> float:
+        v = self._vcache.get(width)
+        if v is None:
+            v = self._vcache[width] = float(self._verify_fn(width))
+        return v
+
+    def step(self, index: int, a: float) -> Decision:
+        """Token ``index`` (0-based) was drafted with acceptance estimate ``a``: the verdict."""
+        self.p_all *= a
+        self.expected += self.p_all
+        return self.decide(index + 1, a)
+
+    def decide(self, k: int, a_next: float) -> Decision:
+        d, e, p, base = self.per_token, self.expected, self.p_all, self.base
+        v_now = self.verify(k + 1)
+        t_now = base + d * k + v_now
+        rate_stop = e / t_now
+        rate_drop = (e - p) / (base + d * k + self.verify(k))
+        best = max(rate_stop, rate_drop) * (1.0 + self.min_gain)
+        gain, pm = 0.0, p
+        for m in range(1, min(self.horizon, self.limit - k) + 1):
+            pm *= a_next
+            gain += pm
+            if (e + gain) / (t_now + m * d + self.verify(k + m + 1) - v_now) > best:
+                return Decision.CONTINUE
+        return Decision.DISCARD if rate_drop > rate_stop else Decision.STOP
 
 
 def _linear_fit(table: dict[int, float]) -> Callable[[int], float]:

@@ -22,6 +22,13 @@ decoding step, rate 1 / (o + V(1))) always available: drafting stops where it do
 and because every k up to ``max_k`` is priced, a cap never stops inside a verify-cost cliff
 when a longer block is cheaper per expected token (the joint length of the issue).
 
+Model drafters' blocks (``confidence_stop=1``, default). The plan is blind to how sure a
+drafter is of each token; a drafter that reports q (a model drafter drafting a chain) gets cap
+``max_k`` and ``AutoLength.decide`` stops its block with the cost-model rule's test on auto's
+costs: go on after token k iff rate(k+m) > rate(k) for some m, rate(k) = E_k / (o + D(k) +
+V(k+1)), E_k = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j = min(1, max q_j f_d), f_d learnt online
+(``length.cost_rule.BlockRate``, ``ConfidenceCalibration``; docs/drafters-and-policies.md).
+
 Looking first (``peek=1``, default). A model-free drafter's proposal is a table lookup, so the
 engine asks each of them for the first ``peek_depth`` tokens of its block before the choice
 (``Drafter.peek``) and reuses the chosen one's block as the draft (a cap past a block cut at
@@ -95,6 +102,8 @@ from ..drafters.base import Decision, DraftStep
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from ..length.base import LengthPolicy
+from ..length.cost_rule import BlockRate, ConfidenceCalibration
+from ..length.rules import step_confidence
 from .base import DrafterPolicy
 
 #: prior of (h, a, c) before any data, see the module docstring
@@ -465,6 +474,13 @@ def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0) -> str:
     return f"{rel}:{match_bucket(match)}" if match > 0 else rel
 
 
+def _check_confidence_stop(value: object) -> bool:
+    if value not in (0, 1, True, False):
+        raise ConfigError(f"confidence_stop must be 0 or 1, got {value!r}: pass confidence_stop=1 to stop a "
+                          "model drafter's block on its confidence, 0 to draft the planned cap")
+    return bool(value)
+
+
 class _SharedCosts:
     """``costs`` (set by the engine: ``wants_costs``) is the controller's, whichever view gets it."""
 
@@ -489,7 +505,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
                  peek: int | bool = 1, objective: str = "time", feedback: str = "full", seed: int | None = 0,
-                 shrink: float = 1.0, peek_depth: int = 4):
+                 shrink: float = 1.0, peek_depth: int = 4, confidence_stop: int | bool = 1):
         super().__init__(seed=seed, scope=scope)
         if peek not in (0, 1, True, False):
             raise ConfigError(f"peek must be 0 or 1, got {peek!r}: pass peek=1 to look at model-free "
@@ -509,6 +525,8 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         #: > 0: the engine shows this many tokens of every model-free drafter's proposal first
         self.peek_tokens = peek_depth if peek else 0
         self._is_model: list[bool] | None = None
+        #: the paired length stops a model drafter's block on its confidence (``AutoLength``)
+        self.confidence_stop = _check_confidence_stop(confidence_stop)
 
     @property
     def full_information(self) -> bool:  # type: ignore[override]
@@ -529,7 +547,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         self.controller.begin_request(drafter_names, self._is_model)
 
     def paired_length(self) -> AutoLength:
-        return AutoLength(controller=self.controller)
+        return AutoLength(controller=self.controller, confidence_stop=self.confidence_stop)
 
     def observe_proposals(self, blocks: dict[int, Any]) -> None:
         self.controller.observe_proposals(blocks)
@@ -547,24 +565,53 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 class AutoLength(_SharedCosts, LengthPolicy):
     """``--length auto``: the cap of the controller's plan for the chosen drafter. Paired with
     ``--selector auto`` it shares its controller; alone it learns from the chosen drafter's own
-    rounds (bandit feedback)."""
+    rounds (bandit feedback).
+
+    A drafter that reports q (a model drafter drafting a chain; ``confidence_stop=1``) gets
+    ``max_k`` and the block stops token by token: after token k it goes on iff some m has
+    rate(k+m) > rate(k), rate(k) = E_k / (o + D(k) + V(k+1)), E_k = 1 + sum_{i<=k} prod_{j<=i} a_j,
+    a_j = min(1, max q_j * f_d) (``BlockRate`` and ``ConfidenceCalibration``: the cost-model
+    rule's test and calibration, priced on auto's costs). Model-free drafters: the plan's cap."""
 
     name = "auto"
     wants_costs = True
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, scope: str = "global", seed: int | None = 0,
-                 controller: AutoController | None = None):
+                 controller: AutoController | None = None, confidence_stop: int | bool = 1):
         super().__init__(seed=seed, scope=scope)
         self.shared = controller is not None
         # alone it learns from its own rounds only (bandit feedback): planning on a lower bound
         # would never draft again once it stops, so it plans on the means (shrink=0)
         self.controller = controller or AutoController(max_k, prior_weight, request_decay, global_decay,
                                                        scope=scope, shrink=0.0)
+        self.confidence_stop = _check_confidence_stop(confidence_stop)
+        #: model drafters' q -> acceptance, learnt online as the cost-model rule learns it
+        self.confidence = ConfidenceCalibration()
+        self._is_model: list[bool] | None = None
+        self._trees: list[bool] = []
+        self._drafter, self._confs, self._rate = 0, [], None
+
+    def bind_drafters(self, is_model: Sequence[bool]) -> None:
+        """Which drafters run a network (the engine and replay tell): their chains report q."""
+        self._is_model = list(is_model)
+
+    def bind_trees(self, trees: Sequence[bool]) -> None:
+        """Which drafters draft trees (the engine tells): a tree is as deep as the cap and its
+        tokens are not decided one by one, so they keep the plan's cap."""
+        self._trees = list(trees)
+
+    def _reports_q(self, d: int) -> bool:
+        """Will ``decide`` see drafter ``d``'s q token by token?"""
+        is_model = self._is_model if self._is_model is not None else self.controller.is_model
+        tree = d < len(self._trees) and self._trees[d]
+        return d < len(is_model) and bool(is_model[d]) and not tree
 
     def begin_request(self) -> None:
+        c = self.controller
+        if c.scope == "request":
+            self.confidence = ConfidenceCalibration()
         if not self.shared:  # alone: one arm per drafter index, names learnt lazily
-            c = self.controller
             c.plan = None
             c.request_counts = [ChainCounts(clock=c.request_clock) for _ in c.names]
             c.request_ctx = [{} for _ in c.names]
@@ -585,11 +632,27 @@ class AutoLength(_SharedCosts, LengthPolicy):
     def begin_round(self, drafter: int) -> int:
         if not self.shared:
             self._ensure(drafter)
-        return self.controller.cap_for(drafter)
+        c = self.controller
+        cap = c.cap_for(drafter)
+        self._drafter, self._confs, self._rate = drafter, [], None
+        if cap > 0 and self.confidence_stop and self._reports_q(drafter):
+            # q decides the block's length: the plan (h, a, c per drafter, blind to q) only
+            # decides whether to draft; the cap is max_k, a bound
+            cap = c.max_k
+            verify, draft, overhead = c._cost_fns()
+            d0 = draft(drafter, 0)
+            self._rate = BlockRate(draft(drafter, 1) - d0, verify, base=overhead + d0, horizon=cap, limit=cap)
+        return cap
 
     def decide(self, step: DraftStep) -> Decision:
-        return Decision.CONTINUE
+        conf = step_confidence(step) if self._rate is not None else None
+        if conf is None:  # model-free drafters: the plan's cap
+            return Decision.CONTINUE
+        self._confs.append(conf)
+        return self._rate.step(step.index, self.confidence.acceptance(self._drafter, conf))
 
     def update(self, feedback: RoundFeedback) -> None:
+        if self._confs and feedback.n_drafted > 0 and feedback.drafter == self._drafter:
+            self.confidence.observe(feedback.drafter, feedback.chosen_gammas(), self._confs)
         if not self.shared:
             self.controller.observe(feedback)
