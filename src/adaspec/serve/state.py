@@ -34,7 +34,7 @@ from ..length import LengthPolicy
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: the length policies keep their q calibration in ConfidenceCalibration (older pickles lack it)
+STATE_VERSION = 2  # 2: q calibration in ConfidenceCalibration; auto's counts decay lazily (older pickles lack both)
 MAX_CONFIGS = 32  # stored learner pairs (least recently used are dropped)
 
 Learners = tuple[DrafterPolicy, LengthPolicy]
