@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,53 +108,153 @@ def record(out: str, model: str, suite: str, per_category: int, max_new_tokens: 
                    "max_new_tokens": max_new_tokens, "requests": reqs}, fh)
 
 
-def replay(path: str, costs: str) -> None:
+@dataclass
+class Workload:
+    """Requests to replay in order (prompt, AR output, the sequence the oracle follows), the
+    surface the engine's policies and node budget read, the one verify steps are priced on
+    (live/surface ratio per width applied), the per-round and per-request overheads, and each
+    request's prefill seconds."""
+
+    requests: list[dict[str, Any]]
+    vocab: int
+    eos: list[int]
+    max_new_tokens: int
+    policy_surface: VerifyCostSurface
+    priced: VerifyCostSurface
+    round_s: float = 0.002
+    request_s: float = 0.0
+
+
+def live_ratios(trace: Any, rounds_csv: str, min_rounds: int = 5) -> Any:
+    """``EngineOverheads`` whose per-width verify ratio is a bench run's own (``rounds.csv`` of
+    the output directory the trace came with: every configuration's rounds, live verify
+    seconds over the trace's surface at the same width and cache length). The ratio drifts
+    between hours, and trees verify more wide blocks than chains, so their predicted gain
+    depends on it: price with both."""
+    import csv
+    from collections import defaultdict
+
+    from adaspec.costs import EngineOverheads
+
+    n_prompt = {(p.meta.get("id"), int(p.meta.get("turn", 0))): len(p.prompt) for p in trace.prompts}
+    ctx: dict[tuple[str, str, str], int] = {}
+    sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for r in csv.DictReader(open(rounds_csv)):
+        key = (r["config"], r["prompt_id"], r["turn"])
+        if r["round"] == "0":
+            ctx[key] = n_prompt[(r["prompt_id"], int(r["turn"]))] - 1
+        w = int(r["drafted"]) + 1
+        s = sums[w]
+        s[0] += 1
+        s[1] += float(r["verify_s"])
+        s[2] += trace.surface.cost(w, ctx[key])
+        ctx[key] += int(r["emitted"])
+    widths = sorted(w for w, s in sums.items() if s[0] >= min_rounds)
+    return EngineOverheads(round_s=trace.overheads.round_s, request_s=trace.overheads.request_s,
+                           verify_widths=widths, verify_ratios=[sums[w][1] / sums[w][2] for w in widths])
+
+
+def load_workload(path: str, costs: str | None, rounds_csv: str | None = None) -> Workload:
+    """A bench trace (``.npz``, ``adaspec bench --record``: prompts, greedy paths, surfaces and
+    overheads in one file) or a recording from ``--record`` with a surface JSON (``--costs``)."""
+    if path.endswith(".npz"):
+        from adaspec.bench.trace import Trace
+
+        tr = Trace.load(path)
+        if tr.surface is None:
+            raise SystemExit(f"{path} was recorded without costs: give a trace with a surface")
+        over = live_ratios(tr, rounds_csv) if rounds_csv else tr.overheads
+        reqs = [{"prompt": p.prompt, "out": p.output, "seq": p.path, "category": p.meta.get("category", "?"),
+                 "prefill_s": p.prefill_s} for p in tr.prompts]
+        policy = tr.policy_surface or tr.surface
+        if costs:
+            policy = VerifyCostSurface.from_dict(json.load(open(costs)))
+        return Workload(reqs, tr.target["vocab_size"], tr.eos_ids, tr.max_new_tokens, policy, policy if costs else tr.surface.scaled(over.verify_factor),
+                        over.round_s, over.request_s)
+    if not costs:
+        raise SystemExit("a --record recording needs --costs (a verify-cost surface JSON)")
     rec = json.load(open(path))
     surface = VerifyCostSurface.from_dict(json.load(open(costs)))
-    engine_mod.load_or_measure = lambda *a, **kw: surface  # the engine prices trees on this surface
-    gen = GenerationConfig(max_new_tokens=rec["max_new_tokens"], sampling=SamplingConfig(temperature=0.0))
-    reqs = rec["requests"]
+    reqs = [dict(r, seq=r["prompt"] + r["out"], prefill_s=surface.prefill(len(r["prompt"]) - 1))
+            for r in rec["requests"]]
+    return Workload(reqs, rec["vocab"], rec["eos"], rec["max_new_tokens"], surface, surface)
+
+
+def replay_config(work: Workload, drafters: Sequence[str], selector: str | None, tree: bool,
+                  k: int = 5, **engine_kw: Any) -> dict[str, Any]:
+    """One configuration over the workload (a warm-up on the first request, as the bench's):
+    MAT, nodes per round, and tokens/s priced on the workload's surface (verify steps at their
+    width and cache length, plus the drafting, catch-up and policy seconds measured here and
+    the recorded per-round and per-request overheads)."""
+    engine_mod.load_or_measure = lambda *a, **kw: work.policy_surface  # what the engine's policies read
+    first = work.requests[0]
+    target = OracleTarget(work.vocab, work.eos)
+    eng = engine_mod.SpeculativeEngine(target, drafters, k=k, selector=selector, tree=tree, **engine_kw)
+    greedy = SamplingConfig(temperature=0.0)
+    target.seq = first["seq"]
+    eng.generate(first["prompt"], GenerationConfig(max_new_tokens=16, sampling=greedy))
+    out = {"tokens": 0, "rounds": 0, "nodes": 0, "drafting": 0, "python_s": 0.0, "seconds": 0.0,
+           "ar_seconds": 0.0, "identical": True, "by_category": {}}
+    for req in work.requests:
+        target.seq = req["seq"]
+        res = eng.generate(req["prompt"], GenerationConfig(max_new_tokens=work.max_new_tokens, sampling=greedy))
+        out["identical"] &= res.token_ids == req["out"]
+        ctx = len(req["prompt"]) - 1
+        secs = req["prefill_s"] + work.request_s
+        ar = secs + sum(work.priced.cost(1, ctx + x) + work.round_s for x in range(len(req["out"])))
+        for r in res.stats.rounds:
+            out["rounds"] += 1
+            out["nodes"] += r.drafted
+            out["drafting"] += r.drafted > 0
+            py = r.draft_s + r.policy_s + r.catch_up_s + r.eval_s + r.drafter_prefill_s
+            out["python_s"] += py
+            secs += work.priced.cost(r.drafted + 1, ctx) + py + work.round_s
+            ctx += r.emitted
+        out["tokens"] += res.stats.new_tokens
+        out["seconds"] += secs
+        out["ar_seconds"] += ar
+        cat = out["by_category"].setdefault(req["category"], [0.0, 0.0])
+        cat[0] += secs
+        cat[1] += ar
+    n = max(out["rounds"], 1)
+    out.update(mat=out["tokens"] / n, nodes_per_round=out["nodes"] / n, drafting_share=out["drafting"] / n,
+               python_ms=1e3 * out["python_s"] / n, tokens_per_s=out["tokens"] / out["seconds"],
+               speedup=out["ar_seconds"] / out["seconds"])
+    return out
+
+
+def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rounds_csv: str | None = None,
+           **engine_kw: Any) -> None:
+    work = load_workload(path, costs, rounds_csv)
     for name, drafters, selector, tree in CONFIGS:
-        target = OracleTarget(rec["vocab"], rec["eos"])
-        eng = engine_mod.SpeculativeEngine(target, drafters, k=5, selector=selector, tree=tree)
-        target.seq = reqs[0]["prompt"] + reqs[0]["out"]  # the bench's warm-up
-        eng.generate(reqs[0]["prompt"], GenerationConfig(max_new_tokens=16, sampling=gen.sampling))
-        toks = rounds = nodes = drafting = 0
-        same, secs, py = True, 0.0, 0.0
-        for req in reqs:
-            target.seq = req["prompt"] + req["out"]
-            res = eng.generate(req["prompt"], gen)
-            same &= res.token_ids == req["out"]
-            toks += res.stats.new_tokens
-            ctx = len(req["prompt"]) - 1
-            for r in res.stats.rounds:
-                rounds += 1
-                nodes += r.drafted
-                drafting += r.drafted > 0
-                py += r.draft_s + r.policy_s
-                secs += surface.cost(r.drafted + 1, ctx) + r.draft_s + r.policy_s + 0.002
-                ctx += r.emitted
-        print(f"{name:20s} MAT {toks / rounds:.3f}  identical to AR: {same}  nodes/round {nodes / rounds:.2f}  "
-              f"drafting rounds {drafting / rounds:.2f}  draft+policy {1e3 * py / rounds:.2f} ms/round  "
-              f"est. {toks / secs:.1f} tok/s on the surface")
+        if names and name not in names:
+            continue
+        r = replay_config(work, drafters, selector, tree, **engine_kw)
+        print(f"{name:18s} MAT {r['mat']:.3f}  identical to AR: {r['identical']}  nodes/round "
+              f"{r['nodes_per_round']:.2f}  drafting rounds {r['drafting_share']:.2f}  python "
+              f"{r['python_ms']:.2f} ms/round  est. {r['tokens_per_s']:.2f} tok/s, {r['speedup']:.3f}x AR")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recording", nargs="?", help="AR outputs recorded with --record")
+    ap.add_argument("recording", nargs="?", help="a bench trace (.npz) or AR outputs recorded with --record")
     ap.add_argument("--record", metavar="OUT", help="record AR outputs to OUT and stop")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--suite", default="mixed")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--costs", help="verify-cost surface JSON (VerifyCostSurface.to_dict)")
+    ap.add_argument("--costs", help="verify-cost surface JSON (VerifyCostSurface.to_dict); a trace has its own")
+    ap.add_argument("--only", action="append", help="replay only this configuration (repeatable)")
+    ap.add_argument("--live-ratios", metavar="ROUNDS_CSV",
+                    help="price verify steps with the per-width live/surface ratio of this bench run's "
+                         "rounds.csv instead of the trace's calibration")
     args = ap.parse_args()
     if args.record:
         record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
-    elif args.recording and args.costs:
-        replay(args.recording, args.costs)
+    elif args.recording:
+        replay(args.recording, args.costs, args.only, args.live_ratios)
     else:
-        ap.error("give --record OUT, or a recording and --costs")
+        ap.error("give --record OUT, or a trace (or a recording and --costs)")
 
 
 if __name__ == "__main__":
