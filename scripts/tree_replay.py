@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,13 @@ from adaspec.config import GenerationConfig, SamplingConfig
 from adaspec.costs import VerifyCostSurface
 
 POOL = ["prompt-lookup", "suffix", "none"]
-CONFIGS = [("suffix k=5", ["suffix"], None, False), ("suffix k=5 +tree", ["suffix"], None, True),
-           ("auto", POOL, "auto", False), ("auto +tree", POOL, "auto", True)]
+#: (name, engine keyword arguments): the bench's configurations, chain and tree side by side
+CONFIGS: list[tuple[str, dict[str, Any]]] = [
+    (name + tree_tag, dict(kw, tree=bool(tree_tag)))
+    for name, kw in [("suffix k=5", {"drafters": ["suffix"], "k": 5}),
+                     ("suffix + cost-model", {"drafters": ["suffix"], "length": "cost-model"}),
+                     ("auto", {"drafters": POOL, "selector": "auto"})]
+    for tree_tag in ("", " +tree")]
 
 
 class OracleTarget(TargetBackend):
@@ -180,8 +186,7 @@ def load_workload(path: str, costs: str | None, rounds_csv: str | None = None) -
     return Workload(reqs, rec["vocab"], rec["eos"], rec["max_new_tokens"], surface, surface)
 
 
-def replay_config(work: Workload, drafters: Sequence[str], selector: str | None, tree: bool,
-                  k: int = 5, **engine_kw: Any) -> dict[str, Any]:
+def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
     """One configuration over the workload (a warm-up on the first request, as the bench's):
     MAT, nodes per round, and tokens/s priced on the workload's surface (verify steps at their
     width and cache length, plus the drafting, catch-up and policy seconds measured here and
@@ -189,7 +194,7 @@ def replay_config(work: Workload, drafters: Sequence[str], selector: str | None,
     engine_mod.load_or_measure = lambda *a, **kw: work.policy_surface  # what the engine's policies read
     first = work.requests[0]
     target = OracleTarget(work.vocab, work.eos)
-    eng = engine_mod.SpeculativeEngine(target, drafters, k=k, selector=selector, tree=tree, **engine_kw)
+    eng = engine_mod.SpeculativeEngine(target, **engine_kw)
     greedy = SamplingConfig(temperature=0.0)
     target.seq = first["seq"]
     eng.generate(first["prompt"], GenerationConfig(max_new_tokens=16, sampling=greedy))
@@ -226,11 +231,11 @@ def replay_config(work: Workload, drafters: Sequence[str], selector: str | None,
 def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rounds_csv: str | None = None,
            **engine_kw: Any) -> None:
     work = load_workload(path, costs, rounds_csv)
-    for name, drafters, selector, tree in CONFIGS:
+    for name, kw in CONFIGS:
         if names and name not in names:
             continue
-        r = replay_config(work, drafters, selector, tree, **engine_kw)
-        print(f"{name:18s} MAT {r['mat']:.3f}  identical to AR: {r['identical']}  nodes/round "
+        r = replay_config(work, **kw, **engine_kw)
+        print(f"{name:26s} MAT {r['mat']:.3f}  identical to AR: {r['identical']}  nodes/round "
               f"{r['nodes_per_round']:.2f}  drafting rounds {r['drafting_share']:.2f}  python "
               f"{r['python_ms']:.2f} ms/round  est. {r['tokens_per_s']:.2f} tok/s, {r['speedup']:.3f}x AR")
 
@@ -245,6 +250,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--costs", help="verify-cost surface JSON (VerifyCostSurface.to_dict); a trace has its own")
     ap.add_argument("--only", action="append", help="replay only this configuration (repeatable)")
+    ap.add_argument("--wall-clock", action="store_true",
+                    help="time the engine's own work (drafting, policies) by wall time; default: the "
+                         "process's CPU time, which another process on a busy machine does not inflate")
     ap.add_argument("--live-ratios", metavar="ROUNDS_CSV",
                     help="price verify steps with the per-width live/surface ratio of this bench run's "
                          "rounds.csv instead of the trace's calibration")
@@ -252,6 +260,8 @@ def main() -> None:
     if args.record:
         record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
     elif args.recording:
+        if not args.wall_clock:
+            time.perf_counter = time.process_time  # the engine's timers, in this process only
         replay(args.recording, args.costs, args.only, args.live_ratios)
     else:
         ap.error("give --record OUT, or a trace (or a recording and --costs)")
