@@ -598,6 +598,11 @@ class CostModel:
         #: (policies, full-information scoring, bookkeeping): paid by every round alike
         self.round_overhead_s = 0.0
         self._overhead_seen = False
+        #: decayed tokens and priced seconds of the rounds so far (``observe_round``): the
+        #: generation's running rate, the opportunity cost of a round's seconds
+        self.rate_decay = 0.999
+        self._rate_tokens = 0.0
+        self._rate_seconds = 0.0
         #: batched rounds (``adaspec.batch``): the batch surface, the round's rows and cache
         #: columns; with rows > 1 ``verify_cost`` is the row's price in the batch (``row_cost``)
         self.batch: BatchCosts | None = None
@@ -631,6 +636,22 @@ class CostModel:
             self.round_overhead_s, self._overhead_seen = seconds, True
         else:
             self.round_overhead_s = self.decay * self.round_overhead_s + (1 - self.decay) * seconds
+
+    def observe_round(self, emitted: int, width: int, other_s: float) -> None:
+        """A finished round: ``emitted`` tokens for a verify forward of ``width`` tokens (priced
+        by ``verify_cost`` at the round's context, so live runs and replays agree) plus
+        ``other_s`` measured seconds outside the verify step. Feeds ``running_rate``."""
+        keep = self.rate_decay
+        self._rate_tokens = keep * self._rate_tokens + emitted
+        self._rate_seconds = keep * self._rate_seconds + self.verify_cost(width) + max(0.0, other_s)
+
+    def running_rate(self) -> float:
+        """Tokens per second of the rounds so far (decayed by ``rate_decay`` per round, kept
+        across requests); before any round, plain decoding's 1 / (overhead + V(1))."""
+        if self._rate_seconds > 0.0:
+            return self._rate_tokens / self._rate_seconds
+        plain = self.round_overhead_s + self.verify_cost(1)
+        return 1.0 / plain if plain > 0.0 else 0.0
 
     def verify_cost(self, width: int, context: int | None = None) -> float:
         """Seconds of one target forward over ``width`` tokens on a ``context``-token cache

@@ -135,7 +135,7 @@ class SpeculativeEngine:
         for policy in (self.selector, self.length):
             if hasattr(policy, "bind_drafters"):
                 policy.bind_drafters([d.is_model for d in self.drafters])
-            if hasattr(policy, "bind_trees"):  # which drafters draft trees (their tokens skip decide)
+            if hasattr(policy, "bind_trees"):  # which drafters draft trees (no decide; the node budget prices them)
                 policy.bind_trees([self.tree and d.supports_tree for d in self.drafters])
 
     def _check_trees(self) -> None:
@@ -447,8 +447,10 @@ class SpeculativeEngine:
             policy_in_draft = 0.0
             tree = None
             if cap > 0 and trees[i]:
-                tree = self._draft_tree(drafter, tokens, cap, sampling)
-                if tree.is_chain:  # a chain is drafted and verified as one
+                tree = self._draft_tree(drafter, tokens, cap, remaining - 1, sampling)
+                if tree is None:  # the drafter offered one chain: drafted as without trees
+                    draft = self._draft_chain(i, tokens, cap, peeked, sampling, generator, decide)
+                elif tree.is_chain:  # a chain (or a tree cut to one) is verified as one
                     draft, tree = Draft(tokens=apply_decisions(tree.tokens, decide)), None
             else:
                 draft = self._draft_chain(i, tokens, cap, peeked, sampling, generator, decide)
@@ -486,7 +488,8 @@ class SpeculativeEngine:
             feedback = RoundFeedback(
                 round=len(stats.rounds), drafter=i, draft=draft, n_accepted=n, emitted=emitted,
                 k_cap=cap, target_logits=logits, sampling=sampling, draft_s=draft_s,
-                verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens, gammas=gammas)
+                verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens, gammas=gammas,
+                tree_nodes=0 if tree is None else k)
             t5 = now()
             if selector.full_information and (len(drafters) > 1 or wanted == 0):
                 feedback.counterfactual = self._evaluate_others(
@@ -499,6 +502,7 @@ class SpeculativeEngine:
             length.update(feedback)
             t7 = now()
             cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
+            cost_model.observe_round(len(emitted), k + 1, (t7 - t0) - verify_s)
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
@@ -538,15 +542,35 @@ class SpeculativeEngine:
         return drafter.draft(tokens, cap, sampling, generator, decide,
                              want_hidden=self.length.needs_hidden and drafter.is_model)
 
-    def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int,
-                    sampling: SamplingConfig | None = None) -> DraftTree:
-        """The drafter's tree (``cap`` deep), cut to the best-first prefix whose expected
-        tokens per second of verification is highest (``trees.nodes_worth_verifying``)."""
-        tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap), sampling)
-        if tree.is_chain or tree.scores is None:
+    def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int, room: int,
+                    sampling: SamplingConfig | None = None) -> DraftTree | None:
+        """The drafter's tree cut to the best-first prefix worth verifying
+        (``trees.nodes_worth_verifying``); None when a model-free drafter offered a single
+        chain, which the engine then drafts exactly as without trees (the length policy's cap
+        and ``decide``): a tree of one chain is the chain path.
+
+        Depth: a model drafter's tree is ``cap`` deep (every level costs a drafter forward). A
+        model-free drafter's is ``tree_nodes - 1`` deep, whatever the cap (at most ``room``,
+        the tokens left): its nodes cost lookups, and the budget prices each by its calibrated
+        score, so a cap chosen for a chain would only cut paths that pay; one less than the
+        nodes, so that a tree of one chain means the drafter had no alternative (the nodes ran
+        out of candidates, not the budget)."""
+        if drafter.is_model:
+            tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap), sampling)
+            if tree.is_chain:
+                return tree
+        else:
+            depth = min(max(self.tree_nodes - 1, 1), room)
+            tree = drafter.draft_tree(tokens, depth, self.tree_nodes, sampling)
+            if tree.is_chain:
+                return tree if not len(tree) else None
+        if tree.scores is None:
             return tree
         costs = self.cost_model
-        return tree.prefix(nodes_worth_verifying(tree.scores, costs.verify_cost, costs.round_overhead_s))
+        # the opportunity cost of a second is the generation's running rate, unless the length
+        # policy planned the round on its own rate (auto): the tree then keeps that objective
+        rate = None if self.length.plans_round_rate else costs.running_rate()
+        return tree.prefix(nodes_worth_verifying(tree.scores, costs.verify_cost, costs.round_overhead_s, rate))
 
     def _verify_tree(self, cache: Any, tokens: list[int], tree: DraftTree, sampling: SamplingConfig,
                      generator: torch.Generator | None, features: bool

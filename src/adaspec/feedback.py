@@ -89,6 +89,9 @@ class RoundFeedback:
     counterfactual_proposed: dict[int, list[bool]] | None = None
     #: per-position acceptance probabilities given directly (synthetic environments, replay)
     gammas: list[float] | None = None
+    #: nodes of the round's draft tree (0: a chain); a tree round reads as a chain (the
+    #: accepted path, then the first child of its end), not as the drafter's chain's outcome
+    tree_nodes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -188,21 +188,29 @@ def tree_gammas(probs: torch.Tensor, tree: DraftTree, rows: Sequence[int]) -> li
 
 
 def nodes_worth_verifying(scores: Sequence[float], verify_cost: Callable[[int], float],
-                          fixed_s: float = 0.0) -> int:
-    """How many of the first nodes (best-first) to verify: the count m that maximises the
-    round's expected tokens per second, (1 + sum of the first m scores) / (fixed_s +
-    V(m + 1)), where a node's score estimates its acceptance probability (its expected
-    accepted tokens). Over every prefix, so a cost cliff (a wider forward that is cheaper) is
-    found; without costs (V = 0) every node is kept."""
-    best_m, best_rate, total = len(scores), -1.0, 1.0
+                          fixed_s: float = 0.0, rate: float | None = None) -> int:
+    """How many of the first nodes (best-first) to verify; a node's score estimates its
+    acceptance probability (its expected accepted tokens), so the first m give the round
+    E_m = 1 + their scores' sum expected tokens in T_m = fixed_s + V(m + 1) seconds.
+
+    Without ``rate``: the m that maximises the round's own rate E_m / T_m. With ``rate`` R
+    (the generation's running tokens per second, the opportunity cost of a second): the m that
+    maximises E_m - R T_m, i.e. a node is worth its extra verify seconds when its expected
+    tokens exceed what those seconds yield on average (the ratio objective's optimal policy:
+    Dinkelbach 1967; renewal-reward, a round's rate is not the generation's). A round better
+    than average then verifies more nodes than its own rate would keep, a worse one fewer.
+    Over every prefix, so a cost cliff (a wider forward that is cheaper) is found; without
+    costs (V = 0) every node is kept."""
+    best_m, best, total = len(scores), None, 1.0
     if verify_cost(1) + fixed_s <= 0.0:
         return len(scores)
     for m in range(len(scores) + 1):
         if m:
             total += scores[m - 1]
-        rate = total / (fixed_s + verify_cost(m + 1))
-        if rate > best_rate:
-            best_m, best_rate = m, rate
+        seconds = fixed_s + verify_cost(m + 1)
+        value = total - rate * seconds if rate is not None else total / seconds
+        if best is None or value > best:
+            best_m, best = m, value
     return best_m
 
 

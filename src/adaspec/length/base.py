@@ -22,6 +22,11 @@ class LengthPolicy(ABC):
     name: str = "length"
     #: ask model drafters for their final hidden state at each step (SpecDec++ head)
     needs_hidden: bool = False
+    #: the cap is a plan that maximises the round's own expected tokens per second (``auto``),
+    #: whose gate already decided that the round drafts: a draft tree's node budget keeps
+    #: that objective instead of pricing nodes against the generation's running rate
+    #: (``trees.nodes_worth_verifying``)
+    plans_round_rate: bool = False
 
     def __init__(self, seed: int | None = 0, scope: str = "request"):
         self.seed, self.scope = seed, validate_scope(scope)

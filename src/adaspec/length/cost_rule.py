@@ -73,6 +73,7 @@ class CostModelRule(LengthPolicy):
         self.min_gain = check_float("min_gain", min_gain, 0.0, math.inf, 0.0)
         self.costs = None  # set by the engine (adaspec.costs.CostModel)
         self._model_free: list[bool] | None = None  # per drafter, from ``bind_drafters``
+        self._trees: list[bool] = []  # per drafter: its rounds draft trees (``bind_trees``)
         self.reset()
         self.begin_round(0)
 
@@ -111,10 +112,19 @@ class CostModelRule(LengthPolicy):
         """Which drafters run a network (the engine and replay tell every policy that asks)."""
         self._model_free = [not m for m in is_model]
 
+    def bind_trees(self, trees: Sequence[bool]) -> None:
+        """Which drafters draft trees (the engine tells, with ``tree=True``)."""
+        self._trees = list(trees)
+
+    def _tree(self, drafter: int) -> bool:
+        return drafter < len(self._trees) and self._trees[drafter]
+
     def begin_round(self, drafter: int) -> int:
         """The round's cap; 0 (a plain step, nothing drafted or looked up) when the drafter is
         model-free and ``decide`` would drop its first token anyway: its acceptance estimate is
-        one number per drafter, so that verdict is known before any token is proposed."""
+        one number per drafter, so that verdict is known before any token is proposed. Not for
+        a drafter that drafts trees: one number says nothing about a tree's alternatives, and
+        the engine's node budget prices them (a plain step when none pays)."""
         draft_s, verify = self._cost_functions(drafter)
 
         def block() -> BlockRate:
@@ -122,7 +132,7 @@ class CostModelRule(LengthPolicy):
 
         self._drafter, self._confs, self._rate = drafter, [], block()
         free = self._model_free
-        if free is not None and drafter < len(free) and free[drafter]:
+        if free is not None and drafter < len(free) and free[drafter] and not self._tree(drafter):
             if block().step(0, self.acceptance(drafter)) is Decision.DISCARD:
                 return 0
         return self.max_len
@@ -137,7 +147,8 @@ class CostModelRule(LengthPolicy):
         return self._rate.step(step.index, a)
 
     def update(self, feedback: RoundFeedback) -> None:
-        if feedback.n_drafted == 0:
+        # the estimates price chains (``decide``); a tree round's accepted path is not one's
+        if feedback.n_drafted == 0 or feedback.tree_nodes:
             return
         gammas = feedback.chosen_gammas()
         d, keep = feedback.drafter, self.decay

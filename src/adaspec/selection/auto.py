@@ -575,6 +575,7 @@ class AutoLength(_SharedCosts, LengthPolicy):
 
     name = "auto"
     wants_costs = True
+    plans_round_rate = True
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, scope: str = "global", seed: int | None = 0,

@@ -1,0 +1,189 @@
+"""How much of a draft tree is verified, and how deep it goes: the node budget against the
+generation's running rate (``trees.nodes_worth_verifying``, ``CostModel.running_rate``), the
+depth of model-free trees, the length policies' part (cost-model's gate, auto's objective) and
+the request level of the candidate calibration. Policies without a model; the engine cases
+on a tiny one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from adaspec.costs import CostModel, VerifyCostCurve
+from adaspec.drafters import Draft
+from adaspec.feedback import RoundFeedback
+from adaspec.config import SamplingConfig
+from adaspec.trees import nodes_worth_verifying
+from conftest import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+V = 16
+#: 2-grams that recur with several continuations: suffix trees branch here
+BRANCHY = [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 6, 1, 2, 3, 4, 7, 1, 2, 5, 6, 1, 2]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+
+
+def _curve(seconds):
+    return VerifyCostCurve(ks=list(range(1, len(seconds) + 1)), seconds=list(seconds), context=0)
+
+
+# -- the node budget ------------------------------------------------------------------------------
+def test_the_rate_budget_maximises_tokens_minus_the_opportunity_cost_of_their_seconds():
+    """Brute force over random best-first scores and cost curves with cliffs: the chosen m
+    maximises E_m - R T_m; and at R = the best round rate (Dinkelbach's fixed point) it reaches
+    that rate, i.e. the two objectives agree on the best round."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(0, 9)
+        scores = sorted((rng.random() ** 2 for _ in range(n)), reverse=True)
+        cost = [1.0] + [1.0 + rng.uniform(0.0, 1.2) for _ in range(n)]  # not monotone: cliffs
+        verify = lambda w, c=cost: c[w - 1]  # noqa: E731
+        fixed = rng.uniform(0.0, 0.2)
+        E = [1.0 + sum(scores[:m]) for m in range(n + 1)]
+        T = [fixed + verify(m + 1) for m in range(n + 1)]
+        rate = rng.uniform(0.3, 2.0)
+        m = nodes_worth_verifying(scores, verify, fixed, rate)
+        assert E[m] - rate * T[m] == pytest.approx(max(e - rate * t for e, t in zip(E, T)))
+        best = max(e / t for e, t in zip(E, T))
+        m_star = nodes_worth_verifying(scores, verify, fixed, best)
+        assert E[m_star] / T[m_star] == pytest.approx(best)
+        assert E[nodes_worth_verifying(scores, verify, fixed)] / T[nodes_worth_verifying(scores, verify, fixed)] \
+            == pytest.approx(best)
+
+
+def test_a_running_rate_drafts_fewer_weak_trees_and_more_of_strong_ones():
+    cheap = [1.0, 1.2, 1.3, 1.5]
+    weak = [0.25]
+    # the round's own rate: 1.25 tokens in 1.2 s beats a plain step's 1 in 1 s -> draft
+    assert nodes_worth_verifying(weak, _curve(cheap).cost) == 1
+    # but the generation makes 1.5 tokens a second: 0.25 more tokens for 0.2 more s do not pay
+    assert nodes_worth_verifying(weak, _curve(cheap).cost, rate=1.5) == 0
+    strong = [0.9, 0.9, 0.2]
+    # own rate: 2.8 / 1.3 = 2.15 > 3.0 / 1.5 = 2.0 -> stop at 2
+    assert nodes_worth_verifying(strong, _curve(cheap).cost) == 2
+    # a slower generation: the third node's 0.2 tokens for 0.2 s beat 0.5 tokens a second
+    assert nodes_worth_verifying(strong, _curve(cheap).cost, rate=0.5) == 3
+    assert nodes_worth_verifying(strong, lambda w: 0.0, rate=2.0) == 3  # no costs known: every node
+
+
+def test_running_rate_prices_rounds_on_the_surface_and_decays():
+    cm = CostModel(_curve([1.0, 1.5, 2.0]))
+    cm.round_overhead_s = 0.25
+    assert cm.running_rate() == pytest.approx(1 / 1.25)  # before any round: plain decoding's
+    cm.rate_decay = 0.5
+    cm.observe_round(3, 3, 0.5)  # 3 tokens, a width-3 forward priced 2.0 s, 0.5 s besides
+    assert cm.running_rate() == pytest.approx(3 / 2.5)
+    cm.observe_round(1, 1, 0.0)
+    assert cm.running_rate() == pytest.approx((0.5 * 3 + 1) / (0.5 * 2.5 + 1.0))
+    assert CostModel().running_rate() == 0.0  # nothing known: no opportunity cost
+
+
+# -- depth and the chain path in the engine --------------------------------------------------------
+def _engine(**kw):
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    eng = SpeculativeEngine(model, ["suffix"], tree=True, **kw)
+    eng.cost_model.curve = _curve([1.0] * 32)  # flat: the budget keeps every node
+    return eng
+
+
+def test_model_free_trees_are_as_deep_as_their_nodes_allow_whatever_the_cap():
+    eng = _engine(k=2, tree_nodes=8)
+    d = eng.drafters[0]
+    ctx = BRANCHY * 3
+    d.begin_request(ctx)
+    tree = eng._draft_tree(d, ctx, 2, 100)
+    assert tree is not None and not tree.is_chain
+    assert max(tree.depths) > 2 and max(tree.depths) <= 7 and len(tree) <= 8  # deeper than k=2
+    shallow = eng._draft_tree(d, ctx, 2, 3)  # 3 tokens left to generate
+    assert max(shallow.depths) <= 3
+
+
+def test_a_drafter_without_alternatives_drafts_its_chain_and_a_cut_tree_nothing(monkeypatch):
+    from adaspec.drafters.suffix import SuffixDrafter
+
+    import adaspec.engine as engine_mod
+
+    eng = _engine(k=3)
+    d = eng.drafters[0]
+    ctx = [5, 6, 7, 8, 9, 5, 6, 7]  # one continuation only: 8, 9, 5, ...
+    d.begin_request(ctx)
+    assert eng._draft_tree(d, ctx, 3, 100) is None  # the chain path (cap 3 and decide)
+    # a branching offer the budget cuts to nothing is a plain step, never the chain
+    monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: 0)
+    branching = []
+    orig = SuffixDrafter.draft_tree
+
+    def spy(self, *a, **kw):
+        tree = orig(self, *a, **kw)
+        branching.append(not tree.is_chain)
+        return tree
+
+    monkeypatch.setattr(SuffixDrafter, "draft_tree", spy)
+    rounds = eng.generate(BRANCHY, max_new_tokens=12).stats.rounds
+    drafted = [r.drafted for r in rounds if r.k_cap > 0]
+    assert any(branching) and len(drafted) == len(branching)
+    assert all(n == 0 for n, b in zip(drafted, branching) if b)
+
+
+@pytest.mark.parametrize("selector,expect_rate", [(None, True), ("auto", False)])
+def test_the_budget_prices_nodes_against_the_running_rate_unless_auto_planned_the_round(
+        monkeypatch, selector, expect_rate):
+    import adaspec.engine as engine_mod
+
+    seen = []
+    orig = engine_mod.nodes_worth_verifying
+    monkeypatch.setattr(engine_mod, "nodes_worth_verifying",
+                        lambda *a, **kw: seen.append(a[3] if len(a) > 3 else kw.get("rate")) or orig(*a, **kw))
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    drafters = ["suffix"] if selector is None else ["suffix", "none"]
+    eng = SpeculativeEngine(model, drafters, selector=selector, k=4, tree=True)
+    eng.cost_model.curve = _curve([1.0 + 0.01 * w for w in range(32)])
+    eng.generate(BRANCHY, max_new_tokens=20)
+    assert seen and all((r is not None) == expect_rate for r in seen)
+    assert all(r > 0 for r in seen if r is not None)
+
+
+# -- length policies with trees ---------------------------------------------------------------------
+def _tree_feedback(drafter: int, nodes: int) -> RoundFeedback:
+    return RoundFeedback(round=0, drafter=drafter, draft=Draft(tokens=[3, 4]), n_accepted=1,
+                         emitted=[3, 5], k_cap=4, target_logits=None, sampling=SamplingConfig(),
+                         gammas=[1.0, 0.0], tree_nodes=nodes)
+
+
+def test_cost_model_leaves_tree_drafters_to_the_node_budget():
+    """The rule's plain-step shortcut reads one acceptance number per model-free drafter: not
+    for a drafter whose rounds are trees (their alternatives are the budget's to price), and
+    tree rounds do not move the per-token estimate its ``decide`` uses for chains."""
+    from adaspec.length.cost_rule import CostModelRule
+
+    rule = CostModelRule(prior_acceptance=0.6)
+    rule.costs = CostModel(_curve([1.0 + 0.8 * j for j in range(16)]))  # steep: a = 0.6 cannot pay
+    rule.begin_request()
+    rule.bind_drafters([False, False])
+    assert rule.begin_round(0) == 0 and rule.begin_round(1) == 0
+    rule.bind_trees([True, False])
+    assert rule.begin_round(0) == rule.max_len and rule.begin_round(1) == 0
+    before = rule.acceptance(0)
+    rule.update(_tree_feedback(0, nodes=6))
+    assert rule.acceptance(0) == before
+    rule.update(_tree_feedback(0, nodes=0))  # a chain round still teaches it
+    assert rule.acceptance(0) != before
+
+
+def test_engine_tells_the_length_policy_which_drafters_draft_trees():
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=0, vocab=V)
+    for tree in (False, True):
+        eng = SpeculativeEngine(model, ["suffix", "none"], selector="static", length="cost-model", tree=tree)
+        assert eng.length._trees == [tree, False]
