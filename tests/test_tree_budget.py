@@ -187,3 +187,48 @@ def test_engine_tells_the_length_policy_which_drafters_draft_trees():
     for tree in (False, True):
         eng = SpeculativeEngine(model, ["suffix", "none"], selector="static", length="cost-model", tree=tree)
         assert eng.length._trees == [tree, False]
+
+
+# -- the request level of the calibration --------------------------------------------------------
+def test_request_calibration_follows_this_request_over_the_shared_estimate():
+    from adaspec.drafters.indexed import CALIBRATION_WEIGHT, CandidateCalibration, RequestCalibration
+
+    shared = CandidateCalibration({(1, 3, 0): 0.4}, default=0.1)
+    req = RequestCalibration(shared)
+    key, w = (1, 3, 0), CALIBRATION_WEIGHT
+    assert req.estimate(key) == 0.4
+    for hit in (False, False, False, True):
+        req.observe(key, hit)
+    p = shared.estimate(key)  # the shared counts learnt the same four trials
+    assert p == pytest.approx((1 + w * 0.4) / (4 + w))
+    assert req.estimate(key) == pytest.approx((1 + w * p) / (4 + w))  # this request: lower still
+    req.clear()
+    assert req.estimate(key) == p
+
+
+def test_each_request_and_each_fork_twin_has_its_own_request_level():
+    from adaspec.drafters.suffix import SuffixDrafter
+
+    d = SuffixDrafter()
+    d.begin_request(BRANCHY)
+    tree = d.draft_tree(BRANCHY, 2, 8)
+    d.catch_up(BRANCHY + [99, 98])  # nobody's candidate: every root candidate missed
+    assert d.request_calibration.trials and not any(d.request_calibration.hits.values())
+    key = next(iter(d.request_calibration.trials))
+    assert d.request_calibration.estimate(key) < d.calibration.estimate(key)
+    twin = d.fork()
+    assert twin.calibration is d.calibration and not twin.request_calibration.trials
+    assert twin.request_calibration.estimate(key) == d.calibration.estimate(key)
+    d.begin_request(BRANCHY)
+    assert not d.request_calibration.trials and len(tree) > 1
+
+
+def test_the_shared_table_keeps_every_trial_of_the_request_level():
+    from adaspec.drafters.suffix import SuffixDrafter
+
+    d = SuffixDrafter()
+    d.begin_request(BRANCHY)
+    d.draft_tree(BRANCHY, 2, 8)
+    d.catch_up(BRANCHY + [3])
+    assert d.calibration.trials == d.request_calibration.trials
+    assert d.calibration.hits == d.request_calibration.hits

@@ -77,7 +77,8 @@ class CandidateCalibration:
     stay a function of the context and the drafter's history, never of the round's draw (the
     one-hot exactness argument of ``adaspec.trees``). Under sampling an emitted token is a draw
     from the target's p, so a hit is an unbiased sample of p(candidate). The counts are kept
-    across requests (like ``auto``'s global estimates) and shared by ``fork``'s twins.
+    across requests (like ``auto``'s global estimates) and shared by ``fork``'s twins; each
+    drafter's ``RequestCalibration`` puts the current request's evidence on top.
     These estimates are the node scores the engine's node budget (``trees.nodes_worth_verifying``)
     prices, so they should be probabilities, not frequency shares (EAGLE-2, Li et al. 2024,
     Sec. 3: a draft score is only useful for pruning when it tracks the acceptance rate).
@@ -99,6 +100,35 @@ class CandidateCalibration:
         self.trials[key] = self.trials.get(key, 0.0) + 1.0
 
 
+class RequestCalibration:
+    """This request's evidence on top of the shared estimates (``CandidateCalibration``): a
+    bucket's probability is (request hits + w p) / (request trials + w), p the shared estimate,
+    w = ``CALIBRATION_WEIGHT`` (as ``auto``'s request level over its global one). A bucket's
+    acceptance depends on the text: on the held-out suite the 1-gram candidates of a question
+    answering prompt hit less often than the suite's average, those of a summary more often,
+    and the node budget verifies a tree only where its expected tokens pay. Observations also
+    go to the shared counts; the request's are cleared at ``begin_request`` and are the
+    drafter's own (a ``fork`` twin gets its own)."""
+
+    def __init__(self, shared: CandidateCalibration, weight: float = CALIBRATION_WEIGHT):
+        self.shared, self.weight = shared, float(weight)
+        self.hits: dict[CandidateKey, float] = {}
+        self.trials: dict[CandidateKey, float] = {}
+
+    def clear(self) -> None:
+        self.hits, self.trials = {}, {}
+
+    def estimate(self, key: CandidateKey) -> float:
+        p = self.shared.estimate(key)
+        t = self.trials.get(key)
+        return p if t is None else (self.hits[key] + self.weight * p) / (t + self.weight)
+
+    def observe(self, key: CandidateKey, hit: bool) -> None:
+        self.hits[key] = self.hits.get(key, 0.0) + float(hit)
+        self.trials[key] = self.trials.get(key, 0.0) + 1.0
+        self.shared.observe(key, hit)
+
+
 class IndexedDrafter(Drafter):
     """A deterministic drafter whose proposal is a pure function of the indexed prefix.
 
@@ -116,6 +146,7 @@ class IndexedDrafter(Drafter):
         self._trusted = 0
         self._match = 0  # match length behind the last proposal (set by ``propose``)
         self.calibration = CandidateCalibration(self.CALIBRATION_PRIOR, self.CALIBRATION_DEFAULT)
+        self.request_calibration = RequestCalibration(self.calibration)
         #: the last tree's context length and candidates per expanded path, settled at catch_up
         self._offered: tuple[int, dict[tuple[int, ...], list[tuple[int, CandidateKey]]]] | None = None
 
@@ -150,7 +181,7 @@ class IndexedDrafter(Drafter):
         heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
         order = itertools.count()
         offered: dict[tuple[int, ...], list[tuple[int, CandidateKey]]] = {}
-        est = self.calibration.estimate
+        est = self.request_calibration.estimate
 
         def expand(node: int, score: float, path: tuple[int, ...]) -> None:
             index.truncate(base)
@@ -186,19 +217,21 @@ class IndexedDrafter(Drafter):
             if cands is None:
                 break
             for cand, key in cands:
-                self.calibration.observe(key, cand == tok)
+                self.request_calibration.observe(key, cand == tok)
             path = (*path, tok)
 
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
         self._index.clear()
         self._trusted = 0
         self._offered = None
+        self.request_calibration.clear()
 
     def fork(self) -> IndexedDrafter:
         twin = copy.copy(self)  # settings, datastore and calibration shared, index of its own
         twin._index = NgramIndex(self._index.sizes)
         twin._trusted = 0
         twin._offered = None
+        twin.request_calibration = RequestCalibration(self.calibration)
         return twin
 
     def catch_up(self, context: Sequence[int]) -> None:
