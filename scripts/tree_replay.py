@@ -1,12 +1,20 @@
-"""Tokens per target forward (MAT) of chains and draft trees, replayed against recorded AR
-outputs (issue 18): the engine runs unchanged against an oracle target whose argmax is the
-recorded greedy continuation, so greedy MAT is exact (the drafters only see tokens) and a
-configuration takes seconds instead of a bench's model forwards. Speed is *estimated* on a
-verify-cost surface (``--costs``: JSON as ``VerifyCostSurface.to_dict``) plus the measured
-drafting and policy time and 2 ms per round; measure real speed with ``adaspec bench``.
+"""Tokens per target forward (MAT) and predicted speed of chains and draft trees, replayed
+against recorded greedy outputs (issue 18): the engine runs unchanged against an oracle target
+whose argmax is the recorded greedy continuation, so greedy MAT and every decision are exact
+(the drafters only see tokens; an off-path tree node is never accepted) and a configuration
+takes seconds instead of a bench's model forwards.
 
-    python scripts/tree_replay.py --record ar.json            # SmolLM2 greedy, mixed suite, 2/category
-    python scripts/tree_replay.py ar.json --costs surface.json  # suffix and auto, chain and +tree
+Speed is *predicted*: verify steps on the trace's surface at their width and cache length,
+times the live/surface ratio per width (the trace's calibration, or ``--live-ratios`` of a
+bench run's rounds.csv), plus the engine's own drafting, policy and catch-up work measured
+here (CPU time unless ``--wall-clock``) and the recorded per-round and per-request overheads;
+AR is priced alike. The engine's policies read the surface the live engines read
+(``Trace.policy_surface``). Measure real speed with ``adaspec bench``.
+
+    python scripts/tree_replay.py docs/results/smollm2-auto-trees-v3/trace.npz   # a bench trace
+    python scripts/tree_replay.py TRACE.npz --live-ratios RESULTS/rounds.csv --only "suffix k=5 +tree"
+    python scripts/tree_replay.py --record ar.json              # or: AR outputs of SmolLM2 (mixed suite)
+    python scripts/tree_replay.py ar.json --costs surface.json  # priced on a surface JSON, 2 ms a round
 """
 
 from __future__ import annotations

@@ -101,11 +101,13 @@ class SpeculativeEngine:
         k: draft length for the static length policy.
         tree: draft trees (``adaspec.trees``) from every drafter that proposes them (prompt
             lookup, suffix; model drafters, tiny LMs and feature heads on transformers: EAGLE-2
-            dynamic trees); the others draft chains. A tree is at most as deep as the length
-            policy's cap and has at most ``tree_nodes`` nodes, of which the engine verifies the
-            best-first prefix that maximises expected tokens per second on the measured
-            verify-cost surface (``trees.nodes_worth_verifying``). A tree that is a chain is
-            drafted and verified exactly as a chain.
+            dynamic trees); the others draft chains. The length policy's cap 0 is a plain
+            step; otherwise a model drafter's tree is as deep as the cap, a model-free one's
+            ``tree_nodes - 1`` (``_draft_tree``), with at most ``tree_nodes`` nodes, of which
+            the engine verifies the best-first prefix worth its verify seconds on the measured
+            surface against the generation's running rate (against the round's own rate when
+            ``auto`` planned the round; ``trees.nodes_worth_verifying``). A drafter that offers
+            a single chain drafts and verifies it exactly as without trees.
         tree_nodes: most nodes of a draft tree (default 15: a 16-token forward, the widest
             of the cost surface's grid).
     """
