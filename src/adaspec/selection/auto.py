@@ -598,8 +598,9 @@ class AutoLength(_SharedCosts, LengthPolicy):
         self._is_model = list(is_model)
 
     def bind_trees(self, trees: Sequence[bool]) -> None:
-        """Which drafters draft trees (the engine tells): a tree is as deep as the cap and its
-        tokens are not decided one by one, so they keep the plan's cap."""
+        """Which drafters draft trees (the engine tells): a tree's tokens are not decided one
+        by one, so they keep the plan's cap (a model drafter's tree is as deep as the cap, a
+        model-free one's as its nodes allow: ``SpeculativeEngine._draft_tree``)."""
         self._trees = list(trees)
 
     def _reports_q(self, d: int) -> bool:
