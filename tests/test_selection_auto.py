@@ -23,7 +23,7 @@ from adaspec.feedback import RoundFeedback
 from adaspec.models import as_loaded
 from adaspec.selection import build_policies
 from adaspec.drafters.base import Peek
-from adaspec.selection.auto import (AutoController, AutoLength, AutoSelector, ChainCounts, expected_tokens,
+from adaspec.selection.auto import (AutoController, AutoLength, AutoSelector, ChainCounts, Plan, expected_tokens,
                                     lower_bound, peek_chain)
 
 GREEDY = SamplingConfig()
@@ -680,3 +680,41 @@ def test_model_free_drafters_keep_the_planned_cap():
     assert length.decide(q_step(0, 0.01)) is Decision.CONTINUE
     with pytest.raises(ConfigError, match="confidence_stop must be 0 or 1"):
         AutoSelector(confidence_stop=2)
+
+
+def test_model_drafters_whose_plan_keeps_losing_are_scored_ever_more_rarely():
+    """Skipped evaluation with a growing interval: a model drafter whose best plan loses to
+    the round's choice is scored at rounds 0, 8, 16, 32, 64, 128, 256 (not every 4th: each
+    score is a forward of the model); once its plan would win, every 4th round again."""
+    def none_round(r: int) -> RoundFeedback:
+        return RoundFeedback(round=r, drafter=1, draft=Draft(), n_accepted=0, emitted=[5], k_cap=0,
+                             target_logits=None, sampling=GREEDY)
+
+    c = AutoController(shrink=0.0)
+    c.costs = FixedCosts(flat(1.0, 0.05), {0: 0.2})
+    c.begin_request(["head", "none"], is_model=[True, False])
+    c.global_counts[0].s, c.global_counts[0].t = [1.0, 1.0, 1.0], [1e4, 1e4, 1e4]  # never proposes
+    scored = []
+    for r in range(300):
+        assert c.choose().drafter == 1
+        if c.evaluate(0):
+            scored.append(r)
+        c.observe(none_round(r))
+    assert scored == [0, 8, 16, 32, 64, 128, 256]
+    c.global_counts[0].s = [1e4, 0.99e4, 0.99e4]  # now it pays: the next score resets the interval
+    c.plan = Plan(1, 0, 1.0 / 1.0)  # the round played a plain step
+    c.rounds = 512
+    assert c.evaluate(0) and c.eval_losses[0] == 0
+    c.rounds = 516
+    assert c.evaluate(0)
+
+
+def test_a_model_drafter_that_drafts_is_scored_every_few_rounds_again():
+    c = AutoController(shrink=0.0)
+    c.begin_request(["head", "none"], is_model=[True, False])
+    c.eval_losses[0] = 4
+    c.observe(RoundFeedback(round=0, drafter=0, draft=Draft(tokens=[1, 2]), n_accepted=1, emitted=[1, 7],
+                            k_cap=2, target_logits=None, sampling=GREEDY))
+    assert 0 not in c.eval_losses
+    c.rounds = 4
+    assert c.evaluate(0)

@@ -49,8 +49,9 @@ prefix, so P(emitted_j = b_j | prefix) = p_j(b_j), the one-hot acceptance probab
 that cannot be looked at (model drafters) are scored on the verified tokens by the engine
 (full information, Not-a-Bandit 3.2: ``feedback.counterfactual`` holds their acceptance
 probability gamma at every emitted position, ``counterfactual_alpha`` the acceptance of the
-realised token), every ``model_eval_every`` rounds (skipped evaluation, Not-a-Bandit B.5), and
-learn from their own rounds in between.
+realised token), every ``model_eval_every`` rounds (skipped evaluation, Not-a-Bandit B.5),
+an interval that doubles (up to 2^``MAX_EVAL_BACKOFF`` times) while their best plan keeps
+losing to the round's choice, and learn from their own rounds in between.
 
 Estimator and censoring. From one drafter's gammas g_1..g_m and realised acceptances
 alpha_1..alpha_m along a verified chain, the counts are (fractional under sampling):
@@ -106,6 +107,8 @@ from ..length.cost_rule import BlockRate, ConfidenceCalibration
 from ..length.rules import step_confidence
 from .base import DrafterPolicy
 
+#: a model drafter whose plan keeps losing is scored every model_eval_every x 2^j rounds, j <= this
+MAX_EVAL_BACKOFF = 5
 #: prior of (h, a, c) before any data, see the module docstring
 DEFAULT_PRIOR = (0.5, 0.5, 0.7)
 NONE_NAMES = ("none",)
@@ -253,6 +256,8 @@ class AutoController:
         self.is_model: list[bool] = []
         #: the two levels' decay clocks (a batch shares the global one with the global counts)
         self.global_clock, self.request_clock = DecayClock(global_decay), DecayClock(request_decay)
+        #: per model drafter: how many of its evaluations in a row found its plan losing
+        self.eval_losses: dict[int, int] = {}
         self.global_counts: list[ChainCounts] = []
         self.request_counts: list[ChainCounts] = []
         self.rounds = 0
@@ -277,6 +282,7 @@ class AutoController:
             self.names = names
             self.global_counts = [ChainCounts(clock=self.global_clock) for _ in names]
             self.global_ctx = [{} for _ in names]
+            self.eval_losses = {}
         self.is_model = list(is_model) if is_model is not None else [False] * len(names)
         self.request_counts = [ChainCounts(clock=self.request_clock) for _ in names]
         self.request_ctx = [{} for _ in names]
@@ -390,12 +396,26 @@ class AutoController:
         (Not-a-Bandit B.5)."""
         if self.names[d] in NONE_NAMES or (self.learn_from_peeks and d in self.peeked):
             return False
-        return not self.is_model[d] or self.rounds % self.model_eval_every == 0
+        if not self.is_model[d]:
+            return True
+        losses = self.eval_losses.get(d, 0)
+        if self.rounds % (self.model_eval_every * 2 ** min(losses, MAX_EVAL_BACKOFF)):
+            return False
+        # the interval doubles each time d's best plan loses to the round's choice, and is
+        # back to model_eval_every once it would have won or drafts: a pool of heads that
+        # never pay is scored every 128 rounds, not every 4 (each score is a forward of the head)
+        plan = self.plan
+        if plan is not None and plan.drafter != d:
+            mine = self.best_k(d)  # its best is a plain step, or slower than the choice: it lost
+            self.eval_losses[d] = losses + 1 if mine.k == 0 or mine.rate < plan.rate else 0
+        return True
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, fb: RoundFeedback) -> None:
         self.request_clock.now += 1  # every count decays by its level's keep per round (lazily)
         self.global_clock.now += 1
+        if fb.n_drafted > 0:  # a drafter that drafts is winning: back to scoring it every few rounds
+            self.eval_losses.pop(fb.drafter, None)
         levels = ((self.request_ctx, self.request_clock), (self.global_ctx, self.global_clock))
         for d, gammas, alphas, proposed in self._chains(fb, self.peeked if self.learn_from_peeks else {}):
             self.request_counts[d].observe(gammas, alphas, proposed)
