@@ -7,8 +7,8 @@ import json
 import pytest
 
 from adaspec.errors import AdaspecError, ConfigError, PromptError
-from adaspec.bench.workloads import (BUILTIN_PROMPTS, CATEGORIES, BenchPrompt, load_humaneval, load_jsonl, load_suite,
-                             load_text, load_workload, save_jsonl, take_per_category)
+from adaspec.bench.workloads import (BUILTIN_PROMPTS, CATEGORIES, SUITES, BenchPrompt, load_humaneval, load_jsonl,
+                                    load_suite, load_text, load_workload, save_jsonl, take_per_category)
 
 
 def test_every_category_has_16_distinct_prompts():
@@ -206,3 +206,61 @@ def test_workloads_join_with_plus():
     assert [p.category for p in both] == ["code", "code", "code-editing", "code-editing"]
     with pytest.raises(ConfigError, match="repeats"):
         load_workload("code+code", per_category=1)
+
+
+# -- the long-context suite -----------------------------------------------------------------------
+LONG = [f"long-context-{i:02d}" for i in range(1, 9)]
+
+
+def test_long_context_suite_loads_with_both_kinds():
+    suite = load_suite("long-context")
+    assert [p.id for p in suite] == LONG  # 8 prompts, unique ids, in order
+    assert all(p.category == "long-context" and len(p.turns) == 1 for p in suite)
+    assert len({p.text for p in suite}) == 8
+    summaries = [p for p in suite if p.text.startswith("Summarize")]
+    passage_qa = [p for p in suite if p.text.startswith("Answer the question using only the passages below")]
+    assert len(summaries) == 4 and len(passage_qa) == 4
+    for p in passage_qa:  # 4-6 numbered passages, then the question
+        n = p.text.count("\n\nPassage ")
+        assert 4 <= n <= 6, (p.id, n)
+        assert [f"Passage {i}:" in p.text for i in range(1, n + 1)] == [True] * n
+        assert "Cite the passage numbers" in p.text and "\n\nQuestion: " in p.text
+    for p in suite:
+        assert len(p.text.split()) > 450, p.id  # long documents (the 16-prompt suites: < 250 words)
+    assert load_workload("long-context") == suite
+    assert load_workload(" Long-Context ", per_category=3) == suite[:3]
+    joined = load_workload("summarization+long-context", per_category=2)
+    assert [p.id for p in joined] == ["summarization-01", "summarization-02", *LONG[:2]]
+
+
+def test_long_context_is_outside_all_and_mixed():
+    assert "long-context" in SUITES and "long-context" not in CATEGORIES
+    for name in ("all", "mixed"):
+        assert not [p for p in load_suite(name) if p.category == "long-context"], name
+    assert not [p for p in BUILTIN_PROMPTS if p.category == "long-context"]
+    # the default benchmark (mixed, 2 per category, seed 0) is the same workload, in the same order,
+    # as before the suite was added: its numbers are compared across sessions
+    assert [p.id for p in load_suite("mixed", per_category=2, seed=0)] == [
+        "rag-01", "code-editing-01", "summarization-02", "conversation-02", "math-02", "translation-01",
+        "translation-02", "rag-02", "code-02", "qa-02", "math-01", "summarization-01", "conversation-01", "qa-01",
+        "code-editing-02", "code-01"]
+    import hashlib
+
+    full = load_suite("mixed", seed=0)
+    assert hashlib.sha256(json.dumps([p.to_json() for p in full]).encode()).hexdigest()[:16] == "ccb5f09c69f9de45"
+
+
+@pytest.mark.slow
+def test_long_context_prompts_are_700_to_1500_tokens():
+    """Each prompt under SmolLM2's chat template, as ``adaspec bench`` encodes it, is 700-1,500 tokens
+    (750-1,425 when written), spread over that range."""
+    from adaspec.bench.runner import _turn_prompt
+    from adaspec.engine import SpeculativeEngine
+    from adaspec.models import load_model
+
+    engine = SpeculativeEngine(load_model("smollm2"), [])
+    sizes = {p.id: len(_turn_prompt(p, 0, [], engine)) for p in load_suite("long-context")}
+    outside = {k: v for k, v in sizes.items() if not 700 <= v <= 1500}
+    assert not outside, sizes
+    assert min(sizes.values()) < 850 and max(sizes.values()) > 1300, sizes  # spread, not bunched
+    assert max(sizes.values()) + 512 <= engine.target.context_window  # room for a long answer

@@ -8,6 +8,16 @@ editing. Copy-heavy prompts (editing, extraction, passage QA), where lookup draf
 sit next to open-ended ones, where they do not. ``mixed`` shuffles all categories together:
 the non-stationary workload of MetaSD (sec. 4.1), where the best drafter changes from
 request to request.
+
+``long-context`` (8 prompts) is a named suite outside ``CATEGORIES``: long-document
+summarisation (reports, minutes, a post-mortem, a design doc) and passage QA over 5-6
+numbered passages, 750-1,425 tokens each under SmolLM2's chat template (the other suites'
+first turns: 39-239). It exists for long-prompt measurements, such as replay's accuracy on
+long prompts (issue 23), and is left out of ``all`` and ``mixed`` on purpose: ``mixed`` is the
+default benchmark, whose numbers are compared across sessions; ``all`` is the set ``mixed``
+shuffles (and ``BUILTIN_PROMPTS`` takes the first prompt of each of its categories); and
+prompts several times longer than the rest would dominate either run's time. Ask for it by
+name or join it: ``--suite long-context``, ``--suite summarization+long-context``.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from ..errors import ConfigError, PromptError
 
 CATEGORIES: tuple[str, ...] = ("conversation", "translation", "summarization", "qa", "math", "rag", "code",
                                "code-editing")
-SUITES: tuple[str, ...] = (*CATEGORIES, "all", "mixed")
+#: named suites that are not categories of ``all`` / ``mixed`` (see the module docstring)
+EXTRA_SUITES: tuple[str, ...] = ("long-context",)
+SUITES: tuple[str, ...] = (*CATEGORIES, *EXTRA_SUITES, "all", "mixed")
 HUMANEVAL_INSTRUCTION = "Complete this Python function:"
 _JSONL_EXAMPLE = '{"question_id": "q1", "category": "qa", "turns": ["Why is the sky blue?"]}'
 
@@ -209,9 +221,10 @@ def take_per_category(prompts: Sequence[BenchPrompt], per_category: int | None) 
 
 
 def load_suite(name: str, per_category: int | None = None, seed: int = 0) -> list[BenchPrompt]:
-    """A built-in suite: one category, ``all`` (category by category) or ``mixed`` (all
-    categories shuffled with ``seed``, MetaSD 4.1). ``per_category`` keeps the first N
-    prompts of each category, before shuffling, so small runs stay balanced."""
+    """A built-in suite: one category, an extra suite (``long-context``), ``all`` (the
+    categories, category by category) or ``mixed`` (the categories shuffled with ``seed``,
+    MetaSD 4.1); extra suites are in neither. ``per_category`` keeps the first N prompts of
+    each category, before shuffling, so small runs stay balanced."""
     _check_per_category(per_category)
     key = name.strip().lower()
     if key not in SUITES:
@@ -224,7 +237,7 @@ def load_suite(name: str, per_category: int | None = None, seed: int = 0) -> lis
 
 
 def load_workload(spec: str, per_category: int | None = None, seed: int = 0) -> list[BenchPrompt]:
-    """Prompts for a workload spec: a built-in suite (a category, ``all``, ``mixed``),
+    """Prompts for a workload spec: a built-in suite (a category, ``long-context``, ``all``, ``mixed``),
     ``humaneval``, or a ``.jsonl`` (question format) or ``.txt`` (one prompt per line) file.
     ``per_category`` applies to every source; ``seed`` orders ``mixed``. Several specs joined
     by ``+`` (``code+code-editing``) are concatenated in order."""

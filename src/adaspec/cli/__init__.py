@@ -232,7 +232,7 @@ def bench(
         None, "--peer", "-p", help="Hugging Face assisted generation: hf-pld[:k=10], "
         "hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; 'none' for no peer [default: hf-pld]"),
     no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
-    suite: str | None = typer.Option(None, help="workload: a built-in suite (mixed, all, or a category), "
+    suite: str | None = typer.Option(None, help="workload: a built-in suite (mixed, all, a category, or long-context), "
                                      "humaneval, or a .jsonl / .txt file [default: mixed]"),
     per_category: int | None = typer.Option(None, help="prompts per category (0 = all) [default: 2]"),
     prompts: int = typer.Option(0, help="use only the first N prompts of the workload (0 = all)"),
