@@ -3,7 +3,6 @@ cache with holes, and the batch cost surface, on tiny fp32 models."""
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -16,8 +15,6 @@ from adaspec.costs import BatchCosts, CostModel, VerifyCostSurface
 from adaspec.errors import ConfigError
 from adaspec.selection.auto import AutoSelector
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
-warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
 VOCAB = 24
 WORDS = [f"w{i:02d}" for i in range(VOCAB)]

@@ -22,7 +22,6 @@ from adaspec.serve.metrics import ServerMetrics
 from adaspec.serve.scheduler import BatchExecutor, Delta, Finished, Job, Plan
 from adaspec.serve.state import LearntState
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
 MODEL = "tiny"
 

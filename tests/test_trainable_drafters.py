@@ -49,7 +49,7 @@ def _greedy(target, prompt: list[int], n: int = MAX_NEW) -> list[int]:
         out: list[int] = []
         feed = list(prompt)
         for _ in range(n):
-            logits = target.model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True).logits
+            logits = target.model(input_ids=torch.tensor([feed]), **{target.cache_kw: cache}, use_cache=True).logits
             feed = [int(logits[0, -1].argmax())]
             out.append(feed[0])
         _GREEDY[key] = out
@@ -302,7 +302,7 @@ def test_feature_forward_logits_identical_to_plain_forward(target):
     for chunk, keep in ((ids[:5], 1), (ids[5:], 3), ([7], 1)):
         x = torch.tensor([chunk])
         with torch.no_grad():
-            ref = target.model(input_ids=x, past_key_values=c1, use_cache=True, logits_to_keep=keep).logits
+            ref = target.model(input_ids=x, **{target.cache_kw: c1}, use_cache=True, logits_to_keep=keep).logits
         got, hidden = fwd(x, c2, keep)
         assert torch.equal(got, ref) and hidden.shape == (1, len(chunk), 32)
 

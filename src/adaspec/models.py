@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,14 @@ class LoadedModel(TargetBackend):
     model: Any
     tokenizer: Any | None
     name: str
+    #: the keyword ``model.forward`` takes the KV cache under (``cache_arg``)
+    cache_kw: str = field(init=False, repr=False, default="past_key_values")
 
     backend = "transformers"
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.cache_kw = cache_arg(self.model)
     has_hidden_states = True
     supports_trees = True
 
@@ -83,7 +90,7 @@ class LoadedModel(TargetBackend):
     def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = torch.tensor([list(ids)], device=self.device)
-        out = self.model(input_ids=x, past_key_values=state, use_cache=True, logits_to_keep=keep,
+        out = self.model(input_ids=x, **{self.cache_kw: state}, use_cache=True, logits_to_keep=keep,
                          output_hidden_states=hidden)
         return out.logits[0], (out.hidden_states[-1][0, -keep:] if hidden else None)
 
@@ -104,7 +111,7 @@ class LoadedModel(TargetBackend):
         ids = torch.tensor([[last, *tree.tokens]], device=device)
         pos = torch.tensor([tree.position_offsets()], device=device) + cached
         mask = tree_attention_mask(tree, cached, self.dtype, device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=state,
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self.cache_kw: state},
                          use_cache=True, output_hidden_states=hidden)
         return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
@@ -137,6 +144,25 @@ class LoadedModel(TargetBackend):
 
 #: attention implementations that add a custom 4D float mask to the scores (draft trees)
 TREE_ATTENTION = ("sdpa", "eager")
+
+
+def cache_arg(module: Any) -> str:
+    """The keyword under which ``module.forward`` takes its KV cache: ``cache`` in transformers
+    5.24 and later (which deprecate ``past_key_values`` and drop it in 5.40), else
+    ``past_key_values``. A wrapper whose forward takes ``**kwargs`` is read through its class's
+    bases. Read once per module, not per forward (a signature costs ~20 us)."""
+    for cls in type(module).__mro__:
+        fwd = cls.__dict__.get("forward")
+        if fwd is None:
+            continue
+        try:
+            params = inspect.signature(fwd).parameters
+        except (TypeError, ValueError):
+            continue
+        for name in ("cache", "past_key_values"):
+            if name in params:
+                return name
+    return "past_key_values"
 
 
 def _check_tree_cache(state: Any) -> None:

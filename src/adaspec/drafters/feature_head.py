@@ -34,7 +34,7 @@ from torch import nn
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError, ModelLoadError
-from ..models import LoadedModel, check_fingerprint, target_fingerprint
+from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
@@ -64,6 +64,8 @@ class TargetFeatureForward:
         self.model = model
         self.base = _base_model(model)
         self.head = model.get_output_embeddings()
+        self._kw = cache_arg(model)
+        self._base_kw = cache_arg(self.base)
         self.split = self.base is not None and self.head is not None and self._split_is_exact()
 
     @torch.inference_mode()
@@ -85,9 +87,9 @@ class TargetFeatureForward:
         """``input_ids`` [B, T] -> (logits [B, keep, V] (all T if keep == 0), hidden [B, T, H])."""
         use_cache = cache is not None
         if self.split:
-            h = self.base(input_ids=input_ids, past_key_values=cache, use_cache=use_cache).last_hidden_state
+            h = self.base(input_ids=input_ids, **{self._base_kw: cache}, use_cache=use_cache).last_hidden_state
             return self.head(h[:, -keep:] if keep else h), h
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=use_cache,
+        out = self.model(input_ids=input_ids, **{self._kw: cache}, use_cache=use_cache,
                          logits_to_keep=keep, output_hidden_states=True)
         return out.logits, out.hidden_states[-1]
 
@@ -189,6 +191,7 @@ class FeatureHeadNet(nn.Module):
         hidden = int(parts.layer_config.hidden_size)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = parts.layer_cls(parts.layer_config, 0)
+        self._cache_kw = cache_arg(self.layer)
         self.norm = copy.deepcopy(parts.final_norm)
 
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
@@ -196,7 +199,7 @@ class FeatureHeadNet(nn.Module):
         """feats, embeds [B, T, H]; position_ids [B, T] -> predicted next features [B, T, H]."""
         x = self.fc(torch.cat([embeds, feats], dim=-1))
         pos_emb = rotary(x, position_ids)
-        out = self.layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+        out = self.layer(x, attention_mask=mask, position_ids=position_ids, **{self._cache_kw: cache},
                          use_cache=cache is not None, position_embeddings=pos_emb)
         if isinstance(out, tuple):
             out = out[0]

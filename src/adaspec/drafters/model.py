@@ -11,7 +11,7 @@ import torch
 from ..config import SamplingConfig
 from ..errors import AdaspecError, VocabularyMismatchError
 from ..backends.base import TargetBackend
-from ..models import TREE_ATTENTION, LoadedModel, _check_tree_cache
+from ..models import TREE_ATTENTION, LoadedModel, _check_tree_cache, cache_arg
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
@@ -112,6 +112,7 @@ class ModelDrafter(Drafter):
     def __init__(self, drafter: TargetBackend, target_vocab_size: int, name: str | None = None):
         self.lm = drafter  # runs on any backend: a GGUF drafter of a llama.cpp target on llama.cpp
         self.model = getattr(drafter, "model", None)
+        self._cache_kw = cache_arg(self.model)  # transformers drafters only (trees)
         self.name = name or f"model:{drafter.name}"
         self._vocab = target_vocab_size
         self._device = drafter.device
@@ -240,7 +241,7 @@ class ModelDrafter(Drafter):
         dev = self._device
         out = self.model(input_ids=torch.tensor([list(tokens)], device=dev), attention_mask=mask,
                          position_ids=torch.tensor([list(positions)], device=dev),
-                         past_key_values=self._cache, use_cache=True)
+                         **{self._cache_kw: self._cache}, use_cache=True)
         return self._align(out.logits[0].float())
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import AdaspecError, ModelLoadError
-from ..models import LoadedModel, check_fingerprint, target_fingerprint
+from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from .feature_head import _check_vocab, scatter_full, short_name
 from .model import ModelDrafter
 
@@ -139,6 +139,7 @@ class TinyLMDrafter(ModelDrafter):
         self.vocab = _check_vocab(vocab, target_vocab_size).to(self._device)
         self.training = dict(training or {})
         self._base = self.model.model
+        self._base_kw = cache_arg(self._base)
         w = self.model.get_output_embeddings().weight.detach()
         self._w = w[self.vocab].contiguous()
 
@@ -165,7 +166,7 @@ class TinyLMDrafter(ModelDrafter):
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], keep: int = 1, hidden: bool = False):
         ids = torch.tensor([list(tokens)], device=self._device)
-        out = self._base(input_ids=ids, past_key_values=self._cache, use_cache=True)
+        out = self._base(input_ids=ids, **{self._base_kw: self._cache}, use_cache=True)
         self._fed.extend(tokens)
         h = out.last_hidden_state[0, -keep:]
         sub = (h @ self._w.T).float()
@@ -179,6 +180,6 @@ class TinyLMDrafter(ModelDrafter):
         dev = self._device
         out = self._base(input_ids=torch.tensor([list(tokens)], device=dev), attention_mask=mask,
                          position_ids=torch.tensor([list(positions)], device=dev),
-                         past_key_values=self._cache, use_cache=True)
+                         **{self._base_kw: self._cache}, use_cache=True)
         sub = (out.last_hidden_state[0] @ self._w.T).float()
         return scatter_full(sub, self.vocab, self._vocab, float("-inf"))

@@ -240,7 +240,7 @@ def generate_responses(target: LoadedModel, prompt_ids: Sequence[Sequence[int]],
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=target.model.config)
         logits = target.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                              **{target.cache_kw: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
         rows: list[list[int]] = [[] for _ in batch]
         done = [False] * len(batch)
         last = pos[:, -1:]
@@ -260,7 +260,7 @@ def generate_responses(target: LoadedModel, prompt_ids: Sequence[Sequence[int]],
             mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=-1)
             last = last + 1
             logits = target.model(input_ids=feed, attention_mask=mask, position_ids=last,
-                                  past_key_values=cache, use_cache=True).logits[:, -1]
+                                  **{target.cache_kw: cache}, use_cache=True).logits[:, -1]
         for r, i in enumerate(idx):
             responses[i] = rows[r]
         if progress is not None:
