@@ -14,8 +14,8 @@ import typer
 from typer.testing import CliRunner
 
 from adaspec.bench.report import (PLOT_FILES, REPORT_FILE, SCHEMA_ID, SummarySchemaError, category_table,
-                            heterogeneity_matrix, load_summary, markdown_tables, prediction_table, read_rounds,
-                            report_command, write_report)
+                                  heterogeneity_matrix, load_summary, markdown_tables, prediction_table, rank_swaps,
+                                  read_rounds, report_command, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CATS = ["code", "math"]
@@ -145,6 +145,20 @@ def test_report_shows_replay_predictions_and_ranking(bench_dir: Path):
     assert "Largest error 10.0%" in prediction_table(summary)
     written = write_report(summary, bench_dir / "out")
     assert "## Replay vs live" in written[0].read_text(encoding="utf-8")
+
+
+def test_ranking_tolerates_live_ties_only():
+    live = {"a": 30.0, "b": 29.8, "c": 20.0}
+    assert rank_swaps(live, {"a": 31.0, "b": 30.0, "c": 21.0}) == ([], [])
+    assert rank_swaps(live, {"a": 30.0, "b": 31.0, "c": 21.0}) == ([], [("a", "b")])  # 0.7% apart live: a tie
+    assert rank_swaps(live, {"a": 20.0, "b": 31.0, "c": 21.0}) == ([("a", "c")], [("a", "b")])
+    assert rank_swaps({"a": 30.0, "b": 29.0}, {"a": 30.0, "b": 31.0}) == ([("a", "b")], [])  # 3.3% apart
+    summary = {"overall": [{"config": n, "tokens_per_s": v, "predicted_tokens_per_s": p,
+                            "prediction_error": p / v - 1} for (n, v), p in zip(live.items(), (30.0, 31.0, 21.0))]}
+    text = prediction_table(summary)
+    assert "the same as the live run's (replay ranks b above a: within 1% of each other live, a tie)." in text
+    summary["overall"][2]["predicted_tokens_per_s"] = 32.0
+    assert "differs: replay ranks c above a; c above b, the other way round live." in prediction_table(summary)
 
 
 def test_overall_and_category_tables_numbers_and_mismatch_marker():

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from adaspec.bench.workloads import CATEGORIES, EXTRA_SUITES
+
 SHINGLE = 8
 TRAINING = files("adaspec") / "data" / "training"
 PROMPTS = files("adaspec") / "data" / "prompts"
@@ -28,7 +30,7 @@ def _shingles(text: str) -> set[tuple[str, ...]]:
 def benchmark_shingles() -> set[tuple[str, ...]]:
     out: set[tuple[str, ...]] = set()
     suites = [p for p in PROMPTS.iterdir() if p.name.endswith(".jsonl")]
-    assert len(suites) == 8
+    assert {p.name for p in suites} == {f"{c}.jsonl" for c in (*CATEGORIES, *EXTRA_SUITES)}  # long-context too
     for suite in suites:
         for line in suite.read_text(encoding="utf-8").splitlines():
             if line.strip():
