@@ -3,6 +3,7 @@
     python scripts/replay_components.py bench results/smollm2-auto-v2 [--skip code-editing-01]
     python scripts/replay_components.py run --per-category 1 -n 64 --out /tmp/rc.pkl
     python scripts/replay_components.py analyse /tmp/rc.pkl
+    python scripts/replay_components.py probes results/smollm2-long-prompts-v3 --config benchmarks/smollm2-long-prompts.toml
 
 ``bench`` reads a finished ``adaspec bench`` output directory (summary.json, rounds.csv --
 the last repeat's rounds -- and trace.npz) and prints: the bench's error per configuration
@@ -17,6 +18,9 @@ prompt, configuration by configuration, ``--repeats`` times), keeping every requ
 ``RequestStats`` (per round: draft, verify, catch-up, policy, evaluation and drafter prefill
 seconds). It pickles the live records and saves the trace next to them, so that ``analyse``
 can be re-run after a change to the pricing code without measuring again.
+
+``probes`` re-prices a bench run recorded with verify probes (``VerifyProbe``) with the
+calibration's per-width ratios alone, and prints replay's error both ways.
 
 ``analyse`` prints, per configuration: the bench's error (predicted / live tokens/s - 1, live
 = sum over requests of the median over repeats); live seconds per component (mean over
@@ -277,6 +281,32 @@ def bench(args: argparse.Namespace) -> None:
               "  ".join(f"w={w}: {r:.3f}" for w, r in sorted((int(w), r) for w, r in cal.items())))
 
 
+def probes(args: argparse.Namespace) -> None:
+    import dataclasses
+    import json
+
+    out = Path(args.dir)
+    trace = Trace.load(args.trace or out / "trace.npz")
+    if not trace.info.get("probe_verify"):
+        sys.exit(f"{out}: the trace holds no verify probes (recorded before them, or on llama.cpp)")
+    summary = json.loads((out / "summary.json").read_text())
+    live = {r["config"]: r["tokens_per_s"] for r in summary["overall"]}
+    tokens = {c: sum(r["tokens"] for r in summary["per_prompt"] if r["config"] == c) for c in live}
+    _, cfgs = bench_configs(args.config)
+    cfgs = [c for c in cfgs if c.name in live]
+    o = trace.overheads
+    cal = {int(w): r for w, r in trace.info["calibration_verify"].items()}
+    widths = [1] + [w for w in sorted(cal) if w > 1]
+    ratios = [o.verify_ratios[0]] + [cal[w] / cal[1] * o.verify_ratios[0] for w in widths[1:]]
+    alone = dataclasses.replace(trace, cache={}, overheads=dataclasses.replace(
+        o, verify_widths=widths, verify_ratios=ratios))
+    preds = {"probes": predict_configs(trace, cfgs), "calibration alone": predict_configs(alone, cfgs)}
+    print(f"{'configuration':44s} {'live tok/s':>10s}" + "".join(f"{k:>20s}" for k in preds))
+    for c in cfgs:
+        cells = "".join(f"{tokens[c.name] / p[c.name].predicted_s / live[c.name] - 1:+20.1%}" for p in preds.values())
+        print(f"{c.name[:44]:44s} {live[c.name]:10.2f}{cells}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -294,11 +324,15 @@ def main() -> None:
     b.add_argument("--config", default="benchmarks/smollm2-auto-v2.toml", help="the bench file it ran")
     b.add_argument("--trace", default=None)
     b.add_argument("--skip", default="", help="prompt ids to leave out (comma-separated), e.g. burst-hit ones")
+    pr = sub.add_parser("probes")
+    pr.add_argument("dir", help="an adaspec bench output directory recorded with verify probes")
+    pr.add_argument("--config", default="benchmarks/smollm2-long-prompts.toml", help="the bench file it ran")
+    pr.add_argument("--trace", default=None)
     a = sub.add_parser("analyse")
     a.add_argument("data")
     a.add_argument("--trace", default=None)
     args = ap.parse_args()
-    {"run": run, "analyse": analyse, "bench": bench}[args.cmd](args)
+    {"run": run, "analyse": analyse, "bench": bench, "probes": probes}[args.cmd](args)
 
 
 if __name__ == "__main__":

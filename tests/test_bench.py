@@ -188,3 +188,27 @@ def test_sampling_oracle_and_regret_per_token(sampled_run):
 def test_greedy_speedup_unchanged_by_the_per_token_basis(hand_run):
     assert hand_run.summary()["speedup_basis"] == "seconds"
     assert hand_run.speedup(hand_run.result("A k=5")) == pytest.approx(4.0 / 2.8)
+
+
+def test_verify_probe_samples_after_every_request_without_changing_outputs():
+    """``run_bench(probe=...)``: one probe sample (a width-1 and one wider forward on the
+    probe's own cache, cropped back) after every request; the runs' outputs are untouched."""
+    from adaspec.bench.trace import VerifyProbe
+
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t1", "copy", ("w01 w02 w03 w04 w01 w02 w03",)),
+            BenchPrompt("t2", "random", ("w07 w19 w03 w22 w11 w05",))]
+    configs = default_configs(["prompt-lookup"], [3])
+    probe = VerifyProbe(target, [1, 2, 4, 8], context=12)
+    plain = run_bench(target, configs, work, max_new_tokens=6, measure_costs=False, repeats=2)
+    run = run_bench(target, configs, work, max_new_tokens=6, measure_costs=False, repeats=2, probe=probe)
+    n_requests = len(work) * len(run.configs) * 2  # AR included, 2 repeats
+    assert [w for w, _, _ in probe.rows] == [x for j in range(n_requests) for x in (1, (2, 4, 8)[j % 3])]
+    assert all(ctx == 12 and s > 0 for _, ctx, s in probe.rows)
+    assert target.state_length(probe._state) == 12  # every probe forward cropped back
+    assert [(r.config, r.tokens, r.identical) for r in run.records] == [
+        (r.config, r.tokens, r.identical) for r in plain.records]
+    probe.close()
+    assert probe._state is None
+    with pytest.raises(ConfigError, match="positive number of tokens"):
+        VerifyProbe(target, [1, 2], context=0)

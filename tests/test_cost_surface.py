@@ -277,6 +277,43 @@ def test_calibration_ratios_cancel_drift():
     assert calibration_ratios([(6, 1.0)] * 5) == []  # no width-1 rounds: nothing to be relative to
 
 
+def test_probe_rows_set_the_wider_widths_prices(tmp_path, monkeypatch):
+    """``TraceRecorder.probe_rows`` (verify probes timed between the live requests) price the
+    widths they sampled, over their own width-1 rows, times the AR rounds' ratio; widths they
+    lack keep the calibration's relative price. Raw ratios land in ``info["probe_verify"]``."""
+    from adaspec.bench.trace import TraceRecorder
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    target = make_tiny_model(seed=0, vocab=V, init_std=0.3, lm_head_scale=2.0)
+    rec = TraceRecorder(target, ["prompt-lookup"], 12, max_draft=8)
+    rec.add(PROMPTS[0])
+    surf = VerifyCostSurface([8, 40], [1, 2, 4, 8], [[1.0, 1.1, 1.2, 1.6], [2.0, 2.4, 3.2, 4.8]])
+    ar = _trimmed_mean([r.verify_s / surf.cost(1, c) for r, c in _ar_rows(rec)])
+    calibration = [(1, 2.0)] * 5 + [(4, 2.4)] * 5 + [(8, 3.0)] * 5  # relative: 4 -> 1.2, 8 -> 1.5
+    rec.probe_rows = ([(1, 30, 0.9 * surf.cost(1, 30))] * 6 + [(8, 30, 0.9 * 0.8 * surf.cost(8, 30))] * 6
+                      + [(8, 30, 50.0)])  # one burst: trimmed
+    over = rec._overheads(surf, LinearCost(), calibration)
+    table = dict(zip(over.verify_widths, over.verify_ratios))
+    assert table[1] == pytest.approx(ar)
+    assert table[8] == pytest.approx(0.8 * ar)  # the probes' price, not the calibration's 1.5
+    assert table[4] == pytest.approx(1.2 * ar)  # no probe at 4: the calibration's
+    assert rec._probe_verify[8] == pytest.approx(0.72) and rec._calibration_verify[8] == pytest.approx(3.0)
+    rec.probe_rows = []
+    assert dict(zip(*(lambda o: (o.verify_widths, o.verify_ratios))(rec._overheads(surf, LinearCost(), calibration))))[
+        8] == pytest.approx(1.5 * ar)
+
+
+def _ar_rows(rec):
+    """(round, cache length) of the recorder's AR runs, as ``_overheads`` reads them."""
+    out = []
+    for pt, st in zip(rec.prompts, rec._ar_stats):
+        ctx = pt.n_prompt - 1
+        for r in st.rounds:
+            out.append((r, ctx))
+            ctx += r.emitted
+    return out
+
+
 def test_replay_prices_with_the_width_table(priced):
     """A trace whose overheads hold the table: every verify is priced at its width's ratio."""
     over = dataclasses.replace(priced.overheads, verify_widths=[1, 3, 5], verify_ratios=[1.0, 0.5, 2.0])

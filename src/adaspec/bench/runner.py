@@ -562,12 +562,14 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
               repeats: int = 1, warmup_tokens: int = 16, measure_costs: bool = True,
               progress: Callable[[str], None] | None = None, temperature: float = 0.0,
               seed: int = 0, suite: str = "builtin", device: str = "cpu",
-              dtype: str = "float32") -> BenchRun:
+              dtype: str = "float32", probe: Any = None) -> BenchRun:
     """Run all configurations over all prompts and aggregate.
 
     Greedy (temperature 0): every output is checked against AR. Sampling: each configuration
     uses the same seed per prompt; outputs are not compared (they are equal in distribution,
-    not token for token)."""
+    not token for token). ``probe`` (a ``trace.VerifyProbe``): sampled after every request,
+    outside its timing, so the trace recorded after the run prices verify widths by the live
+    runs' own minutes."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     if not prompts:
@@ -617,6 +619,8 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     out, secs, last[ci] = r.run(ids, gen, eos)
                     outs[ci].append(out)
                     times[ci].append(secs)
+                    if probe is not None:
+                        probe.sample()
             ref = outs[0][0]
             answers.append(ar_engine.decode(ref))
             for ci, rec in enumerate(recs):

@@ -243,6 +243,7 @@ class _TargetSweep:
         from transformers import DynamicCache
 
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
+        self.cache_kw = loaded.cache_kw
         self.path = path
         self.cache = DynamicCache(config=self.model.config)
         self.cached = 0
@@ -256,7 +257,7 @@ class _TargetSweep:
     @torch.inference_mode()
     def _forward(self, ids: Sequence[int], keep: int, **kwargs: Any) -> torch.Tensor:
         x = torch.tensor([list(ids)], device=self.device)
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=keep, **kwargs)
+        out = self.model(input_ids=x, **{self.cache_kw: self.cache}, use_cache=True, logits_to_keep=keep, **kwargs)
         return out.logits[0]
 
     def extend_to(self, b: int, check_until: int) -> None:
@@ -414,6 +415,9 @@ class TraceRecorder:
         self._tree = tree  # tree-attention branch scoring works for this model (None: not checked)
         self._ar_stats: list[Any] = []  # RequestStats of the AR runs (engine overheads)
         self._calibration_verify: dict[int, float] = {}  # width -> raw live/surface (diagnosis)
+        #: ``VerifyProbe.rows`` timed through the live runs: they set the wider widths' prices
+        self.probe_rows: list[tuple[int, int, float]] = []
+        self._probe_verify: dict[int, float] = {}
 
     def _say(self, msg: str) -> None:
         if self.progress is not None:
@@ -619,12 +623,15 @@ class TraceRecorder:
         """Means of the AR runs' per-round and per-request overheads, and the live verify step
         over the surface per width (``EngineOverheads.verify_widths``/``verify_ratios``).
 
-        Width 1: a trimmed mean (``VERIFY_TRIM``) of the AR rounds' ratios. Wider: the
-        calibration runs' trimmed mean at that width over their own width-1 rounds, times the
-        AR ratio (``calibration_ratios``). The calibration runs take a minute after the
-        recording, and this machine's speed drifts by several percent between the two (seen:
-        width 6 priced 0.95 against 1.03 live while width 1 matched at 0.93); a ratio of two
-        widths measured in the same minute carries no drift. Means, not medians: replay
+        Width 1: a trimmed mean (``VERIFY_TRIM``) of the AR rounds' ratios. Wider: the verify
+        probes' (``probe_rows``, timed between a bench's live requests: ``VerifyProbe``) or,
+        for widths they lack, the calibration runs' trimmed mean at that width over their own
+        width-1 rows, times the AR ratio (``calibration_ratios``). A ratio of two widths
+        measured in the same minutes carries no drift of the machine's overall speed (seen:
+        width 6 priced 0.95 against 1.03 live while width 1 matched at 0.93); the probes also
+        sample the wide forwards' speed regimes over the live runs' own minutes, where the
+        calibration's one minute saw width 6 at 1.01 of the surface and the live runs at 0.88
+        (long-context suite) or the other way round by 15%. Means, not medians: replay
         predicts total seconds, and a round's time is skewed to the right (a median
         under-prices a run by 1-3% here). The line of older traces (``verify_scale``,
         ``verify_scale_per_width``) is still fitted, for reports."""
@@ -638,9 +645,12 @@ class TraceRecorder:
             per_request.append(st.total_s - st.prefill_s - sum(r.total_s for r in st.rounds))
         if not per_round:
             return EngineOverheads(none_evaluate=none_evaluate)
-        table = [(1, _trimmed_mean(ar))] + [(w, table_r * _trimmed_mean(ar))
-                                            for w, table_r in calibration_ratios(verify_rows) if w > 1]
+        probe = [(w, sec / surface.cost(w, ctx)) for w, ctx, sec in self.probe_rows]
+        relative = dict(calibration_ratios(verify_rows))
+        relative.update(calibration_ratios(probe))  # the probes' minutes are the live runs' own
+        table = [(1, _trimmed_mean(ar))] + [(w, r * _trimmed_mean(ar)) for w, r in sorted(relative.items()) if w > 1]
         self._calibration_verify = dict(calibration_ratios(verify_rows, relative=False))
+        self._probe_verify = dict(calibration_ratios(probe, relative=False))
         points = [(w - 1, r) for w, r in table]
         scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
         return EngineOverheads(round_s=max(0.0, fmean(per_round)), request_s=max(0.0, fmean(per_request)),
@@ -669,6 +679,8 @@ class TraceRecorder:
             "describe": [d.describe() for d in self.drafters],
             # the calibration runs' own live/surface verify ratio per width, before scaling
             "calibration_verify": {str(w): round(r, 4) for w, r in self._calibration_verify.items()},
+            # the same for the verify probes timed between the live requests (``VerifyProbe``)
+            "probe_verify": {str(w): round(r, 4) for w, r in self._probe_verify.items()},
         }
         try:
             from .. import __version__
@@ -681,6 +693,58 @@ class TraceRecorder:
                      stop_on_eos=self.stop_on_eos, surface=surface, drafter_costs=costs,
                      prompts=list(self.prompts), info=info, overheads=overheads,
                      policy_surface=before if before is not None and before.seconds != surface.seconds else None)
+
+
+class VerifyProbe:
+    """Verify steps timed between a bench's live requests, for the trace's per-width prices.
+
+    This machine's wide forwards switch between speed regimes lasting seconds to minutes
+    (seen: a width-6 SmolLM2 forward at 77 ms for tens of forwards, then 95 ms, width 1 steady
+    at 55 ms), so width ratios measured in the minute of calibration after the live runs
+    missed them by up to 15% either way. ``sample()`` (called by ``run_bench`` after every
+    request) times a width-1 forward and one wider forward (in turn over ``widths``) on one
+    cache of ``context`` random tokens, so the samples spread over the live runs' own minutes;
+    ``TraceRecorder`` then prices width w at (probe ratio at w / probe ratio at 1) x the AR
+    rounds' ratio, as it does with calibration rows. Needs a backend whose states are
+    independent (``free_states() is None``): on llama.cpp's unified cache a second live
+    sequence would widen every forward's attention, so the probe is off there."""
+
+    def __init__(self, target: Any, widths: Sequence[int], context: int, seed: int = 0):
+        if context < 1:
+            raise ConfigError(f"probe context must be a positive number of tokens, got {context}")
+        self.target, self.context = target, context
+        self.widths = sorted({int(w) for w in widths if w > 1}) or [2]
+        self.rows: list[tuple[int, int, float]] = []  # (width, context, seconds)
+        self._gen = torch.Generator().manual_seed(seed)
+        self._state: Any = None
+        self._j = 0
+
+    @staticmethod
+    def supported(target: Any) -> bool:
+        return target.free_states() is None
+
+    def _ids(self, n: int) -> list[int]:
+        return torch.randint(0, self.target.vocab_size, (n,), generator=self._gen).tolist()
+
+    def sample(self) -> None:
+        """Time one width-1 and one wider forward (the next of ``widths``), cache cropped back."""
+        t = self.target
+        if self._state is None:
+            self._state = t.new_state()
+            t.forward(self._state, self._ids(self.context), 1)
+        w = self.widths[self._j % len(self.widths)]
+        self._j += 1
+        for k in (1, w):
+            ids = self._ids(k)
+            t0 = time.perf_counter()
+            t.forward(self._state, ids, k)
+            self.rows.append((k, self.context, time.perf_counter() - t0))
+            t.truncate(self._state, self.context)
+
+    def close(self) -> None:
+        if self._state is not None:
+            self.target.release(self._state)
+            self._state = None
 
 
 class _CyclingLength(StaticLength):
@@ -771,12 +835,14 @@ def record_trace(target: Any, drafter_specs: Sequence[str | Drafter], prompts: S
 
 def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any], max_new_tokens: int,
            path: str | Path, *, max_draft: int = 16, progress: Progress | None = None,
-           fresh_costs: bool = True) -> Trace:
+           fresh_costs: bool = True, probe: VerifyProbe | None = None) -> Trace:
     """``adaspec bench --record FILE``: record the workload and save it. ``prompts`` are token
     ids, strings, chat messages, or bench prompts (``BenchPrompt``: every turn is one request,
     and a later turn's history holds AR's earlier answers, as in ``run_bench``). The verify-cost
-    surface is measured afresh at the end (``fresh_costs``, ~20 s for SmolLM2 here)."""
+    surface is measured afresh at the end (``fresh_costs``, ~20 s for SmolLM2 here). ``probe``:
+    the verify probes of the live runs (``VerifyProbe``), which then set the per-width prices."""
     rec = TraceRecorder(target, drafters, max_new_tokens, max_draft, progress=progress)
+    rec.probe_rows = list(probe.rows) if probe is not None else []
     for p in prompts:
         turns = getattr(p, "turns", None)
         if turns is None:

@@ -6,8 +6,9 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -335,20 +336,26 @@ def bench(
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"])
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
+        probe = _verify_probe(target, work, opt["max_new_tokens"]) if record else None
         with StageProgress(err) as bar:
             def step(msg: str) -> None:
                 bar.step("bench", msg, total=total)
 
-            run = run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"],
-                            measure_costs=opt["costs"], progress=step, temperature=opt["temperature"],
-                            seed=opt["seed"], suite=opt["suite"], device=opt["device"],
-                            dtype=opt["dtype"] or ("float32" if opt["backend"] == "transformers" else "gguf"))
+            try:
+                run = run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"],
+                                measure_costs=opt["costs"], progress=step, temperature=opt["temperature"],
+                                seed=opt["seed"], suite=opt["suite"], device=opt["device"],
+                                dtype=opt["dtype"] or ("float32" if opt["backend"] == "transformers" else "gguf"),
+                                probe=probe)
+            finally:
+                if probe is not None:
+                    probe.close()
             if record:
                 from ..bench.trace import record as record_trace
 
                 t0 = time.perf_counter()
                 trace = record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
-                                     progress=_trace_progress(bar, turns))
+                                     progress=_trace_progress(bar, turns), probe=probe)
                 bar.message(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
                 run.predict_from(trace)
         written = run.save(out_dir, plots=plots)
@@ -364,6 +371,22 @@ def bench(
                   + f" and {sum(p.suffix == '.png' for p in written)} plots")
     if any(r.mismatches for r in run.results):
         raise typer.Exit(1)
+
+
+def _verify_probe(target: Any, work: Sequence[Any], max_new_tokens: int) -> Any:
+    """The verify probe of a recorded bench (``bench.trace.VerifyProbe``) on a cache of the
+    workload's typical length (median first-turn prompt + half an answer); None on a backend
+    whose states share one cache (llama.cpp)."""
+    from ..bench.runner import _turn_prompt
+    from ..bench.trace import VerifyProbe
+    from ..costs import DEFAULT_KS
+    from ..engine import SpeculativeEngine
+
+    if not VerifyProbe.supported(target):
+        return None
+    ar = SpeculativeEngine(target, [])
+    lens = sorted(len(_turn_prompt(p, 0, [], ar)) for p in work)
+    return VerifyProbe(target, DEFAULT_KS, lens[len(lens) // 2] + max_new_tokens // 2)
 
 
 def _trace_progress(bar: StageProgress, total: int) -> Callable[[str], None]:
