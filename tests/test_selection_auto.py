@@ -718,3 +718,69 @@ def test_a_model_drafter_that_drafts_is_scored_every_few_rounds_again():
     assert 0 not in c.eval_losses
     c.rounds = 4
     assert c.evaluate(0)
+
+
+# -- skipping looks that do not pay ---------------------------------------------------------------
+def _look_pattern(c: AutoController, blocks_at: dict[int, dict[int, list[int]]], rounds: int) -> str:
+    """Play ``rounds`` rounds: 'L' a look planning a plain step, 'D' a look that drafts, '.' a
+    round taken without looking (``looks()`` False); ``blocks_at[r]`` the blocks of round r's
+    look (default: nobody proposes)."""
+    out = []
+    for r in range(rounds):
+        looked = c.looks()
+        if looked:
+            c.observe_proposals(blocks_at.get(r, {0: [], 1: []}))
+        plan = c.choose()
+        out.append(("D" if plan.k else "L") if looked else ".")
+        if not looked:
+            assert plan.k == 0 and c.names[plan.drafter] == "none" and c.skipping
+            assert not c.evaluate(0) and not c.evaluate(1)  # not looked at: seen at the next look
+        c.observe(RoundFeedback(round=r, drafter=plan.drafter, draft=Draft(tokens=[5] * plan.k),
+                                n_accepted=plan.k, emitted=[5] * (plan.k + 1), k_cap=plan.k,
+                                target_logits=None, sampling=GREEDY))
+    return "".join(out)
+
+
+def test_looks_are_skipped_while_they_do_not_pay_and_resume_when_one_drafts():
+    """After j looks in a row planned a plain step, min(2^(j-1) - 1, s) rounds go without
+    looking, s = the fewest skips that bring the look's seconds to LOOK_SHARE of a plain round
+    on average (here look = 4 x 0.5% of the plain round: s = 3). A look that drafts resets it."""
+    from adaspec.selection.auto import LOOK_SHARE
+
+    costs = FixedCosts(flat(1.0, 0.02))
+    costs.look_s = 4 * LOOK_SHARE * 1.0
+    c = controller_with({0: (0.9, 0.9, 0.9), 1: (0.9, 0.9, 0.9)}, costs, ["suffix", "lookup", "none"])
+    assert c._max_skip() == 3
+    pattern = _look_pattern(c, {15: {0: [7, 8, 9], 1: []}}, 20)
+    assert pattern == "LL.L...L...L" + "...D" + "LL.L"
+    costs.look_s = 0.9 * LOOK_SHARE * 1.0  # a look cheaper than its share (PyTorch): never skipped
+    c.begin_request(["suffix", "lookup", "none"])
+    assert _look_pattern(c, {}, 12) == "L" * 12
+    del costs.look_s  # a cost model that does not time looks: never skipped
+    c.begin_request(["suffix", "lookup", "none"])
+    assert _look_pattern(c, {}, 6) == "L" * 6
+    costs.look_s = 100.0  # at most MAX_LOOK_SKIP in a row
+    c.begin_request(["suffix", "lookup", "none"])
+    from adaspec.selection.auto import MAX_LOOK_SKIP
+    assert _look_pattern(c, {}, 40).count("." * (MAX_LOOK_SKIP + 1)) == 0
+
+
+def test_skipped_looks_keep_greedy_output_and_save_peeks(sharp_model, monkeypatch):
+    """In the engine: with looks priced far above a plain round every few rounds go without
+    peeking (fewer ``_peek`` calls than rounds), and the output is still plain decoding's."""
+    from adaspec.costs import CostModel
+
+    monkeypatch.setattr(CostModel, "observe_look", lambda self, s: setattr(self, "look_s", 1.0))
+    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto")
+    plain = SpeculativeEngine(sharp_model, [], k=1)
+    calls = []
+    real = engine._peek
+    monkeypatch.setattr(engine, "_peek", lambda *a: calls.append(1) or real(*a))
+    rng = random.Random(1)
+    rounds = 0
+    for _ in range(4):
+        ids = [rng.randrange(32) for _ in range(12)]
+        got = engine.generate(ids, max_new_tokens=32)
+        assert got.token_ids == plain.generate(ids, max_new_tokens=32).token_ids
+        rounds += len(got.stats.rounds)
+    assert 0 < len(calls) < rounds

@@ -392,8 +392,10 @@ class BatchEngine:
         t0 = now()
         self.cost_model.context = len(tokens) - 1
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
+        looks = getattr(selector, "looks", None)
         peeked = {}
-        if peek_k:
+        looked = bool(peek_k) and (looks is None or looks())
+        if looked:
             peeked = view._peek(tokens, min(peek_k, req.remaining - 1), req.seen)
             selector.observe_proposals(peeked)
         i = selector.select()
@@ -401,6 +403,8 @@ class BatchEngine:
             raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
         cap = min(length.begin_round(i), req.remaining - 1)
         t1 = now()
+        if looked:
+            self.cost_model.observe_look(t1 - t0)
         drafter: Drafter = drafters[i]
         if req.seen[i] == 0:
             drafter.catch_up(tokens[: len(req.prompt_ids)])
@@ -598,7 +602,7 @@ def forward_rows(target: LoadedModel, cache: Any, valid: torch.Tensor, inputs: S
     pos = valid.sum(1, keepdim=True) + torch.arange(width)[None, :]
     mask = batch_attention_mask(valid, widths, width, target.dtype, device)
     out = target.model(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device),
-                       past_key_values=cache, use_cache=True)
+                       **{target.cache_kw: cache}, use_cache=True)
     return out.logits.float()
 
 

@@ -598,6 +598,8 @@ class CostModel:
         #: (policies, full-information scoring, bookkeeping): paid by every round alike
         self.round_overhead_s = 0.0
         self._overhead_seen = False
+        #: running mean of a looking round's peeks and planning (``observe_look``; ``auto``)
+        self.look_s = 0.0
         #: decayed tokens and priced seconds of the rounds so far (``observe_round``): the
         #: generation's running rate, the opportunity cost of a round's seconds
         self.rate_decay = 0.999
@@ -636,6 +638,12 @@ class CostModel:
             self.round_overhead_s, self._overhead_seen = seconds, True
         else:
             self.round_overhead_s = self.decay * self.round_overhead_s + (1 - self.decay) * seconds
+
+    def observe_look(self, seconds: float) -> None:
+        """Seconds a round spent looking at the drafters' blocks and planning (``auto``'s
+        peeks): what skipping a look saves (``AutoController.looks``)."""
+        seconds = max(0.0, seconds)
+        self.look_s = seconds if self.look_s == 0.0 else self.decay * self.look_s + (1 - self.decay) * seconds
 
     def observe_round(self, emitted: int, width: int, other_s: float) -> None:
         """A finished round: ``emitted`` tokens for a verify forward of ``width`` tokens (priced

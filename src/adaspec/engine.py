@@ -419,20 +419,26 @@ class SpeculativeEngine:
         cost_model = self.cost_model
         # a selector that looks before it chooses gets every cheap drafter's proposal first
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
+        looks = getattr(selector, "looks", None)  # auto skips looking while it does not pay
         peeked: dict[int, Peek] = {}
         trees = [self.tree and d.supports_tree for d in drafters]
         while True:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
-            if peek_k:
+            looked = bool(peek_k) and (looks is None or looks())
+            if looked:
                 peeked = self._peek(tokens, min(peek_k, remaining - 1), seen)
                 selector.observe_proposals(peeked)
+            elif peeked:
+                peeked = {}
             i = selector.select()
             if not 0 <= i < len(drafters):
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
             wanted = length.begin_round(i)  # 0: the policy chose a plain step (not the budget)
             cap = min(wanted, remaining - 1)
             t1 = t_selected = now()
+            if looked:
+                cost_model.observe_look(t_selected - t0)
             drafter = drafters[i]
             catch_up_tokens = 0
             drafter_prefill = 0.0

@@ -440,12 +440,14 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     rounds: list[ReplayRound] = []
     evaluate = getattr(sel, "evaluate", None)
     peek_k = int(getattr(sel, "peek_tokens", 0) or 0)
+    looks = getattr(sel, "looks", None)
     cheap = [j for j, sj in enumerate(pool.src) if sj is not None and not trace.is_model[sj]]
     peekers = _peekers(trace, pool, cheap, pt.prompt) if peek_k else {}
     while True:
         cost_model.context = t - 1  # the target's cache length, as in the engine
         peek_s, peeked = 0.0, set()
-        if peek_k:  # as SpeculativeEngine._peek: every model-free drafter's block, from the trace
+        looked = bool(peek_k) and (looks is None or looks())
+        if looked:  # as SpeculativeEngine._peek: every model-free drafter's block, from the trace
             x0, top = t - n_prompt, min(peek_k, remaining - 1)
             blocks = {}
             for j in cheap:
@@ -467,6 +469,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         wanted = ln.begin_round(i)
         cap = min(wanted, remaining - 1)
         policy_s += clock() - c
+        if looked:  # priced peeks only (the engine also counts its planning's seconds): deterministic
+            cost_model.observe_look(peek_s)
         src = pool.src[i]
         seconds = price.round_overhead() + peek_s
         if seen[i] == 0:  # first use in this request: drafter prefill of the prompt
