@@ -784,3 +784,15 @@ def test_skipped_looks_keep_greedy_output_and_save_peeks(sharp_model, monkeypatc
         assert got.token_ids == plain.generate(ids, max_new_tokens=32).token_ids
         rounds += len(got.stats.rounds)
     assert 0 < len(calls) < rounds
+
+
+def test_a_requests_first_look_is_not_a_looks_price(sharp_model, monkeypatch):
+    """The first look of a request also ingests the prompt into every drafter (milliseconds):
+    the engine feeds ``observe_look`` from the second round on, so it cannot set off skipping."""
+    from adaspec.costs import CostModel
+
+    seen = []
+    monkeypatch.setattr(CostModel, "observe_look", lambda self, s: seen.append(s))
+    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto")
+    out = engine.generate([3, 4, 5, 6, 3, 4, 5, 6, 3], max_new_tokens=12)
+    assert len(seen) == len(out.stats.rounds) - 1  # every round looked (no look price: no skipping)

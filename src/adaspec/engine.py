@@ -437,7 +437,7 @@ class SpeculativeEngine:
             wanted = length.begin_round(i)  # 0: the policy chose a plain step (not the budget)
             cap = min(wanted, remaining - 1)
             t1 = t_selected = now()
-            if looked:
+            if looked and stats.rounds:  # a request's first look also ingests the prompt: not a look's price
                 cost_model.observe_look(t_selected - t0)
             drafter = drafters[i]
             catch_up_tokens = 0
