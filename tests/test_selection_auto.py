@@ -743,17 +743,18 @@ def _look_pattern(c: AutoController, blocks_at: dict[int, dict[int, list[int]]],
 
 def test_looks_are_skipped_while_they_do_not_pay_and_resume_when_one_drafts():
     """After j looks in a row planned a plain step, min(2^(j-1) - 1, s) rounds go without
-    looking, s = the fewest skips that bring the look's seconds to LOOK_SHARE of a plain round
-    on average (here look = 4 x 0.5% of the plain round: s = 3). A look that drafts resets it."""
-    from adaspec.selection.auto import LOOK_SHARE
-
+    looking, s = the fewest skips that bring the look's seconds to ``look_share`` of a plain
+    round on average (here 0.005, look = 4 x 0.5% of the plain round: s = 3; off by default).
+    A look that drafts resets it."""
     costs = FixedCosts(flat(1.0, 0.02))
-    costs.look_s = 4 * LOOK_SHARE * 1.0
+    costs.look_s = 4 * 0.005 * 1.0
     c = controller_with({0: (0.9, 0.9, 0.9), 1: (0.9, 0.9, 0.9)}, costs, ["suffix", "lookup", "none"])
+    assert c._max_skip() == 0  # off by default
+    c.look_share = 0.005
     assert c._max_skip() == 3
     pattern = _look_pattern(c, {15: {0: [7, 8, 9], 1: []}}, 20)
     assert pattern == "LL.L...L...L" + "...D" + "LL.L"
-    costs.look_s = 0.9 * LOOK_SHARE * 1.0  # a look cheaper than its share (PyTorch): never skipped
+    costs.look_s = 0.9 * 0.005 * 1.0  # a look cheaper than its share (PyTorch): never skipped
     c.begin_request(["suffix", "lookup", "none"])
     assert _look_pattern(c, {}, 12) == "L" * 12
     del costs.look_s  # a cost model that does not time looks: never skipped
@@ -771,7 +772,7 @@ def test_skipped_looks_keep_greedy_output_and_save_peeks(sharp_model, monkeypatc
     from adaspec.costs import CostModel
 
     monkeypatch.setattr(CostModel, "observe_look", lambda self, s: setattr(self, "look_s", 1.0))
-    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto")
+    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto:look_share=0.005")
     plain = SpeculativeEngine(sharp_model, [], k=1)
     calls = []
     real = engine._peek

@@ -40,12 +40,14 @@ drafter proposes alone, agrees with another's first token or disagrees, and the 
 match length behind its first token (``MATCH_BUCKETS``; SuffixDecoding's score: on the mixed
 suite suffix's first token is accepted 54% after a 2-token match, 99% after a 24-token one).
 
-Skipping looks that do not pay (``AutoController.looks``). Looking and planning cost ~0.2 ms a
-round: 0.4% of a PyTorch SmolLM2 forward, 3% of a llama.cpp one, where most rounds are plain
-steps. After j looks in a row planned a plain step, the next min(2^(j-1) - 1, s) rounds are
-plain steps without looking, s the fewest skips that bring the look's measured seconds
-(``CostModel.look_s``) to ``LOOK_SHARE`` (0.5%) of a plain round o + V(1) on average (at most
-``MAX_LOOK_SKIP``): s = 0 on PyTorch, so nothing changes there; a look that drafts starts over.
+Skipping looks that do not pay (``look_share``, off by default). Looking and planning cost
+~0.2 ms a round: 0.3% of a PyTorch SmolLM2 forward, 3% of a llama.cpp one, where most rounds
+are plain steps. With ``look_share`` > 0, after j looks in a row planned a plain step, the next
+min(2^(j-1) - 1, s) rounds are plain steps without looking, s the fewest skips that bring the
+look's measured seconds (``CostModel.look_s``) to ``look_share`` of a plain round o + V(1) on
+average (at most ``MAX_LOOK_SKIP``); a look that drafts starts over. At 0.005: s = 0 on
+PyTorch; on llama.cpp policy time halves (1.4% -> 0.8%), but skipped rounds miss copies and
+two benches came out level (``LOOK_SHARE``).
 
 Feedback. A looked-at drafter is scored on its own block for free (``peek_chain``: 1 while the
 block matches the emitted tokens, then 0, censored at the shorter), so when every drafter can
@@ -120,9 +122,11 @@ MAX_EVAL_BACKOFF = 5
 #: prior of (h, a, c) before any data, see the module docstring
 DEFAULT_PRIOR = (0.5, 0.5, 0.7)
 NONE_NAMES = ("none",)
-#: while looking finds nothing worth drafting, looks (peeks and planning) are skipped so that
-#: they cost at most this share of a plain round (``AutoController.looks``) ...
-LOOK_SHARE = 0.005
+#: while looking finds nothing worth drafting, looks (peeks and planning) may be skipped so
+#: that they cost at most this share of a plain round (``AutoController.looks``; option
+#: ``look_share``). Off by default: 0.005 halved auto's policy time on llama.cpp, but the
+#: rounds it skipped missed copies (MAT 1.44 -> 1.35) and two benches came out level (+-0.7%)
+LOOK_SHARE = 0.0
 #: ... skipping at most this many rounds in a row
 MAX_LOOK_SKIP = 8
 
@@ -588,7 +592,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         super().__init__(seed=seed, scope=scope)
         if isinstance(look_share, bool) or not isinstance(look_share, (int, float)) or not 0 <= look_share <= 1:
             raise ConfigError(f"look_share must be a number in [0, 1], got {look_share!r}: e.g. look_share=0.005 "
-                              "(looks cost at most that share of a plain round), 0 to look every round")
+                              "(looks cost at most that share of a plain round), 0 (default) to look every round")
         if peek not in (0, 1, True, False):
             raise ConfigError(f"peek must be 0 or 1, got {peek!r}: pass peek=1 to look at model-free "
                               "drafters' proposals before choosing, peek=0 not to")
