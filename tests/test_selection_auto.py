@@ -794,6 +794,6 @@ def test_a_requests_first_look_is_not_a_looks_price(sharp_model, monkeypatch):
 
     seen = []
     monkeypatch.setattr(CostModel, "observe_look", lambda self, s: seen.append(s))
-    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto")
+    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto:look_share=0.005")
     out = engine.generate([3, 4, 5, 6, 3, 4, 5, 6, 3], max_new_tokens=12)
     assert len(seen) == len(out.stats.rounds) - 1  # every round looked (no look price: no skipping)

@@ -403,7 +403,7 @@ class BatchEngine:
             raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
         cap = min(length.begin_round(i), req.remaining - 1)
         t1 = now()
-        if looked and req.stats.rounds:  # the first look also ingests the prompt
+        if looked and looks is not None and req.stats.rounds:  # the first look also ingests the prompt
             self.cost_model.observe_look(t1 - t0)
         drafter: Drafter = drafters[i]
         if req.seen[i] == 0:

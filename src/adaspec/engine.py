@@ -419,7 +419,7 @@ class SpeculativeEngine:
         cost_model = self.cost_model
         # a selector that looks before it chooses gets every cheap drafter's proposal first
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
-        looks = getattr(selector, "looks", None)  # auto skips looking while it does not pay
+        looks = getattr(selector, "looks", None)  # auto:look_share>0 skips looks that do not pay
         peeked: dict[int, Peek] = {}
         trees = [self.tree and d.supports_tree for d in drafters]
         while True:
@@ -437,7 +437,7 @@ class SpeculativeEngine:
             wanted = length.begin_round(i)  # 0: the policy chose a plain step (not the budget)
             cap = min(wanted, remaining - 1)
             t1 = t_selected = now()
-            if looked and stats.rounds:  # a request's first look also ingests the prompt: not a look's price
+            if looked and looks is not None and stats.rounds:  # the first look also ingests the prompt
                 cost_model.observe_look(t_selected - t0)
             drafter = drafters[i]
             catch_up_tokens = 0

@@ -608,6 +608,9 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         self.controller.learn_from_peeks = feedback == "full"
         self.controller.peek_depth = peek_depth
         self.controller.look_share = float(look_share)
+        #: peek this round? (``AutoController.looks``); None when looks are never skipped, so
+        #: the engine neither asks each round nor times the looks
+        self.looks = self.controller.looks if look_share > 0 else None
         self._full = feedback == "full"
         #: > 0: the engine shows this many tokens of every model-free drafter's proposal first
         self.peek_tokens = peek_depth if peek else 0
@@ -638,10 +641,6 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 
     def observe_proposals(self, blocks: dict[int, Any]) -> None:
         self.controller.observe_proposals(blocks)
-
-    def looks(self) -> bool:
-        """Peek this round? (``AutoController.looks``: skipped while looking does not pay.)"""
-        return self.controller.looks()
 
     def select(self) -> int:
         return self.controller.choose().drafter
