@@ -126,6 +126,27 @@ def test_multi_turn_run_writes_summary_and_rounds(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["schema"] == SCHEMA
 
 
+def test_repeats_are_passes_over_the_workload():
+    """Each repeat runs every prompt (every turn, every configuration) before the next repeat
+    starts, so a prompt's median spans passes minutes apart; a later turn's history is the
+    first pass's AR answer, and the records equal a single pass's in tokens and outputs."""
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t1", "copy", ("w01 w02 w03 w04 w01 w02 w03", "w04 w01 w02")),
+            BenchPrompt("t2", "random", ("w07 w19 w03 w22 w11 w05",))]
+    configs = default_configs(["prompt-lookup"], [3])
+    seen: list[str] = []
+    one = run_bench(target, configs, work, max_new_tokens=6, measure_costs=False)
+    run = run_bench(target, configs, work, max_new_tokens=6, measure_costs=False, repeats=3,
+                    progress=seen.append)
+    names = [c.name for c in run.configs]
+    per_pass = [f"{p} [{c}] {n}" for p, c, turns in (("t1", "copy", 2), ("t2", "random", 1))
+                for _ in range(turns) for n in names]
+    assert seen == [f"{m} (pass {r}/3)" for r in (1, 2, 3) for m in per_pass]
+    key = lambda r: (r.config, r.prompt_id, r.tokens, r.rounds, r.identical)  # noqa: E731
+    assert [key(r) for r in run.records] == [key(r) for r in one.records]
+    assert len(run.rounds) == len(one.rounds)
+
+
 def test_sampling_bench_does_not_compare_outputs():
     target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
     work = [BenchPrompt("t2", "random", ("w07 w19 w03 w22 w11 w05",))]

@@ -675,8 +675,8 @@ def _header(summary: dict[str, Any]) -> list[str]:
             f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}, backend "
             f"`{g('backend', 'transformers')}`), {mode}",
             f"- suite `{g('suite', '?')}`: {g('n_prompts', '?')} prompts, categories: {cats}",
-            f"- max {g('max_new_tokens', '?')} new tokens, {g('repeats', '?')} timed repeat(s) per prompt "
-            "(median), configurations interleaved",
+            f"- max {g('max_new_tokens', '?')} new tokens, {g('repeats', '?')} timed pass(es) over the "
+            "workload (median per prompt), configurations interleaved",
             f"- {len(summary['configs'])} configurations; created {g('created', '?')} by adaspec "
             f"{g('adaspec_version', '?')}", ""]
 

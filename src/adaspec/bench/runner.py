@@ -2,7 +2,8 @@
 
 Every configuration runs on the same loaded target, in one process. Runs are interleaved
 (prompt by prompt, configuration by configuration) after a warm-up so that machine noise hits
-all of them alike; per-prompt times are medians over repeats. Greedy outputs are compared
+all of them alike; each repeat is a pass over the whole workload, and per-prompt times are
+medians over passes (minutes apart, so a slow minute of the machine drops out). Greedy outputs are compared
 with plain decoding (AR, always the first configuration) token for token and every mismatch
 is reported. Multi-turn prompts are run turn by turn; the history of a later turn is AR's
 answer, so every configuration sees the same context.
@@ -494,6 +495,23 @@ def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Seque
 
 
 # -- running ------------------------------------------------------------------------------
+@dataclass
+class _TurnRuns:
+    """One turn of one prompt across passes: its input, every configuration's outputs and
+    times per pass, and the last pass's stats."""
+
+    n: int
+    ids: Any = None
+    outs: list[list[list[int]]] = field(init=False)
+    times: list[list[float]] = field(init=False)
+    last: list[Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outs = [[] for _ in range(self.n)]
+        self.times = [[] for _ in range(self.n)]
+        self.last = [None] * self.n
+
+
 class _Runner:
     """Runs one configuration on encoded prompts: an engine or a peer."""
 
@@ -600,31 +618,41 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     for r in runners:  # warm-up: first calls allocate and pick kernels
         r.run(first_ids, warm, eos)
 
-    records: list[PromptRecord] = []
-    rounds: list[dict[str, Any]] = []
+    # Repeats are passes over the whole workload (configurations interleaved within each
+    # request), not back-to-back runs of one prompt: this machine's speed drifts in regimes of
+    # about a minute, and a median over three passes minutes apart drops a slow minute where a
+    # median over three runs inside it cannot. Turn t of a later pass reuses AR's answers of
+    # the first pass.
+    turns = [[_TurnRuns(len(runners)) for _ in p.turns] for p in prompts]
+    answers: list[list[str]] = [[] for _ in prompts]
     prompt_lens: list[int] = []
-    for pos, prompt in enumerate(prompts):
-        recs = [PromptRecord(c.name, prompt.id, prompt.category, pos) for c in configs]
-        answers: list[str] = []
-        for turn in range(len(prompt.turns)):
-            ids = _turn_prompt(prompt, turn, answers, ar_engine)
-            prompt_lens.append(len(ids))
-            outs: list[list[list[int]]] = [[] for _ in runners]  # every repeat's output
-            times: list[list[float]] = [[] for _ in runners]
-            last: list[Any] = [None] * len(runners)
-            for _ in range(repeats):
+    for rep in range(repeats):
+        for pos, prompt in enumerate(prompts):
+            for turn, tr in enumerate(turns[pos]):
+                if rep == 0:
+                    tr.ids = _turn_prompt(prompt, turn, answers[pos], ar_engine)
+                    prompt_lens.append(len(tr.ids))
                 for ci, r in enumerate(runners):
                     if progress:
-                        progress(f"{prompt.id} [{prompt.category}] {configs[ci].name}")
-                    out, secs, last[ci] = r.run(ids, gen, eos)
-                    outs[ci].append(out)
-                    times[ci].append(secs)
+                        again = f" (pass {rep + 1}/{repeats})" if repeats > 1 else ""
+                        progress(f"{prompt.id} [{prompt.category}] {configs[ci].name}{again}")
+                    out, secs, tr.last[ci] = r.run(tr.ids, gen, eos)
+                    tr.outs[ci].append(out)
+                    tr.times[ci].append(secs)
                     if probe is not None:
                         probe.sample()
+                if rep == 0:
+                    answers[pos].append(ar_engine.decode(tr.outs[0][0]))
+
+    records: list[PromptRecord] = []
+    rounds: list[dict[str, Any]] = []
+    for pos, prompt in enumerate(prompts):
+        recs = [PromptRecord(c.name, prompt.id, prompt.category, pos) for c in configs]
+        for turn, tr in enumerate(turns[pos]):
+            ids, outs, last = tr.ids, tr.outs, tr.last
             ref = outs[0][0]
-            answers.append(ar_engine.decode(ref))
             for ci, rec in enumerate(recs):
-                _record_into(rec, last[ci], statistics.median(times[ci]))
+                _record_into(rec, last[ci], statistics.median(tr.times[ci]))
                 wrong = next((o for o in outs[ci] if o != ref), None)  # every repeat is checked
                 if greedy and wrong is not None and rec.identical and rec.error is None:
                     rec.identical = False
