@@ -147,6 +147,50 @@ def test_repeats_are_passes_over_the_workload():
     assert len(run.rounds) == len(one.rounds)
 
 
+def test_live_verify_rows_and_leave_one_out_predictions(tmp_path, monkeypatch):
+    """``run_bench`` keeps every chain round's verify step of every pass (configuration, width,
+    cached tokens, seconds); a trace recorded with them prices widths by them, and
+    ``predict_from`` prices each configuration without its own rows."""
+    import dataclasses
+
+    from adaspec.bench.trace import record
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t1", "copy", ("w01 w02 w03 w04 w01 w02 w03 w04 w01 w02",))]
+    configs = default_configs(["prompt-lookup"], [3])
+    run = run_bench(target, configs, work, max_new_tokens=8, measure_costs=False, repeats=2)
+    names = [c.name for c in run.configs]
+    n_rounds = {n: sum(r.rounds for r in run.records if r.config == n) for n in names}
+    for n in names:  # both passes' rounds
+        assert sum(1 for row in run.verify_rows if row[0] == n) == 2 * n_rounds[n]
+    assert all(w >= 1 and ctx >= 1 and s > 0 for _, w, ctx, s in run.verify_rows)
+    assert {w for name, w, _, _ in run.verify_rows if name == names[0]} == {1}  # AR: plain steps
+    trace = record(target, ["prompt-lookup"], work, 8, tmp_path / "t.npz", fresh_costs=False,
+                   live_rows=[row[1:] for row in run.verify_rows])
+    assert trace.info["verify_base"] and trace.overheads.verify_widths[0] == 1
+    import adaspec.bench.trace as trace_mod
+
+    seen: list[list[tuple[int, int, float]]] = []
+    orig = trace_mod.live_verify_table
+
+    def spy(surface, rows, fallback):
+        seen.append(list(rows))
+        return orig(surface, rows, fallback)
+
+    monkeypatch.setattr(trace_mod, "live_verify_table", spy)
+    run.predict_from(trace)
+    assert len(seen) == len(names)
+    for n, rows in zip(names, seen):  # each configuration priced without its own rows
+        others = [row[1:] for row in run.verify_rows if row[0] != n]
+        assert rows == others
+    assert all("seconds" in run.predictions[n] for n in names)
+    bare = dataclasses.replace(trace, info={k: v for k, v in trace.info.items() if k != "verify_base"})
+    seen.clear()
+    run.predict_from(bare)  # a trace without live prices: one replay of every configuration
+    assert seen == []
+
+
 def test_sampling_bench_does_not_compare_outputs():
     target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
     work = [BenchPrompt("t2", "random", ("w07 w19 w03 w22 w11 w05",))]

@@ -303,6 +303,31 @@ def test_probe_rows_set_the_wider_widths_prices(tmp_path, monkeypatch):
         8] == pytest.approx(1.5 * ar)
 
 
+def test_live_rows_price_every_width_they_cover(tmp_path, monkeypatch):
+    """``TraceRecorder.live_rows`` (a bench's own verify steps over every pass) price each width
+    they saw at least 3 times, width 1 included, by their trimmed mean over the surface; a width
+    they lack keeps the probes'/calibration's price over its width 1, times the live width 1.
+    The table before them is kept (``_verify_base``, the leave-one-out fallback)."""
+    from adaspec.bench.trace import TraceRecorder, live_verify_table
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    target = make_tiny_model(seed=0, vocab=V, init_std=0.3, lm_head_scale=2.0)
+    rec = TraceRecorder(target, ["prompt-lookup"], 12, max_draft=8)
+    rec.add(PROMPTS[0])
+    surf = VerifyCostSurface([8, 40], [1, 2, 4, 8], [[1.0, 1.1, 1.2, 1.6], [2.0, 2.4, 3.2, 4.8]])
+    calibration = [(1, 2.0)] * 5 + [(4, 2.4)] * 5 + [(8, 3.0)] * 5  # relative: 4 -> 1.2, 8 -> 1.5
+    slow = [(8, 20, 1.1 * surf.cost(8, 20))] * 4 + [(8, 30, 0.8 * surf.cost(8, 30))] * 6  # a slow regime's share
+    rec.live_rows = [(1, c, 0.95 * surf.cost(1, c)) for c in (10, 20, 30)] * 3 + slow + [(2, 10, 9.0)] * 2
+    over = rec._overheads(surf, LinearCost(), calibration)
+    table = dict(zip(over.verify_widths, over.verify_ratios))
+    assert table[1] == pytest.approx(0.95)
+    assert table[8] == pytest.approx((1.1 * 3 + 0.8 * 6) / 9)  # trimmed mean: the largest of 10 dropped
+    assert table[4] == pytest.approx(1.2 * 0.95)  # not live: the calibration's relative price
+    assert 2 not in table  # 2 rows: too few
+    assert dict(rec._verify_base)[8] == pytest.approx(1.5 * dict(rec._verify_base)[1])
+    assert live_verify_table(surf, [], [(1, 0.9), (6, 0.8)]) == ([1, 6], [0.9, 0.8])  # nothing live
+
+
 def _ar_rows(rec):
     """(round, cache length) of the recorder's AR runs, as ``_overheads`` reads them."""
     out = []

@@ -798,7 +798,8 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
     predicted = prediction_table(summary)
     if predicted:
         lines += ["## Replay vs live", "", "Times predicted by `adaspec replay` from the trace recorded with "
-                  "this run (`--record`), priced with the cost model, next to the live times.", "",
+                  "this run (`--record`), priced with the cost model, next to the live times. Verify widths "
+                  "are priced by this run's live verify steps, each configuration's own left out.", "",
                   predicted, ""]
     lines += ["## Mismatches", "", *(mism or ["None: every output matched AR token for token."]), "",
               "## Legend", "", LEGEND]

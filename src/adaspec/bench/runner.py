@@ -194,6 +194,10 @@ class BenchRun:
     #: replay's hindsight bounds on that trace: the per-round oracle and, on the same basis,
     #: AR and the per-prompt static oracle (``predict_from``); None without a trace
     round_oracle: dict[str, Any] | None = None
+    #: every chain round's verify step of every engine request in every pass: (configuration,
+    #: width, cached tokens, seconds); the trace recorded after the run prices widths by them
+    #: (``trace.record(live_rows=...)``), and ``predict_from`` leaves each configuration's own out
+    verify_rows: list[tuple[str, int, int, float]] = field(default_factory=list)
 
     # -- aggregation ----------------------------------------------------------------------
     def of(self, config: str, category: str | None = None) -> list[PromptRecord]:
@@ -269,7 +273,7 @@ class BenchRun:
             "max_draft": bounds["max_draft"]}
         cats = [p.meta.get("category", "") for p in trace.prompts]
         ids = [p.meta.get("id", str(i)) for i, p in enumerate(trace.prompts)]
-        for name, res in predict_configs(trace, self.configs).items():
+        for name, res in self._predict_each(trace).items():
             if isinstance(res, str):
                 self.predictions[name] = {"unavailable": res}
                 continue
@@ -282,6 +286,28 @@ class BenchRun:
                 per_prompt[ids[p.index]] = per_prompt.get(ids[p.index], 0.0) + secs
             self.predictions[name] = {"seconds": res.predicted_s, "tokens": res.tokens, "per_category": per_cat,
                                       "per_prompt": per_prompt}
+
+    def _predict_each(self, trace: Any) -> dict[str, Any]:
+        """Replay's prediction of every configuration. When the trace prices verify widths by
+        this run's live rounds (``trace.info["verify_base"]``), each configuration is priced
+        without its own rounds (leave one out): the error the report shows is then that of a
+        configuration the prices never saw, as for a new policy replayed on the trace."""
+        import dataclasses
+
+        from .replay import predict_configs
+        from .trace import live_verify_table
+
+        base = trace.info.get("verify_base")
+        if not base or not self.verify_rows or trace.surface is None:
+            return predict_configs(trace, self.configs)
+        out: dict[str, Any] = {}
+        for c in self.configs:
+            rows = [(w, ctx, s) for name, w, ctx, s in self.verify_rows if name != c.name]
+            widths, ratios = live_verify_table(trace.surface, rows, base)
+            own = dataclasses.replace(trace, overheads=dataclasses.replace(
+                trace.overheads, verify_widths=widths, verify_ratios=ratios), cache={})
+            out.update(predict_configs(own, [c]))
+        return out
 
     def _predicted(self, config: str, category: str | None, live: ConfigResult) -> dict[str, Any]:
         """Predicted seconds and tokens/s, and the relative error of the tokens/s (pred / live - 1)."""
@@ -562,6 +588,18 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
             rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
 
 
+def _verify_rows_into(rows: list[tuple[str, int, int, float]], config: str, n_prompt: int, stats: Any) -> None:
+    """Append a request's chain rounds as (config, verify width, cached tokens, seconds); tree
+    rounds (not replayed) and peers (no rounds) add nothing."""
+    if not isinstance(stats, RequestStats):
+        return
+    ctx = n_prompt - 1  # the cache holds every token but the newest
+    for r in stats.rounds:
+        if not r.tree_nodes:
+            rows.append((config, r.drafted + 1, ctx, r.verify_s))
+        ctx += r.emitted
+
+
 def _turn_prompt(prompt: BenchPrompt, turn: int, answers: list[str], engine: SpeculativeEngine) -> Any:
     """The input of a turn: chat messages with earlier answers (AR's), or raw text without a
     chat template."""
@@ -626,6 +664,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     turns = [[_TurnRuns(len(runners)) for _ in p.turns] for p in prompts]
     answers: list[list[str]] = [[] for _ in prompts]
     prompt_lens: list[int] = []
+    verify_rows: list[tuple[str, int, int, float]] = []
     for rep in range(repeats):
         for pos, prompt in enumerate(prompts):
             for turn, tr in enumerate(turns[pos]):
@@ -639,6 +678,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     out, secs, tr.last[ci] = r.run(tr.ids, gen, eos)
                     tr.outs[ci].append(out)
                     tr.times[ci].append(secs)
+                    _verify_rows_into(verify_rows, configs[ci].name, len(tr.ids), tr.last[ci])
                     if probe is not None:
                         probe.sample()
                 if rep == 0:
@@ -679,7 +719,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         typical = int(statistics.median(prompt_lens)) + max_new_tokens // 2
         costs = surface.curve(typical).to_dict() | {"surface": surface.to_dict()}
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
-                    suite, device, dtype, costs, backend=target.backend)
+                    suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows)
 
 
 # -- config files -------------------------------------------------------------------------

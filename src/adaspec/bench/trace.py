@@ -418,6 +418,10 @@ class TraceRecorder:
         #: ``VerifyProbe.rows`` timed through the live runs: they set the wider widths' prices
         self.probe_rows: list[tuple[int, int, float]] = []
         self._probe_verify: dict[int, float] = {}
+        #: a bench's live verify steps, (width, cached tokens, seconds): they price every width
+        #: they cover (``live_verify_table``)
+        self.live_rows: list[tuple[int, int, float]] = []
+        self._verify_base: list[tuple[int, float]] = []
 
     def _say(self, msg: str) -> None:
         if self.progress is not None:
@@ -651,6 +655,9 @@ class TraceRecorder:
         table = [(1, _trimmed_mean(ar))] + [(w, r * _trimmed_mean(ar)) for w, r in sorted(relative.items()) if w > 1]
         self._calibration_verify = dict(calibration_ratios(verify_rows, relative=False))
         self._probe_verify = dict(calibration_ratios(probe, relative=False))
+        self._verify_base = table
+        if self.live_rows:
+            table = list(zip(*live_verify_table(surface, self.live_rows, table)))
         points = [(w - 1, r) for w, r in table]
         scale, per_width = nonneg_lstsq([[1.0, float(w)] for w, _ in points], [r for _, r in points])
         return EngineOverheads(round_s=max(0.0, fmean(per_round)), request_s=max(0.0, fmean(per_request)),
@@ -682,6 +689,8 @@ class TraceRecorder:
             # the same for the verify probes timed between the live requests (``VerifyProbe``)
             "probe_verify": {str(w): round(r, 4) for w, r in self._probe_verify.items()},
         }
+        if self.live_rows:  # the table before the live rows priced it (``live_verify_table``'s fallback)
+            info["verify_base"] = [[w, round(r, 6)] for w, r in self._verify_base]
         try:
             from .. import __version__
             info["adaspec_version"] = __version__
@@ -770,6 +779,27 @@ def _trimmed_mean(values: Sequence[float], trim: float = VERIFY_TRIM) -> float:
     return fmean(v[: max(1, round(len(v) * (1 - trim)))])
 
 
+def live_verify_table(surface: VerifyCostSurface, rows: Sequence[tuple[int, int, float]],
+                      fallback: Sequence[Sequence[float]]) -> tuple[list[int], list[float]]:
+    """(widths, ratios): replay's verify price per width (live seconds over the surface) from
+    a bench's own live verify steps, ``rows`` of (width, cached tokens, seconds), pooled over
+    its configurations, prompts and passes: the trimmed mean (``VERIFY_TRIM``) at every width
+    seen at least 3 times. Widths only ``fallback`` ((width, ratio) pairs: the probes' and
+    calibration's table) prices keep its ratio over its width 1, times the live width 1.
+
+    Why: this machine runs wide forwards in regimes of about a minute (width 6 at 77 or 95 ms,
+    width 1 steady), and the share of slow minutes differs from run to run; a bench measures
+    thousands of verify steps over exactly the minutes its live times come from, where the
+    probes took two per request and the calibration one minute after the run."""
+    live = dict(calibration_ratios([(w, s / surface.cost(w, ctx)) for w, ctx, s in rows], relative=False))
+    base = {int(w): float(r) for w, r in fallback}
+    if 1 not in live or 1 not in base:
+        return [int(w) for w, _ in fallback], [float(r) for _, r in fallback]
+    table = {w: r / base[1] * live[1] for w, r in base.items()} | live
+    widths = sorted(table)
+    return widths, [table[w] for w in widths]
+
+
 def calibration_ratios(rows: Sequence[tuple[int, float]], relative: bool = True) -> list[tuple[int, float]]:
     """(width, trimmed mean of live verify / surface) for every width seen at least 3 times in
     ``rows``; ``relative``: over the same rows' width-1 mean (drift between the calibration
@@ -835,14 +865,18 @@ def record_trace(target: Any, drafter_specs: Sequence[str | Drafter], prompts: S
 
 def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any], max_new_tokens: int,
            path: str | Path, *, max_draft: int = 16, progress: Progress | None = None,
-           fresh_costs: bool = True, probe: VerifyProbe | None = None) -> Trace:
+           fresh_costs: bool = True, probe: VerifyProbe | None = None,
+           live_rows: Sequence[tuple[int, int, float]] = ()) -> Trace:
     """``adaspec bench --record FILE``: record the workload and save it. ``prompts`` are token
     ids, strings, chat messages, or bench prompts (``BenchPrompt``: every turn is one request,
     and a later turn's history holds AR's earlier answers, as in ``run_bench``). The verify-cost
     surface is measured afresh at the end (``fresh_costs``, ~20 s for SmolLM2 here). ``probe``:
-    the verify probes of the live runs (``VerifyProbe``), which then set the per-width prices."""
+    the verify probes of the live runs (``VerifyProbe``), which then set the per-width prices.
+    ``live_rows``: the bench's own verify steps, (width, cached tokens, seconds), which price
+    every width they cover (``live_verify_table``)."""
     rec = TraceRecorder(target, drafters, max_new_tokens, max_draft, progress=progress)
     rec.probe_rows = list(probe.rows) if probe is not None else []
+    rec.live_rows = list(live_rows)
     for p in prompts:
         turns = getattr(p, "turns", None)
         if turns is None:
