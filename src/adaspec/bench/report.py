@@ -798,9 +798,10 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
     predicted = prediction_table(summary)
     if predicted:
         lines += ["## Replay vs live", "", "Times predicted by `adaspec replay` from the trace recorded with "
-                  "this run (`--record`), priced with the cost model, next to the live times. Verify widths "
-                  "are priced by this run's live verify steps, each configuration's own left out.", "",
-                  predicted, ""]
+                  "this run (`--record`), priced with the cost model, next to the live times."
+                  + (" Verify widths are priced by this run's live verify steps, each configuration's own "
+                     "left out." if (summary.get("round_oracle") or {}).get("live_verify_prices") else ""),
+                  "", predicted, ""]
     lines += ["## Mismatches", "", *(mism or ["None: every output matched AR token for token."]), "",
               "## Legend", "", LEGEND]
     report = out_dir / REPORT_FILE

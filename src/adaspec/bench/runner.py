@@ -270,7 +270,9 @@ class BenchRun:
         self.round_oracle = {
             "tokens_per_s": per_round["tokens_per_s"], "speedup": per_round["speedup"], "mat": per_round["mat"],
             "static_per_prompt_speedup": bounds["best_fixed"]["by_time"]["speedup"], "k": bounds["k"],
-            "max_draft": bounds["max_draft"]}
+            "max_draft": bounds["max_draft"],
+            # replay priced verify widths by this run's live steps, each configuration's own left out
+            "live_verify_prices": bool(trace.info.get("verify_base") and self.verify_rows)}
         cats = [p.meta.get("category", "") for p in trace.prompts]
         ids = [p.meta.get("id", str(i)) for i, p in enumerate(trace.prompts)]
         for name, res in self._predict_each(trace).items():
