@@ -238,7 +238,8 @@ def bench(
     per_category: int | None = typer.Option(None, help="prompts per category (0 = all) [default: 2]"),
     prompts: int = typer.Option(0, help="use only the first N prompts of the workload (0 = all)"),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
-    repeats: int | None = typer.Option(None, help="timed repeats per prompt and configuration (median)"),
+    repeats: int | None = typer.Option(
+        None, help="timed passes over the whole workload (a prompt's time: the median over passes)"),
     temperature: float | None = typer.Option(None, "--temperature", "-t",
                                              help="0 = greedy (outputs checked against AR)"),
     seed: int | None = typer.Option(None, help="seed of the mixed shuffle and of sampling"),
@@ -426,7 +427,8 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     out = Console() if sys.stdout.isatty() else Console(width=150)
     mode = "greedy" if opt["temperature"] == 0 else f"temperature {opt['temperature']}, speed-up from tokens/s"
     table = Table(title=f"adaspec bench: {opt['model']}, {mode}, {n_prompts} prompts ({opt['suite']}) x "
-                        f"{opt['max_new_tokens']} new tokens, {opt['repeats']} repeat(s), median times")
+                        f"{opt['max_new_tokens']} new tokens, {opt['repeats']} pass(es) over the workload, "
+                        "median times")
     cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verify",
             "policy time", "identical to AR"] + (["rounds in cost cliff"] if run.verify_costs else []) + (
             ["replay: pred. tokens/s (error)"] if run.predictions else [])
