@@ -92,7 +92,8 @@ def main() -> None:
     worst = max(abs(r["prediction_error"]) for r in rows)
     swaps, ties = rank_swaps({r["config"]: r["tokens_per_s"] for r in rows},
                              {r["config"]: r["predicted_tokens_per_s"] for r in rows})
-    print(f"largest error {worst:.1%}; same ranking: {not swaps}" + (f" (live ties, within 1%: {ties})" if ties else ""))
+    print(f"largest error {worst:.1%}; same ranking: {not swaps}"
+          + (f" (live ties, within 1%: {ties})" if ties else ""))
     if live != pred:
         print(f"  live:   {live}\n  replay: {pred}")
     from adaspec.bench.replay import predict_configs
@@ -107,9 +108,10 @@ def main() -> None:
         rounds_equal[name] = mine == ref
     print(f"replayed rounds equal to the live ones: {rounds_equal}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "same_ranking": not swaps, "rank_ties": ties, "largest_error": worst,
-                                               "grid_measure_s": surface.measure_s, "live_s": live_s,
-                                               "record_s": rec_s, "rounds_equal": rounds_equal}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "same_ranking": not swaps, "rank_ties": ties,
+                                               "largest_error": worst, "grid_measure_s": surface.measure_s,
+                                               "live_s": live_s, "record_s": rec_s,
+                                               "rounds_equal": rounds_equal}, indent=1))
 
 
 if __name__ == "__main__":

@@ -51,12 +51,12 @@ class LoadedModel(TargetBackend):
     cache_kw: str = field(init=False, repr=False, default="past_key_values")
 
     backend = "transformers"
+    has_hidden_states = True
+    supports_trees = True
 
     def __post_init__(self) -> None:
         if self.model is not None:
             self.cache_kw = cache_arg(self.model)
-    has_hidden_states = True
-    supports_trees = True
 
     @property
     def device(self) -> torch.device:

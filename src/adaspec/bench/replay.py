@@ -469,7 +469,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         wanted = ln.begin_round(i)
         cap = min(wanted, remaining - 1)
         policy_s += clock() - c
-        if looked and looks is not None and rounds:  # priced peeks only (the engine also counts its planning's seconds): deterministic
+        # priced peeks only (the engine also counts its planning's seconds): deterministic
+        if looked and looks is not None and rounds:
             cost_model.observe_look(peek_s)
         src = pool.src[i]
         seconds = price.round_overhead() + peek_s
