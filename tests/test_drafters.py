@@ -346,6 +346,9 @@ def test_suffix_corpus_and_datastore_specs(tmp_path, target):
     d.datastore.save(path)
     d2 = build_drafter(f"suffix:datastore={path},min_match=2,max_tokens=100", tgt)
     assert d2.datastore.docs == d.datastore.docs and d2.datastore.max_tokens == 100
+    # named after their data, so a pool's datastores are told apart in reports; one family
+    assert (d.name, d2.name, build_drafter("suffix", tgt).name) == ("suffix:corpus", "suffix:ds", "suffix")
+    assert d.family == d2.family == "suffix"
     with pytest.raises(AdaspecError, match="not both"):
         build_drafter(f"suffix:datastore={path},corpus={corpus}", tgt)
     with pytest.raises(AdaspecError, match="tokenizer"):

@@ -23,8 +23,9 @@ from adaspec.feedback import RoundFeedback
 from adaspec.models import as_loaded
 from adaspec.selection import build_policies
 from adaspec.drafters.base import Peek
+from adaspec.drafters import drafter_family
 from adaspec.selection.auto import (AutoController, AutoLength, AutoSelector, ChainCounts, Plan, expected_tokens,
-                                    lower_bound, peek_chain)
+                                    lower_bound, peek_chain, peek_context)
 
 GREEDY = SamplingConfig()
 WORDS = [f"w{i:02d}" for i in range(32)]
@@ -324,6 +325,31 @@ def test_auto_is_the_default_over_several_drafters(sharp_model):
     assert one.selector.name == "static" and one.length.name == "static"
     assert one.with_policies(None).selector.name == "static"
     assert isinstance(engine.with_policies([0, 2]).selector, AutoSelector)
+
+
+def test_agreement_counts_only_across_drafter_families():
+    """A suffix drafter over a datastore proposes what plain suffix matching does whenever the
+    request holds the longest match: their agreement is no evidence, so a block agreeing only
+    with its own family is ``alone``; agreeing with prompt lookup is ``agree``."""
+    fams = ["prompt-lookup", "suffix", "suffix", "none"]
+    blocks = {0: [], 1: [7, 8], 2: [7, 8], 3: []}
+    assert peek_context(1, blocks) == "agree"  # without families: any other drafter counts
+    assert peek_context(1, blocks, families=fams) == "alone"
+    assert peek_context(1, {0: [9], 1: [7], 2: [7], 3: []}, families=fams) == "disagree"
+    assert peek_context(1, {0: [7], 1: [7], 2: [5], 3: []}, match=6, families=fams) == "agree:6"
+    assert [drafter_family(s) for s in ("pld", "prompt-lookup:max_ngram=2", "suffix:datastore=x.jsonl",
+                                        "self", "feature-head:path=h.pt", "none")] == [
+        "prompt-lookup", "prompt-lookup", "suffix", "model", "feature-head", "none"]
+
+
+def test_the_engine_tells_auto_the_drafter_families(sharp_model):
+    """The engine binds families from the drafter instances, whatever their names; the peek
+    contexts then ignore same-family agreement."""
+    engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "suffix:min_match=3", "none"])
+    assert engine.selector.controller.families == ["prompt-lookup", "suffix", "suffix", "none"]
+    ids = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    out = engine.generate(ids, max_new_tokens=12)
+    assert out.token_ids == SpeculativeEngine(sharp_model, [], k=1).generate(ids, max_new_tokens=12).token_ids
 
 
 def test_peeked_block_is_the_drafted_block(sharp_model):
@@ -707,6 +733,37 @@ def test_model_drafters_whose_plan_keeps_losing_are_scored_ever_more_rarely():
     assert c.evaluate(0) and c.eval_losses[0] == 0
     c.rounds = 516
     assert c.evaluate(0)
+
+
+def test_a_model_drafter_is_scored_before_it_is_played():
+    """Full feedback: a model drafter is scored every round and planned as a plain step until
+    MODEL_WARMUP first tokens are scored, however good the prior looks; then its estimates
+    decide. Bandit feedback cannot score it, so there it is played on the prior at once."""
+    from adaspec.selection.auto import MODEL_WARMUP
+
+    def scored_round(r: int, hit: float) -> RoundFeedback:
+        fb = RoundFeedback(round=r, drafter=1, draft=Draft(), n_accepted=0, emitted=[5, 6], k_cap=0,
+                           target_logits=None, sampling=GREEDY)
+        fb.counterfactual = {0: [hit, hit]}
+        fb.counterfactual_alpha = {0: [hit, hit]}
+        fb.counterfactual_proposed = {0: [True, True]}
+        return fb
+
+    sel = AutoSelector(prior_weight=1.0)
+    sel.bind_drafters([True, False])
+    sel.begin_request(["head", "none"])
+    c = sel.controller
+    c.costs = FixedCosts(flat(1.0, 0.01), {0: 0.01})
+    assert c.best_k(0).k == 0 and c.choose().drafter == 1  # the prior alone would draft
+    for r in range(MODEL_WARMUP):
+        assert c.evaluate(0) and c.best_k(0).k == 0
+        c.observe(scored_round(r, 1.0))
+    assert c.trusted(0) and c.best_k(0).k > 0 and c.choose().drafter == 0
+    bandit = AutoSelector(prior_weight=1.0, feedback="bandit")
+    bandit.bind_drafters([True, False])
+    bandit.begin_request(["head", "none"])
+    bandit.controller.costs = c.costs
+    assert bandit.controller.trusted(0) and bandit.controller.best_k(0).k > 0
 
 
 def test_a_model_drafter_that_drafts_is_scored_every_few_rounds_again():

@@ -23,7 +23,7 @@ import torch
 
 from .config import GenerationConfig, SamplingConfig
 from .costs import CostModel, VerifyCostSurface, load_or_measure
-from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter
+from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter, drafter_family
 from .drafters.base import Peek, apply_decisions
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
@@ -137,6 +137,8 @@ class SpeculativeEngine:
         for policy in (self.selector, self.length):
             if hasattr(policy, "bind_drafters"):
                 policy.bind_drafters([d.is_model for d in self.drafters])
+            if hasattr(policy, "bind_families"):  # agreement counts across families (auto)
+                policy.bind_families([drafter_family(d) for d in self.drafters])
             if hasattr(policy, "bind_trees"):  # which drafters draft trees (no decide; the node budget prices them)
                 policy.bind_trees([self.tree and d.supports_tree for d in self.drafters])
 

@@ -54,7 +54,7 @@ import typer
 
 from ..config import SamplingConfig, validate_k
 from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
-from ..drafters import Drafter, build_drafter
+from ..drafters import Drafter, build_drafter, drafter_family
 from ..drafters.base import Decision, Draft, DraftStep, Peek, StepStats
 from ..errors import AdaspecError, ConfigError
 from ..feedback import RoundFeedback
@@ -364,6 +364,8 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     for policy in (sel, ln):  # as the engine does
         if hasattr(policy, "bind_drafters"):
             policy.bind_drafters([s is not None and trace.is_model[s] for s in pool.src])
+        if hasattr(policy, "bind_families"):
+            policy.bind_families([drafter_family(trace.specs[s]) if s is not None else "none" for s in pool.src])
     if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "

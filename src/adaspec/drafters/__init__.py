@@ -7,6 +7,7 @@ is anything ``load_model`` accepts (Hugging Face id, local directory, .gguf file
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..backends.base import TargetBackend
@@ -36,6 +37,7 @@ __all__ = [
     "TinyLMDrafter",
     "build_drafter",
     "check_same_vocabulary",
+    "drafter_family",
     "drafts_trees",
     "parse_params",
 ]
@@ -49,6 +51,17 @@ def drafts_trees(spec: str | Drafter) -> bool:
     if isinstance(spec, Drafter):
         return spec.supports_tree
     return str(spec).strip().partition(":")[0].strip().lower() in TREE_DRAFTERS
+
+
+def drafter_family(spec: str | Drafter) -> str:
+    """The kind of drafter a spec or instance is, whatever its name: ``suffix`` for every suffix
+    drafter, with or without a datastore (``prompt-lookup`` for ``pld``, ``model`` for
+    ``model:REF``). Drafters of one family draw on the same evidence, so ``auto`` does not
+    count their agreement (``selection.auto.peek_context``)."""
+    if isinstance(spec, Drafter):
+        return spec.family
+    kind = str(spec).strip().partition(":")[0].strip().lower()
+    return _FAMILY_OF_KIND.get(kind, kind)
 
 
 def parse_params(text: str, what: str) -> dict[str, str]:
@@ -95,23 +108,25 @@ def _prompt_lookup(params: dict[str, str], target: LoadedModel, **_: Any) -> Dra
 def _suffix(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     min_match = _take(params, "min_match", int, None)  # None: from the datastore file, else 2
     max_tokens = _take(params, "max_tokens", int, None)
-    store = None
+    store, name = None, None
     if "datastore" in params and "corpus" in params:
         raise AdaspecError("suffix drafter: give either datastore= or corpus=, not both")
     if "datastore" in params:
-        store = SuffixDatastore.load(params.pop("datastore"), max_tokens=max_tokens,
-                                     min_match=min_match)
+        path = params.pop("datastore")
+        store = SuffixDatastore.load(path, max_tokens=max_tokens, min_match=min_match)
+        name = f"suffix:{Path(path).stem}"  # a pool's six datastores: suffix:code, suffix:math, ...
     elif "corpus" in params:
-        store = SuffixDatastore.from_text(params.pop("corpus"), target.tokenizer,
-                                          max_tokens=max_tokens or 1_000_000,
+        path = params.pop("corpus")
+        store = SuffixDatastore.from_text(path, target.tokenizer, max_tokens=max_tokens or 1_000_000,
                                           min_match=min_match or 2)
+        name = f"suffix:{Path(path).stem}"
     learn = _take(params, "learn", _bool, False)
     if learn and store is None:
         store = SuffixDatastore(min_match=min_match or 2, max_tokens=max_tokens or 1_000_000)
     d = SuffixDrafter(min_match=store.min_match if store is not None else (min_match or 2),
                       max_match=_take(params, "max_match", int, 24),
                       max_candidates=_take(params, "max_candidates", int, 64),
-                      datastore=store, learn=learn)
+                      datastore=store, learn=learn, name=name)
     _no_leftovers(params, "suffix", "min_match, max_match, max_candidates, datastore, corpus, "
                   "max_tokens, learn")
     return d
@@ -169,6 +184,8 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
     "feature-head": _trained("feature-head", FeatureHeadDrafter, "file"),
     "tiny-lm": _trained("tiny-lm", TinyLMDrafter, "dir"),
 }
+#: spec kinds whose drafter class has another family name
+_FAMILY_OF_KIND = {"pld": "prompt-lookup", "self": "model", "early-exit": "model"}
 DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "early-exit:layers=N", "model:REF",
                  "feature-head:path=FILE", "tiny-lm:path=DIR")
 

@@ -130,6 +130,8 @@ class Drafter(ABC):
     """One source of draft tokens. Implementations: model, prompt lookup, suffix."""
 
     name: str = "drafter"
+    #: what kind of drafter it is, whatever its name (``drafters.drafter_family``)
+    family: str = "drafter"
     #: True if the drafter runs a neural network (then it exposes q, logits and hidden states)
     is_model: bool = False
     #: True if ``draft_tree`` proposes draft trees (``adaspec.trees``); others draft chains

@@ -345,6 +345,7 @@ class FeatureHeadDrafter(Drafter):
     """
 
     is_model = True
+    family = "feature-head"
     uses_target_features = True
     supports_tree = True
     #: EAGLE-2 tree shape: children offered per expanded node, nodes expanded per level

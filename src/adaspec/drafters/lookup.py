@@ -17,7 +17,7 @@ MAX_TREE_HITS = 64
 
 
 class PromptLookupDrafter(IndexedDrafter):
-    name = "prompt-lookup"
+    name = family = "prompt-lookup"
     #: tree candidates' acceptance per (n-gram size bucket, share bucket, late) before any data
     #: (``CandidateCalibration``): measured on the mixed suite (SmolLM2, 2 prompts per
     #: category, 128 tokens, buckets with >= 20 trials)

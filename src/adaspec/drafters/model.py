@@ -106,6 +106,7 @@ class ModelDrafter(Drafter):
     """
 
     is_model = True
+    family = "model"
     #: EAGLE-2 tree shape: children offered per expanded node, nodes expanded per level
     tree_branch, tree_width = TREE_BRANCH, TREE_WIDTH
 

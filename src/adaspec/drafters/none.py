@@ -9,7 +9,7 @@ from .base import Draft, Drafter, Proposals
 
 
 class NoDrafter(Drafter):
-    name = "none"
+    name = family = "none"
 
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
         pass

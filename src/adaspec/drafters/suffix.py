@@ -117,7 +117,7 @@ class SuffixDatastore:
 
 
 class SuffixDrafter(IndexedDrafter):
-    name = "suffix"
+    name = family = "suffix"
     #: tree candidates' acceptance per (match-length bucket, share bucket, late) before any
     #: data (``CandidateCalibration``): measured on the mixed suite (SmolLM2, 2 prompts per
     #: category, 128 tokens, buckets with >= 20 trials; ``docs/drafters-and-policies.md``)

@@ -133,6 +133,8 @@ def read_tiny_lm_meta(path: str | Path) -> dict:
 class TinyLMDrafter(ModelDrafter):
     """``ModelDrafter`` over a tiny LM whose logits cover only its draft vocabulary (-inf elsewhere)."""
 
+    family = "tiny-lm"
+
     def __init__(self, drafter: LoadedModel, target_vocab_size: int, vocab: torch.Tensor,
                  name: str | None = None, training: dict | None = None):
         super().__init__(drafter, target_vocab_size, name=name or f"tiny-lm:{drafter.name}")

@@ -39,6 +39,9 @@ are conditioned on what the blocks show, the context ``rel:m`` (``peek_context``
 drafter proposes alone, agrees with another's first token or disagrees, and the bucket of the
 match length behind its first token (``MATCH_BUCKETS``; SuffixDecoding's score: on the mixed
 suite suffix's first token is accepted 54% after a 2-token match, 99% after a 24-token one).
+Agreement counts only across drafter families (``bind_families``): a suffix drafter over a
+datastore proposes what plain suffix matching does whenever the request holds the longest
+match, so agreeing with it is no evidence.
 
 Skipping looks that do not pay (``look_share``, off by default). Looking and planning cost
 ~0.2 ms a round: 0.3% of a PyTorch SmolLM2 forward, 3% of a llama.cpp one, where most rounds
@@ -60,7 +63,9 @@ that cannot be looked at (model drafters) are scored on the verified tokens by t
 probability gamma at every emitted position, ``counterfactual_alpha`` the acceptance of the
 realised token), every ``model_eval_every`` rounds (skipped evaluation, Not-a-Bandit B.5),
 an interval that doubles (up to 2^``MAX_EVAL_BACKOFF`` times) while their best plan keeps
-losing to the round's choice, and learn from their own rounds in between.
+losing to the round's choice, and learn from their own rounds in between. A model drafter is
+scored every round and not played until ``MODEL_WARMUP`` first tokens are scored
+(``trusted``): scoring costs its forward, playing it on the prior's optimism a wider verify.
 
 Estimator and censoring. From one drafter's gammas g_1..g_m and realised acceptances
 alpha_1..alpha_m along a verified chain, the counts are (fractional under sampling):
@@ -119,6 +124,10 @@ from .base import DrafterPolicy
 
 #: a model drafter whose plan keeps losing is scored every model_eval_every x 2^j rounds, j <= this
 MAX_EVAL_BACKOFF = 5
+#: a model drafter is scored every round, and not played, until it has this many scored first
+#: tokens (full feedback only): scoring costs a forward of the drafter, playing it on the
+#: prior's optimism a wider verify (``AutoController.trusted``)
+MODEL_WARMUP = 4
 #: prior of (h, a, c) before any data, see the module docstring
 DEFAULT_PRIOR = (0.5, 0.5, 0.7)
 NONE_NAMES = ("none",)
@@ -271,6 +280,9 @@ class AutoController:
         self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (wants_costs)
         self.names: list[str] = []
         self.is_model: list[bool] = []
+        #: per drafter, its family (``drafters.drafter_family``; ``bind_families``): agreement
+        #: in the peek contexts counts only across families
+        self.families: list[str] = []
         #: the two levels' decay clocks (a batch shares the global one with the global counts)
         self.global_clock, self.request_clock = DecayClock(global_decay), DecayClock(request_decay)
         #: per model drafter: how many of its evaluations in a row found its plan losing
@@ -287,6 +299,10 @@ class AutoController:
         self.request_ctx: list[dict[str, ChainCounts]] = []
         #: score looked-at drafters on their blocks instead of the engine's evaluation
         self.learn_from_peeks = True
+        #: scored first tokens a model drafter needs before it is played (``trusted``), and
+        #: per drafter the first tokens scored so far (kept with the global counts)
+        self.model_warmup = 0
+        self.first_scored: dict[int, int] = {}
         #: tokens the engine shows of each block (a block this long may go on)
         self.peek_depth = max_k
         #: plan on estimates lowered by this many posterior standard deviations
@@ -308,6 +324,7 @@ class AutoController:
             self.global_counts = [ChainCounts(clock=self.global_clock) for _ in names]
             self.global_ctx = [{} for _ in names]
             self.eval_losses = {}
+            self.first_scored = {}
         self.is_model = list(is_model) if is_model is not None else [False] * len(names)
         self.request_counts = [ChainCounts(clock=self.request_clock) for _ in names]
         self.request_ctx = [{} for _ in names]
@@ -355,7 +372,7 @@ class AutoController:
             verify, draft, overhead = self._cost_fns()
         v1 = verify(1)
         best = Plan(d, 0, 1.0 / max(overhead + v1, 1e-12))
-        if self.names[d] in NONE_NAMES:
+        if self.names[d] in NONE_NAMES or not self.trusted(d):
             return best
         top = self.max_k
         if d in self.peeked:  # its proposal is known: h is 0 or 1, k <= its length, drafting done
@@ -381,6 +398,14 @@ class AutoController:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return Plan(d, best_k, best_rate) if best_k else best
+
+    def trusted(self, d: int) -> bool:
+        """May drafter ``d`` be played? A model drafter only once scored on ``model_warmup``
+        first tokens (``MODEL_WARMUP`` with full feedback, else 0): before that its plan is
+        the prior's mean, and on the pool's heads that mean (h a = 0.25) planned drafting
+        where they were accepted 10-15% of the time (0.95x auto without them)."""
+        return (self.model_warmup <= 0 or d >= len(self.is_model) or not self.is_model[d]
+                or self.first_scored.get(d, 0) >= self.model_warmup)
 
     def looks(self) -> bool:
         """Should the engine show this round's blocks (peek)? Not while skipping: after j
@@ -441,7 +466,8 @@ class AutoController:
         (``peek_context``)."""
         self.peeked = {d: list(getattr(b, "tokens", b)) for d, b in blocks.items()}
         self._looked = True
-        self.contexts = {d: peek_context(d, self.peeked, getattr(blocks[d], "match", 0))
+        fams = self.families if self.families and len(self.families) == len(self.names) else None
+        self.contexts = {d: peek_context(d, self.peeked, getattr(blocks[d], "match", 0), fams)
                          for d, b in self.peeked.items() if b}
 
     def cap_for(self, d: int) -> int:
@@ -458,7 +484,7 @@ class AutoController:
             return False
         if self.skipping and not self.is_model[d]:  # not looked at this round: seen at the next look
             return False
-        if not self.is_model[d]:
+        if not self.is_model[d] or not self.trusted(d):
             return True
         losses = self.eval_losses.get(d, 0)
         if self.rounds % (self.model_eval_every * 2 ** min(losses, MAX_EVAL_BACKOFF)):
@@ -482,6 +508,8 @@ class AutoController:
         for d, gammas, alphas, proposed in self._chains(fb, self.peeked if self.learn_from_peeks else {}):
             self.request_counts[d].observe(gammas, alphas, proposed)
             self.global_counts[d].observe(gammas, alphas, proposed)
+            if gammas:
+                self.first_scored[d] = self.first_scored.get(d, 0) + 1
             ctx = self.contexts.get(d)
             if ctx is not None:
                 for level, clock in levels:
@@ -543,15 +571,20 @@ def match_bucket(match: int) -> int:
     return MATCH_BUCKETS[max(bisect_right(MATCH_BUCKETS, match) - 1, 0)]
 
 
-def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0) -> str:
+def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0,
+                 families: Sequence[str] | None = None) -> str:
     """What drafter ``d``'s block says about its chance, given the other looked-at blocks:
     ``alone`` (no other drafter proposes), ``agree`` (another proposes the same first token) or
     ``disagree``, and the bucket of the context match behind it (``:m``, ``match_bucket``; a
     longer suffix match is more often right: SuffixDecoding's score). One overall acceptance
     estimate would be biased in every one of these cases (measured on the mixed suite: prompt
-    lookup's first token was accepted 24% of the time alone, 5% against suffix, 77% agreeing)."""
+    lookup's first token was accepted 24% of the time alone, 5% against suffix, 77% agreeing).
+    With ``families`` (``drafters.drafter_family``) only drafters of another family count: a
+    suffix drafter over a datastore proposes what plain suffix matching does whenever the
+    request's own text holds the longest match, so their agreement is no evidence."""
     mine = blocks[d][0]
-    others = [b[0] for j, b in blocks.items() if j != d and b]
+    fam = families[d] if families is not None else None
+    others = [b[0] for j, b in blocks.items() if j != d and b and (fam is None or families[j] != fam)]
     rel = "alone" if not others else "agree" if mine in others else "disagree"
     return f"{rel}:{match_bucket(match)}" if match > 0 else rel
 
@@ -606,6 +639,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
                                          model_eval_every, scope, objective,
                                          shrink if feedback == "full" else 0.0)
         self.controller.learn_from_peeks = feedback == "full"
+        self.controller.model_warmup = MODEL_WARMUP if feedback == "full" else 0
         self.controller.peek_depth = peek_depth
         self.controller.look_share = float(look_share)
         #: peek this round? (``AutoController.looks``); None when looks are never skipped, so
@@ -631,6 +665,11 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine tells; evaluated less often, never looked at)."""
         self._is_model = list(is_model)
+
+    def bind_families(self, families: Sequence[str]) -> None:
+        """Each drafter's family (``drafters.drafter_family``; the engine and replay tell):
+        agreement between looked-at blocks counts only across families (``peek_context``)."""
+        self.controller.families = list(families)
 
     def begin_request(self, drafter_names: Sequence[str]) -> None:
         self.n_arms, self.arm_names = len(drafter_names), list(drafter_names)
