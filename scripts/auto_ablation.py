@@ -14,6 +14,11 @@ trace's acceptance data transfers. ``--by-category`` adds speed-ups per prompt c
 the per-round oracle (least time, hindsight); ``--diagnose`` breaks auto's rounds down into
 where it loses against that oracle: drafts with nothing accepted, the other drafter accepting
 more, plain steps where a drafter would have been accepted, caps too long or too short.
+``--context-bound`` fits, in hindsight on every position of the trace, the best fixed
+(drafter, k) for each of auto's peek contexts (``peek_context``: agreement and match bucket)
+and walks it: what a rule that sees only those features can get without adapting within a
+request. When it is no better than ``auto``, better learning on these features cannot close
+the gap to the per-round oracle; only features that tell long runs from short ones can.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import argparse
 import dataclasses
 from collections import defaultdict
 
-from adaspec.bench.replay import ReplayResult, load_surface, oracle_bounds, replay
+from adaspec.bench.replay import ReplayResult, _peekers, _Pool, _RoundPricer, _views, load_surface, oracle_bounds, replay
 from adaspec.bench.trace import Trace
 from adaspec.costs import VerifyCostSurface
+from adaspec.drafters import drafter_family
+from adaspec.selection.auto import peek_context
 
 POOL = ["prompt-lookup", "suffix", "none"]
 ROWS = [
@@ -118,12 +125,68 @@ def diagnose(trace: Trace, r: ReplayResult, costs: VerifyCostSurface | None) -> 
         print(f"| {k} | " + " | ".join(fmt(v) for v in vals) + f" | {fmt(sum(vals))} |")
 
 
+def context_bound(trace: Trace, costs: VerifyCostSurface | None, depth: int = 16) -> tuple[float, float, int]:
+    """The best fixed (drafter, k) per peek context, fitted on every position in hindsight and
+    walked along the greedy paths (module docstring): (speed-up over AR, MAT, contexts). Rounds
+    are priced as the oracle prices them (verify at the cache length plus round overhead)."""
+    pool = _Pool.of(trace, POOL)
+    price = _RoundPricer(trace, pool, costs)
+    cheap = [j for j, s in enumerate(pool.src) if s is not None]
+    fams = [drafter_family(trace.specs[s]) if s is not None else "none" for s in pool.src]
+    rows: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}  # (p, x) -> j -> (context, len, accepted)
+    for p, pt in enumerate(trace.prompts):
+        views, peekers = _views(trace, p), _peekers(trace, pool, cheap, pt.prompt)
+        for x in range(min(pt.n_out, trace.max_new_tokens)):
+            t, blocks, match = pt.n_prompt + x, {}, {}
+            for j in cheap:
+                chain = views[pool.src[j]].chains[x][:depth]
+                look = peekers[j].peek(pt.path[:t], depth) if j in peekers else None
+                blocks[j], match[j] = chain, (look.match if look is not None and look.tokens == chain else 0)
+            rows[(p, x)] = {j: (peek_context(j, blocks, match[j], fams), len(blocks[j]),
+                                views[pool.src[j]].accepted[x]) for j in cheap if blocks[j]}
+
+    def seconds(p: int, x: int, k: int) -> float:
+        return price.verify(k + 1, trace.prompts[p].n_prompt + x) + price.round_overhead()
+
+    tokens: dict[tuple[int, str, int], float] = defaultdict(float)
+    secs: dict[tuple[int, str, int], float] = defaultdict(float)
+    for (p, x), row in rows.items():
+        for j, (ctx, n, acc) in row.items():
+            for k in range(n + 1):
+                tokens[(j, ctx, k)] += min(acc, k) + 1
+                secs[(j, ctx, k)] += seconds(p, x, k)
+    rate = {key: tokens[key] / secs[key] for key in tokens}
+
+    def walk(rule) -> tuple[float, int, int]:
+        total, n_tok, n_rounds = 0.0, 0, 0
+        for p, pt in enumerate(trace.prompts):
+            end, x = min(pt.n_out, trace.max_new_tokens), 0
+            while x < end:
+                j, k = rule(p, x)
+                total += seconds(p, x, k)
+                x += min(rows[(p, x)][j][2], k) + 1 if k else 1
+                n_rounds += 1
+            n_tok += end
+        return total, n_tok, n_rounds
+
+    def fitted(p: int, x: int) -> tuple[int | None, int]:
+        options = [(rate[(j, ctx, k)], j, k) for j, (ctx, n, _) in rows[(p, x)].items() for k in range(n + 1)]
+        best = max(options, default=(0.0, None, 0))
+        return best[1], best[2]
+
+    ar = walk(lambda p, x: (None, 0))[0]
+    s, n_tok, n_rounds = walk(fitted)
+    return ar / s, n_tok / n_rounds, len({(j, c) for j, c, _ in tokens})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--costs", help="verify-cost surface JSON to price the rounds on (e.g. llama.cpp's)")
     ap.add_argument("--by-category", action="store_true", help="speed-ups per category and the per-round oracle")
     ap.add_argument("--diagnose", action="store_true", help="where auto's rounds lose, per category")
+    ap.add_argument("--context-bound", action="store_true",
+                    help="the best fixed (drafter, k) per peek context, fitted in hindsight")
     args = ap.parse_args()
     trace = Trace.load(args.trace)
     costs = load_surface(args.costs) if args.costs else None
@@ -152,6 +215,10 @@ def main() -> None:
         print("| auto / best single | " + " | ".join(f"{table['auto'][c] / best[c]:.3f}" for c in cats) + " |")
     if args.diagnose:
         diagnose(trace, results[ROWS[3][0]], costs)
+    if args.context_bound:
+        speedup, mat, n_ctx = context_bound(trace, costs)
+        print(f"\nbest fixed (drafter, k) per peek context, fitted in hindsight ({n_ctx} contexts): "
+              f"{speedup:.3f}x over AR, MAT {mat:.2f} (auto {ar.predicted_s / results[ROWS[3][0]].predicted_s:.3f}x)")
 
 
 if __name__ == "__main__":
