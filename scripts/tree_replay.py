@@ -15,6 +15,7 @@ AR is priced alike. The engine's policies read the surface the live engines read
     python scripts/tree_replay.py TRACE.npz --live-ratios RESULTS/rounds.csv --only "suffix k=5 +tree"
     python scripts/tree_replay.py --record ar.json              # or: AR outputs of SmolLM2 (mixed suite)
     python scripts/tree_replay.py ar.json --costs surface.json  # priced on a surface JSON, 2 ms a round
+    python scripts/tree_replay.py TRACE.npz --only "suffix k=5 +tree" --tree-nodes 31  # a larger node budget
 """
 
 from __future__ import annotations
@@ -264,13 +265,16 @@ def main() -> None:
     ap.add_argument("--live-ratios", metavar="ROUNDS_CSV",
                     help="price verify steps with the per-width live/surface ratio of this bench run's "
                          "rounds.csv instead of the trace's calibration")
+    ap.add_argument("--tree-nodes", type=int, default=None,
+                    help="most nodes of a draft tree (the engine's tree_nodes, default 15)")
     args = ap.parse_args()
     if args.record:
         record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
     elif args.recording:
         if not args.wall_clock:
             time.perf_counter = time.process_time  # the engine's timers, in this process only
-        replay(args.recording, args.costs, args.only, args.live_ratios)
+        kw = {} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}
+        replay(args.recording, args.costs, args.only, args.live_ratios, **kw)
     else:
         ap.error("give --record OUT, or a trace (or a recording and --costs)")
 
