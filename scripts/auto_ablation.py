@@ -27,7 +27,8 @@ import argparse
 import dataclasses
 from collections import defaultdict
 
-from adaspec.bench.replay import ReplayResult, _peekers, _Pool, _RoundPricer, _views, load_surface, oracle_bounds, replay
+from adaspec.bench.replay import (ReplayResult, _peekers, _Pool, _RoundPricer, _views, load_surface, oracle_bounds,
+                                  replay)
 from adaspec.bench.trace import Trace
 from adaspec.costs import VerifyCostSurface
 from adaspec.drafters import drafter_family
