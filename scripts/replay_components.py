@@ -22,6 +22,12 @@ can be re-run after a change to the pricing code without measuring again.
 ``probes`` re-prices a bench run recorded with verify probes (``VerifyProbe``) with the
 calibration's per-width ratios alone, and prints replay's error both ways.
 
+``reprice`` re-prices a finished bench run (summary.json, verify_steps.csv, trace.npz) with
+its live verify steps selected and averaged in several ways (all passes or the median passes;
+trimmed mean or mean), each configuration's own steps left out as the bench does, and prints
+replay's error per configuration for each: what the pricing choice is worth, without running
+the workload again.
+
 ``analyse`` prints, per configuration: the bench's error (predicted / live tokens/s - 1, live
 = sum over requests of the median over repeats); live seconds per component (mean over
 repeats) against the same component priced by the trace's cost model on the *live* rounds
@@ -307,6 +313,46 @@ def probes(args: argparse.Namespace) -> None:
         print(f"{c.name[:44]:44s} {live[c.name]:10.2f}{cells}")
 
 
+def reprice(args: argparse.Namespace) -> None:
+    import csv
+    import dataclasses
+    import json
+
+    from adaspec.bench.trace import live_verify_table
+
+    out = Path(args.dir)
+    trace = Trace.load(args.trace or out / "trace.npz")
+    summary = json.loads((out / "summary.json").read_text())
+    with open(out / "verify_steps.csv", encoding="utf-8") as fh:
+        steps = [(r["config"], r["median"] == "True", int(r["width"]), int(r["cached"]), float(r["seconds"]))
+                 for r in csv.DictReader(fh)]
+    base = trace.info.get("verify_base")
+    if not base:
+        sys.exit(f"{out}: the trace was not priced by live steps (no verify_base)")
+    live = {r["config"]: r["tokens_per_s"] for r in summary["overall"]}
+    tokens = {c: sum(r["tokens"] for r in summary["per_prompt"] if r["config"] == c) for c in live}
+    _, cfgs = bench_configs(args.config)
+    cfgs = [c for c in cfgs if c.name in live]
+    variants = {"all passes, trimmed": (False, 0.1), "all passes, mean": (False, 0.0),
+                "median passes, trimmed": (True, 0.1), "median passes, mean": (True, 0.0)}
+    errs: dict[str, list[float]] = {v: [] for v in variants}
+    print(f"{'configuration':44s} {'live tok/s':>10s}" + "".join(f"{v:>24s}" for v in variants))
+    for c in cfgs:
+        cells = ""
+        for v, (median, trim) in variants.items():
+            rows = [(w, ctx, sec) for name, med, w, ctx, sec in steps if name != c.name and (med or not median)]
+            widths, ratios = live_verify_table(trace.surface, rows, base, trim=trim)
+            own = dataclasses.replace(trace, overheads=dataclasses.replace(
+                trace.overheads, verify_widths=widths, verify_ratios=ratios), cache={})
+            res = predict_configs(own, [c])[c.name]
+            err = tokens[c.name] / res.predicted_s / live[c.name] - 1
+            errs[v].append(err)
+            cells += f"{err:+24.1%}"
+        print(f"{c.name[:44]:44s} {live[c.name]:10.2f}{cells}")
+    print(f"{'mean error / largest':55s}" + "".join(
+        f"{statistics.fmean(e):+13.1%} / {max(e, key=abs):+.1%}" for e in errs.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -324,6 +370,10 @@ def main() -> None:
     b.add_argument("--config", default="benchmarks/smollm2-auto-v2.toml", help="the bench file it ran")
     b.add_argument("--trace", default=None)
     b.add_argument("--skip", default="", help="prompt ids to leave out (comma-separated), e.g. burst-hit ones")
+    rp = sub.add_parser("reprice")
+    rp.add_argument("dir", help="an adaspec bench output directory with verify_steps.csv and trace.npz")
+    rp.add_argument("--config", default="benchmarks/smollm2-long-prompts.toml", help="the bench file it ran")
+    rp.add_argument("--trace", default=None)
     pr = sub.add_parser("probes")
     pr.add_argument("dir", help="an adaspec bench output directory recorded with verify probes")
     pr.add_argument("--config", default="benchmarks/smollm2-long-prompts.toml", help="the bench file it ran")
@@ -332,7 +382,7 @@ def main() -> None:
     a.add_argument("data")
     a.add_argument("--trace", default=None)
     args = ap.parse_args()
-    {"run": run, "analyse": analyse, "bench": bench, "probes": probes}[args.cmd](args)
+    {"run": run, "analyse": analyse, "bench": bench, "probes": probes, "reprice": reprice}[args.cmd](args)
 
 
 if __name__ == "__main__":

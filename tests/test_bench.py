@@ -117,7 +117,9 @@ def test_multi_turn_run_writes_summary_and_rounds(tmp_path):
     sel = recs[(configs[-1].name, "t1")]
     assert sum(sel.drafter_usage.values()) == sel.rounds
     written = run.save(tmp_path, plots=False)
-    assert {p.name for p in written} == {"summary.json", "rounds.csv"}
+    assert {p.name for p in written} == {"summary.json", "rounds.csv", "verify_steps.csv"}
+    assert all(len(r.pass_seconds) == 1 for r in run.records)  # one pass: its time is the median
+    assert all(r.pass_seconds[0] == r.seconds for r in run.records)
     with open(tmp_path / "rounds.csv") as fh:
         rows = list(csv.DictReader(fh))
     spec_rounds = sum(r.rounds for r in run.records if r.config != configs[0].name)
@@ -148,9 +150,10 @@ def test_repeats_are_passes_over_the_workload():
 
 
 def test_live_verify_rows_and_leave_one_out_predictions(tmp_path, monkeypatch):
-    """``run_bench`` keeps every chain round's verify step of every pass (configuration, width,
-    cached tokens, seconds); a trace recorded with them prices widths by them, and
-    ``predict_from`` prices each configuration without its own rows."""
+    """``run_bench`` keeps every chain round's verify step of every pass; the steps of the
+    passes whose times are the live medians price replay: a trace recorded with them prices
+    widths by them, and ``predict_from`` prices each configuration without its own rows."""
+    import csv
     import dataclasses
 
     from adaspec.bench.trace import record
@@ -159,15 +162,20 @@ def test_live_verify_rows_and_leave_one_out_predictions(tmp_path, monkeypatch):
     target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
     work = [BenchPrompt("t1", "copy", ("w01 w02 w03 w04 w01 w02 w03 w04 w01 w02",))]
     configs = default_configs(["prompt-lookup"], [3])
-    run = run_bench(target, configs, work, max_new_tokens=8, measure_costs=False, repeats=2)
+    run = run_bench(target, configs, work, max_new_tokens=8, measure_costs=False, repeats=3)
     names = [c.name for c in run.configs]
     n_rounds = {n: sum(r.rounds for r in run.records if r.config == n) for n in names}
-    for n in names:  # both passes' rounds
-        assert sum(1 for row in run.verify_rows if row[0] == n) == 2 * n_rounds[n]
-    assert all(w >= 1 and ctx >= 1 and s > 0 for _, w, ctx, s in run.verify_rows)
-    assert {w for name, w, _, _ in run.verify_rows if name == names[0]} == {1}  # AR: plain steps
+    for n in names:  # every pass's rounds, one pass of three priced: the median one
+        mine = [row for row in run.verify_rows if row.config == n]
+        assert len(mine) == 3 * n_rounds[n]
+        assert {row.pass_ for row in mine} == {0, 1, 2}
+        assert len({row.pass_ for row in mine if row.median}) == 1
+    assert all(r.width >= 1 and r.cached >= 1 and r.seconds > 0 for r in run.verify_rows)
+    assert {r.width for r in run.verify_rows if r.config == names[0]} == {1}  # AR: plain steps
+    priced = run.priced_rows()
+    assert len(priced) == sum(n_rounds.values())
     trace = record(target, ["prompt-lookup"], work, 8, tmp_path / "t.npz", fresh_costs=False,
-                   live_rows=[row[1:] for row in run.verify_rows])
+                   live_rows=priced)
     assert trace.info["verify_base"] and trace.overheads.verify_widths[0] == 1
     import adaspec.bench.trace as trace_mod
 
@@ -182,13 +190,25 @@ def test_live_verify_rows_and_leave_one_out_predictions(tmp_path, monkeypatch):
     run.predict_from(trace)
     assert len(seen) == len(names)
     for n, rows in zip(names, seen):  # each configuration priced without its own rows
-        others = [row[1:] for row in run.verify_rows if row[0] != n]
-        assert rows == others
+        assert rows == [(r.width, r.cached, r.seconds) for r in run.verify_rows if r.median and r.config != n]
     assert all("seconds" in run.predictions[n] for n in names)
     bare = dataclasses.replace(trace, info={k: v for k, v in trace.info.items() if k != "verify_base"})
     seen.clear()
     run.predict_from(bare)  # a trace without live prices: one replay of every configuration
     assert seen == []
+    run.save(tmp_path / "out", plots=False)  # every step is written, for re-pricing offline
+    with open(tmp_path / "out" / "verify_steps.csv", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(run.verify_rows) and rows[0]["config"] == names[0]
+    assert sum(r["median"] == "True" for r in rows) == len(priced)
+
+
+def test_median_passes_are_the_middle_times():
+    from adaspec.bench.runner import median_passes
+
+    assert median_passes([3.0, 1.0, 2.0]) == {2}
+    assert median_passes([5.0]) == {0}
+    assert median_passes([4.0, 1.0, 3.0, 2.0]) == {2, 3}  # even: both middle passes
 
 
 def test_sampling_bench_does_not_compare_outputs():

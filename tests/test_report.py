@@ -156,9 +156,23 @@ def test_ranking_tolerates_live_ties_only():
     summary = {"overall": [{"config": n, "tokens_per_s": v, "predicted_tokens_per_s": p,
                             "prediction_error": p / v - 1} for (n, v), p in zip(live.items(), (30.0, 31.0, 21.0))]}
     text = prediction_table(summary)
-    assert "the same as the live run's (replay ranks b above a: within 1% of each other live, a tie)." in text
+    assert ("the same as the live run's (replay ranks b above a: a tie live, within 1% of each other or not in "
+            "the same order in every pass).") in text
     summary["overall"][2]["predicted_tokens_per_s"] = 32.0
     assert "differs: replay ranks c above a; c above b, the other way round live." in prediction_table(summary)
+
+
+def test_a_live_order_that_did_not_hold_in_every_pass_is_a_tie():
+    live, pred = {"a": 30.0, "b": 29.0}, {"a": 30.0, "b": 31.0}  # 3.3% apart live
+    assert rank_swaps(live, pred, passes={"a": [31.0, 30.0, 29.5], "b": [29.0, 28.0, 29.0]}) == ([("a", "b")], [])
+    assert rank_swaps(live, pred, passes={"a": [31.0, 30.0, 28.5], "b": [29.0, 28.0, 29.0]}) == ([], [("a", "b")])
+    assert rank_swaps(live, pred, passes={"a": [30.0], "b": [29.0]}) == ([("a", "b")], [])  # one pass: no evidence
+    summary = {"overall": [
+        {"config": "a", "tokens": 300, "tokens_per_s": 30.0, "predicted_tokens_per_s": 30.0, "prediction_error": 0.0,
+         "pass_seconds": [300 / 31.0, 300 / 30.0, 300 / 28.5]},
+        {"config": "b", "tokens": 300, "tokens_per_s": 29.0, "predicted_tokens_per_s": 31.0, "prediction_error": 0.07,
+         "pass_seconds": [300 / 29.0, 300 / 28.0, 300 / 29.0]}]}
+    assert "the same as the live run's (replay ranks b above a: a tie live" in prediction_table(summary)
 
 
 def test_overall_and_category_tables_numbers_and_mismatch_marker():

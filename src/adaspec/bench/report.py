@@ -629,36 +629,45 @@ def _rect(x: float, y: float) -> Any:
 RANK_TIE = 0.01
 
 
-def rank_swaps(live: dict[str, float], pred: dict[str, float],
-               tie: float = RANK_TIE) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+def rank_swaps(live: dict[str, float], pred: dict[str, float], tie: float = RANK_TIE,
+               passes: dict[str, Sequence[float]] | None = None
+               ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Pairs (faster live, slower live) that replay orders the other way: (swaps, ties), ties
-    being the pairs within ``tie`` of each other live (their live order is noise)."""
+    being the pairs whose live order is noise: within ``tie`` of each other live, or (with
+    ``passes``, each configuration's tokens/s in every pass over the workload) not the same
+    order in every pass."""
     names = sorted(live, key=lambda n: -live[n])
     swaps, ties = [], []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             if pred[a] < pred[b]:
-                (ties if live[a] - live[b] <= tie * live[a] else swaps).append((a, b))
+                pa, pb = (passes or {}).get(a, ()), (passes or {}).get(b, ())
+                unsettled = len(pa) > 1 and len(pa) == len(pb) and any(x <= y for x, y in zip(pa, pb))
+                (ties if unsettled or live[a] - live[b] <= tie * live[a] else swaps).append((a, b))
     return swaps, ties
 
 
 def prediction_table(summary: dict[str, Any]) -> str | None:
     """Replay's predicted tokens/s next to the live run's, per configuration, and whether the
     two rank the configurations alike (None without predictions). Configurations within
-    ``RANK_TIE`` of each other live are ties: replay may order them either way."""
+    ``RANK_TIE`` of each other live, or not in the same order in every pass over the workload,
+    are ties: replay may order them either way."""
     rows_in = [r for r in summary["overall"] if _num(r.get("predicted_tokens_per_s")) is not None]
     if not rows_in:
         return None
     header = ["configuration", "live tokens/s", "replay pred. tokens/s", "error"]
     rows = [[_cell(r["config"]), _fmt(r["tokens_per_s"], ".1f"), _fmt(r["predicted_tokens_per_s"], ".1f"),
              _fmt(_pct(r["prediction_error"]), "+.1f", "%")] for r in rows_in]
+    passes = {r["config"]: [r["tokens"] / s for s in r["pass_seconds"] if s]
+              for r in rows_in if len(r.get("pass_seconds") or []) > 1}
     swaps, ties = rank_swaps({r["config"]: r["tokens_per_s"] for r in rows_in},
-                             {r["config"]: r["predicted_tokens_per_s"] for r in rows_in})
+                             {r["config"]: r["predicted_tokens_per_s"] for r in rows_in}, passes=passes)
     worst = max(abs(r["prediction_error"]) for r in rows_in)
     pairs = (lambda ps: "; ".join(f"{b} above {a}" for a, b in ps))
     verdict = (f"differs: replay ranks {pairs(swaps)}, the other way round live." if swaps
                else "the same as the live run's" + (
-                   f" (replay ranks {pairs(ties)}: within {RANK_TIE:.0%} of each other live, a tie)."
+                   f" (replay ranks {pairs(ties)}: a tie live, within {RANK_TIE:.0%} of each other or"
+                   " not in the same order in every pass)."
                    if ties else "."))
     return (_table(header, ["---", "---:", "---:", "---:"], rows)
             + f"\n\nLargest error {worst:.1%}; ranking by tokens/s " + verdict)

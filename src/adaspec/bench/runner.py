@@ -21,7 +21,7 @@ import json
 import re
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,8 @@ class PromptRecord:
     drafter_usage: dict[str, int] = field(default_factory=dict)
     overhead_shares: list[float] = field(default_factory=list)
     verify_widths: dict[int, int] = field(default_factory=dict)
+    #: the time of every pass over the workload (turns summed); ``seconds`` is their median
+    pass_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +118,8 @@ class ConfigResult(Rates):
     overhead_shares: list[float] = field(default_factory=list)
     verify_widths: dict[int, int] = field(default_factory=dict)
     cliff_share: float | None = None  # share of rounds whose verify width is in a cost cliff
+    #: the workload's time in every pass (sums over prompts): does an order hold in each pass?
+    pass_seconds: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +161,8 @@ class ConfigResult(Rates):
             r.overhead_shares.extend(p.overhead_shares)
             for w, c in p.verify_widths.items():
                 r.verify_widths[w] = r.verify_widths.get(w, 0) + c
+            if p.pass_seconds:
+                r.pass_seconds = [a + b for a, b in zip(r.pass_seconds, p.pass_seconds)] or list(p.pass_seconds)
             if p.identical:
                 r.identical += 1
                 continue
@@ -194,10 +200,18 @@ class BenchRun:
     #: replay's hindsight bounds on that trace: the per-round oracle and, on the same basis,
     #: AR and the per-prompt static oracle (``predict_from``); None without a trace
     round_oracle: dict[str, Any] | None = None
-    #: every chain round's verify step of every engine request in every pass: (configuration,
-    #: width, cached tokens, seconds); the trace recorded after the run prices widths by them
-    #: (``trace.record(live_rows=...)``), and ``predict_from`` leaves each configuration's own out
-    verify_rows: list[tuple[str, int, int, float]] = field(default_factory=list)
+    #: every chain round's verify step of every engine request in every pass (``VerifyStep``);
+    #: the trace recorded after the run prices widths by those of the median passes
+    #: (``priced_rows``; ``trace.record(live_rows=...)``), and ``predict_from`` leaves each
+    #: configuration's own out. Written to ``verify_steps.csv``, so a run can be re-priced offline.
+    verify_rows: list[VerifyStep] = field(default_factory=list)
+
+    def priced_rows(self, leave_out: str | None = None) -> list[tuple[int, int, float]]:
+        """(width, cached tokens, seconds) of the verify steps replay's prices come from: those
+        of the passes whose times are the live medians (``VerifyStep.median``), without the
+        configuration ``leave_out``'s own."""
+        return [(r.width, r.cached, r.seconds) for r in self.verify_rows
+                if r.median and r.config != leave_out]
 
     # -- aggregation ----------------------------------------------------------------------
     def of(self, config: str, category: str | None = None) -> list[PromptRecord]:
@@ -304,8 +318,7 @@ class BenchRun:
             return predict_configs(trace, self.configs)
         out: dict[str, Any] = {}
         for c in self.configs:
-            rows = [(w, ctx, s) for name, w, ctx, s in self.verify_rows if name != c.name]
-            widths, ratios = live_verify_table(trace.surface, rows, base)
+            widths, ratios = live_verify_table(trace.surface, self.priced_rows(leave_out=c.name), base)
             own = dataclasses.replace(trace, overheads=dataclasses.replace(
                 trace.overheads, verify_widths=widths, verify_ratios=ratios), cache={})
             out.update(predict_configs(own, [c]))
@@ -416,6 +429,7 @@ class BenchRun:
                 "near_ties": r.near_ties, "failed": r.failed,
                 "stopping_time_regret": reg["stopping_time_regret"] if reg else None,
                 "best_arm_ratio": reg["best_arm_ratio"] if reg else None,
+                "pass_seconds": r.pass_seconds,
                 **(self._predicted(cfg.name, category, r) if self.predictions else {})}
 
     def summary(self) -> dict[str, Any]:
@@ -470,6 +484,12 @@ class BenchRun:
             w.writeheader()
             w.writerows(self.rounds)
         written = [out / "summary.json", out / "rounds.csv"]
+        if self.verify_rows:
+            with open(out / "verify_steps.csv", "w", newline="", encoding="utf-8") as fh:
+                w = csv.DictWriter(fh, fieldnames=[f.name for f in fields(VerifyStep)])
+                w.writeheader()
+                w.writerows(asdict(r) for r in self.verify_rows)
+            written.append(out / "verify_steps.csv")
         if plots:
             from .report import write_report
 
@@ -590,16 +610,40 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
             rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
 
 
-def _verify_rows_into(rows: list[tuple[str, int, int, float]], config: str, n_prompt: int, stats: Any) -> None:
-    """Append a request's chain rounds as (config, verify width, cached tokens, seconds); tree
-    rounds (not replayed) and peers (no rounds) add nothing."""
+@dataclass
+class VerifyStep:
+    """One chain round's verify step in a bench run: what replay's verify prices are made of."""
+
+    config: str
+    position: int  # the prompt's place in the workload
+    prompt_id: str
+    turn: int
+    pass_: int  # which pass over the workload (0-based)
+    width: int  # tokens verified: drafted + 1
+    cached: int  # tokens in the target's cache before the step
+    seconds: float
+    #: the step's request is one whose time is the live median over passes (with an even
+    #: number of passes, both middle ones): the rows replay prices with (``priced_rows``)
+    median: bool = True
+
+
+def _verify_rows_into(rows: list[VerifyStep], config: str, pos: int, prompt_id: str, turn: int, rep: int,
+                      n_prompt: int, stats: Any) -> None:
+    """Append a request's chain rounds; tree rounds (not replayed) and peers (no rounds) add nothing."""
     if not isinstance(stats, RequestStats):
         return
     ctx = n_prompt - 1  # the cache holds every token but the newest
     for r in stats.rounds:
         if not r.tree_nodes:
-            rows.append((config, r.drafted + 1, ctx, r.verify_s))
+            rows.append(VerifyStep(config, pos, prompt_id, turn, rep, r.drafted + 1, ctx, r.verify_s))
         ctx += r.emitted
+
+
+def median_passes(times: Sequence[float]) -> set[int]:
+    """The passes whose times make the median of ``times`` (one, or the two middle ones)."""
+    order = sorted(range(len(times)), key=lambda i: times[i])
+    n = len(order)
+    return {order[n // 2]} if n % 2 else {order[n // 2 - 1], order[n // 2]}
 
 
 def _turn_prompt(prompt: BenchPrompt, turn: int, answers: list[str], engine: SpeculativeEngine) -> Any:
@@ -666,7 +710,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     turns = [[_TurnRuns(len(runners)) for _ in p.turns] for p in prompts]
     answers: list[list[str]] = [[] for _ in prompts]
     prompt_lens: list[int] = []
-    verify_rows: list[tuple[str, int, int, float]] = []
+    verify_rows: list[VerifyStep] = []
     for rep in range(repeats):
         for pos, prompt in enumerate(prompts):
             for turn, tr in enumerate(turns[pos]):
@@ -680,12 +724,18 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     out, secs, tr.last[ci] = r.run(tr.ids, gen, eos)
                     tr.outs[ci].append(out)
                     tr.times[ci].append(secs)
-                    _verify_rows_into(verify_rows, configs[ci].name, len(tr.ids), tr.last[ci])
+                    _verify_rows_into(verify_rows, configs[ci].name, pos, prompt.id, turn, rep, len(tr.ids),
+                                      tr.last[ci])
                     if probe is not None:
                         probe.sample()
                 if rep == 0:
                     answers[pos].append(ar_engine.decode(tr.outs[0][0]))
 
+    # the live time of a request is its median over passes: replay is priced by those passes
+    medians = {(pos, turn, configs[ci].name): median_passes(tr.times[ci])
+               for pos in range(len(prompts)) for turn, tr in enumerate(turns[pos]) for ci in range(len(configs))}
+    for row in verify_rows:
+        row.median = row.pass_ in medians[(row.position, row.turn, row.config)]
     records: list[PromptRecord] = []
     rounds: list[dict[str, Any]] = []
     for pos, prompt in enumerate(prompts):
@@ -695,6 +745,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             ref = outs[0][0]
             for ci, rec in enumerate(recs):
                 _record_into(rec, last[ci], statistics.median(tr.times[ci]))
+                rec.pass_seconds = [a + b for a, b in zip(rec.pass_seconds, tr.times[ci])] or list(tr.times[ci])
                 wrong = next((o for o in outs[ci] if o != ref), None)  # every repeat is checked
                 if greedy and wrong is not None and rec.identical and rec.error is None:
                     rec.identical = False

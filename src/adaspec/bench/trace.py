@@ -780,18 +780,24 @@ def _trimmed_mean(values: Sequence[float], trim: float = VERIFY_TRIM) -> float:
 
 
 def live_verify_table(surface: VerifyCostSurface, rows: Sequence[tuple[int, int, float]],
-                      fallback: Sequence[Sequence[float]]) -> tuple[list[int], list[float]]:
+                      fallback: Sequence[Sequence[float]], trim: float = 0.0
+                      ) -> tuple[list[int], list[float]]:
     """(widths, ratios): replay's verify price per width (live seconds over the surface) from
     a bench's own live verify steps, ``rows`` of (width, cached tokens, seconds), pooled over
-    its configurations, prompts and passes: the trimmed mean (``VERIFY_TRIM``) at every width
-    seen at least 3 times. Widths only ``fallback`` ((width, ratio) pairs: the probes' and
-    calibration's table) prices keep its ratio over its width 1, times the live width 1.
+    its configurations and prompts: the mean at every width seen at least 3 times (``trim``:
+    the slowest share left out). Widths only ``fallback`` ((width, ratio) pairs: the probes'
+    and calibration's table) prices keep its ratio over its width 1, times the live width 1.
 
     Why: this machine runs wide forwards in regimes of about a minute (width 6 at 77 or 95 ms,
     width 1 steady), and the share of slow minutes differs from run to run; a bench measures
     thousands of verify steps over exactly the minutes its live times come from, where the
-    probes took two per request and the calibration one minute after the run."""
-    live = dict(calibration_ratios([(w, s / surface.cost(w, ctx)) for w, ctx, s in rows], relative=False))
+    probes took two per request and the calibration one minute after the run. The bench
+    passes the steps of the passes whose times are its live medians (``BenchRun.priced_rows``):
+    a slow pass the median drops is dropped from the prices too, and a slow step inside a
+    kept pass is paid live, so it is priced (an untrimmed mean). Measured on two runs' saved
+    steps (``scripts/replay_components.py reprice``): replay's mean error +1.1% against +2.7%
+    for the earlier trimmed mean over every pass."""
+    live = dict(calibration_ratios([(w, s / surface.cost(w, ctx)) for w, ctx, s in rows], relative=False, trim=trim))
     base = {int(w): float(r) for w, r in fallback}
     if 1 not in live or 1 not in base:
         return [int(w) for w, _ in fallback], [float(r) for _, r in fallback]
@@ -800,14 +806,15 @@ def live_verify_table(surface: VerifyCostSurface, rows: Sequence[tuple[int, int,
     return widths, [table[w] for w in widths]
 
 
-def calibration_ratios(rows: Sequence[tuple[int, float]], relative: bool = True) -> list[tuple[int, float]]:
+def calibration_ratios(rows: Sequence[tuple[int, float]], relative: bool = True,
+                       trim: float = VERIFY_TRIM) -> list[tuple[int, float]]:
     """(width, trimmed mean of live verify / surface) for every width seen at least 3 times in
     ``rows``; ``relative``: over the same rows' width-1 mean (drift between the calibration
     runs and the recording cancels), and only if width 1 was seen."""
     by_width: dict[int, list[float]] = {}
     for w, ratio in rows:
         by_width.setdefault(w, []).append(ratio)
-    table = sorted((w, _trimmed_mean(v)) for w, v in by_width.items() if len(v) >= 3)
+    table = sorted((w, _trimmed_mean(v, trim)) for w, v in by_width.items() if len(v) >= 3)
     if not relative:
         return table
     base = dict(table).get(1)

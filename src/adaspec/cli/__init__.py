@@ -357,7 +357,7 @@ def bench(
                 t0 = time.perf_counter()
                 trace = record_trace(target, opt["drafters"], work, opt["max_new_tokens"], record,
                                      progress=_trace_progress(bar, turns), probe=probe,
-                                     live_rows=[row[1:] for row in run.verify_rows])
+                                     live_rows=run.priced_rows())
                 bar.message(f"trace written to {record} in {time.perf_counter() - t0:.0f} s")
                 run.predict_from(trace)
         written = run.save(out_dir, plots=plots)
