@@ -316,6 +316,7 @@ def probes(args: argparse.Namespace) -> None:
 def reprice(args: argparse.Namespace) -> None:
     import csv
     import dataclasses
+    import gzip
     import json
 
     from adaspec.bench.trace import live_verify_table
@@ -323,7 +324,9 @@ def reprice(args: argparse.Namespace) -> None:
     out = Path(args.dir)
     trace = Trace.load(args.trace or out / "trace.npz")
     summary = json.loads((out / "summary.json").read_text())
-    with open(out / "verify_steps.csv", encoding="utf-8") as fh:
+    plain = out / "verify_steps.csv"
+    with (open(plain, encoding="utf-8") if plain.exists()
+          else gzip.open(out / "verify_steps.csv.gz", "rt", encoding="utf-8")) as fh:  # docs/results keep it gzipped
         steps = [(r["config"], r["median"] == "True", int(r["width"]), int(r["cached"]), float(r["seconds"]))
                  for r in csv.DictReader(fh)]
     base = trace.info.get("verify_base")
