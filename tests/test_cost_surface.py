@@ -305,7 +305,7 @@ def test_probe_rows_set_the_wider_widths_prices(tmp_path, monkeypatch):
 
 def test_live_rows_price_every_width_they_cover(tmp_path, monkeypatch):
     """``TraceRecorder.live_rows`` (a bench's own verify steps over every pass) price each width
-    they saw at least 3 times, width 1 included, by their trimmed mean over the surface; a width
+    they saw at least 3 times, width 1 included, by their mean over the surface; a width
     they lack keeps the probes'/calibration's price over its width 1, times the live width 1.
     The table before them is kept (``_verify_base``, the leave-one-out fallback)."""
     from adaspec.bench.trace import TraceRecorder, live_verify_table
@@ -321,7 +321,9 @@ def test_live_rows_price_every_width_they_cover(tmp_path, monkeypatch):
     over = rec._overheads(surf, LinearCost(), calibration)
     table = dict(zip(over.verify_widths, over.verify_ratios))
     assert table[1] == pytest.approx(0.95)
-    assert table[8] == pytest.approx((1.1 * 3 + 0.8 * 6) / 9)  # trimmed mean: the largest of 10 dropped
+    assert table[8] == pytest.approx((1.1 * 4 + 0.8 * 6) / 10)  # a plain mean: slow steps are paid live
+    trimmed = dict(zip(*live_verify_table(surf, rec.live_rows, rec._verify_base, trim=0.1)))
+    assert trimmed[8] == pytest.approx((1.1 * 3 + 0.8 * 6) / 9)  # trim=0.1: the largest of 10 dropped
     assert table[4] == pytest.approx(1.2 * 0.95)  # not live: the calibration's relative price
     assert 2 not in table  # 2 rows: too few
     assert dict(rec._verify_base)[8] == pytest.approx(1.5 * dict(rec._verify_base)[1])
