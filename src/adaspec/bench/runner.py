@@ -98,6 +98,11 @@ class PromptRecord:
     pass_seconds: list[float] = field(default_factory=list)
 
 
+def add_passes(total: Sequence[float], more: Sequence[float]) -> list[float]:
+    """Per-pass times summed pass by pass (``total`` empty: a copy of ``more``)."""
+    return [a + b for a, b in zip(total, more)] if total else list(more)
+
+
 @dataclass
 class ConfigResult(Rates):
     """Totals of one configuration over a set of prompts."""
@@ -162,7 +167,7 @@ class ConfigResult(Rates):
             for w, c in p.verify_widths.items():
                 r.verify_widths[w] = r.verify_widths.get(w, 0) + c
             if p.pass_seconds:
-                r.pass_seconds = [a + b for a, b in zip(r.pass_seconds, p.pass_seconds)] or list(p.pass_seconds)
+                r.pass_seconds = add_passes(r.pass_seconds, p.pass_seconds)
             if p.identical:
                 r.identical += 1
                 continue
@@ -745,7 +750,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             ref = outs[0][0]
             for ci, rec in enumerate(recs):
                 _record_into(rec, last[ci], statistics.median(tr.times[ci]))
-                rec.pass_seconds = [a + b for a, b in zip(rec.pass_seconds, tr.times[ci])] or list(tr.times[ci])
+                rec.pass_seconds = add_passes(rec.pass_seconds, tr.times[ci])
                 wrong = next((o for o in outs[ci] if o != ref), None)  # every repeat is checked
                 if greedy and wrong is not None and rec.identical and rec.error is None:
                     rec.identical = False

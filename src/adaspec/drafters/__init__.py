@@ -108,18 +108,18 @@ def _prompt_lookup(params: dict[str, str], target: LoadedModel, **_: Any) -> Dra
 def _suffix(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     min_match = _take(params, "min_match", int, None)  # None: from the datastore file, else 2
     max_tokens = _take(params, "max_tokens", int, None)
-    store, name = None, None
+    store = None
     if "datastore" in params and "corpus" in params:
         raise AdaspecError("suffix drafter: give either datastore= or corpus=, not both")
     if "datastore" in params:
         path = params.pop("datastore")
         store = SuffixDatastore.load(path, max_tokens=max_tokens, min_match=min_match)
-        name = f"suffix:{Path(path).stem}"  # a pool's six datastores: suffix:code, suffix:math, ...
     elif "corpus" in params:
         path = params.pop("corpus")
         store = SuffixDatastore.from_text(path, target.tokenizer, max_tokens=max_tokens or 1_000_000,
                                           min_match=min_match or 2)
-        name = f"suffix:{Path(path).stem}"
+    # named after its data: a pool's six datastores are suffix:code, suffix:math, ...
+    name = f"suffix:{Path(path).stem}" if store is not None else None
     learn = _take(params, "learn", _bool, False)
     if learn and store is None:
         store = SuffixDatastore(min_match=min_match or 2, max_tokens=max_tokens or 1_000_000)
