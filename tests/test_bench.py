@@ -149,6 +149,21 @@ def test_repeats_are_passes_over_the_workload():
     assert len(run.rounds) == len(one.rounds)
 
 
+def test_every_pass_starts_from_fresh_engines():
+    """What an engine learns in one pass (here a learning datastore, which stores every output)
+    must not help it on the same prompts in the next: every pass drafts and verifies exactly as
+    the first, round for round."""
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t1", "random", ("w07 w19 w03 w22 w11 w05",)),
+            BenchPrompt("t2", "random", ("w13 w02 w29 w08",))]
+    configs = [BenchConfig("learn", ["suffix:learn=1"], k=3)]
+    run = run_bench(target, configs, work, max_new_tokens=12, measure_costs=False, repeats=2)
+    for name in ("learn",):
+        widths = [[(r.position, r.width) for r in run.verify_rows if r.config == name and r.pass_ == p]
+                  for p in (0, 1)]
+        assert widths[0] and widths[0] == widths[1], name
+
+
 def test_live_verify_rows_and_leave_one_out_predictions(tmp_path, monkeypatch):
     """``run_bench`` keeps every chain round's verify step of every pass; the steps of the
     passes whose times are the live medians price replay: a trace recorded with them prices

@@ -695,8 +695,8 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             built[spec] = build_drafter(spec, target)
         return built[spec]
 
-    runners = [_Runner(c, target, drafter, device, dtype) for c in configs]
-    ar_engine = runners[0].engine
+    warmed = [_Runner(c, target, drafter, device, dtype) for c in configs]
+    ar_engine = warmed[0].engine
     assert ar_engine is not None
     eos = ar_engine.eos_ids()
     sampling = SamplingConfig(temperature=temperature, seed=seed)
@@ -704,19 +704,27 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
     warm = GenerationConfig(max_new_tokens=warmup_tokens, sampling=sampling)
     first_ids = _turn_prompt(prompts[0], 0, [], ar_engine)
-    for r in runners:  # warm-up: first calls allocate and pick kernels
+    for r in warmed:  # warm-up: first calls allocate and pick kernels
         r.run(first_ids, warm, eos)
+
+    def fresh() -> list[_Runner]:
+        """Every pass starts from new engines (peers are stateless and kept): what a policy,
+        a tree calibration or a learning datastore learns in the warm-up or in one
+        pass must not help it on the same prompts in the next (each pass is a fresh process)."""
+        return [r if r.peer is not None else _Runner(c, target, drafter, device, dtype)
+                for c, r in zip(configs, warmed)]
 
     # Repeats are passes over the whole workload (configurations interleaved within each
     # request), not back-to-back runs of one prompt: this machine's speed drifts in regimes of
     # about a minute, and a median over three passes minutes apart drops a slow minute where a
     # median over three runs inside it cannot. Turn t of a later pass reuses AR's answers of
     # the first pass.
-    turns = [[_TurnRuns(len(runners)) for _ in p.turns] for p in prompts]
+    turns = [[_TurnRuns(len(configs)) for _ in p.turns] for p in prompts]
     answers: list[list[str]] = [[] for _ in prompts]
     prompt_lens: list[int] = []
     verify_rows: list[VerifyStep] = []
     for rep in range(repeats):
+        runners = fresh()
         for pos, prompt in enumerate(prompts):
             for turn, tr in enumerate(turns[pos]):
                 if rep == 0:
