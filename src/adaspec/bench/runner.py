@@ -711,8 +711,12 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         """Every pass starts from new engines (peers are stateless and kept): what a policy,
         a tree calibration or a learning datastore learns in the warm-up or in one
         pass must not help it on the same prompts in the next (each pass is a fresh process)."""
-        return [r if r.peer is not None else _Runner(c, target, drafter, device, dtype)
-                for c, r in zip(configs, warmed)]
+        out = [r if r.peer is not None else _Runner(c, target, drafter, device, dtype)
+               for c, r in zip(configs, warmed)]
+        for new, old in zip(out, warmed):  # stateless parts built in the warm-up stay built
+            if new is not old and new.engine is not None and old.engine is not None:
+                new.engine._feature_forward = old.engine._feature_forward
+        return out
 
     # Repeats are passes over the whole workload (configurations interleaved within each
     # request), not back-to-back runs of one prompt: this machine's speed drifts in regimes of
