@@ -709,8 +709,9 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
 
     def fresh() -> list[_Runner]:
         """Every pass starts from new engines (peers are stateless and kept): what a policy,
-        a tree calibration or a learning datastore learns in the warm-up or in one
-        pass must not help it on the same prompts in the next (each pass is a fresh process)."""
+        a tree calibration or a learning datastore learns in the warm-up or in one pass must
+        not help it on the same prompts in the next (each pass is a fresh process). Drafters
+        given as objects, not specs, are used as given, state included."""
         out = [r if r.peer is not None else _Runner(c, target, drafter, device, dtype)
                for c, r in zip(configs, warmed)]
         for new, old in zip(out, warmed):  # stateless parts built in the warm-up stay built
