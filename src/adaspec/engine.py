@@ -180,12 +180,12 @@ class SpeculativeEngine:
                         drafters: Sequence[str | Drafter] | None = None, *,
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
                         backend: str = DEFAULT_BACKEND, threads: int | None = None,
-                        **kwargs: Any) -> SpeculativeEngine:
+                        linear: str = "auto", **kwargs: Any) -> SpeculativeEngine:
         """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the
         engine; ``backend="llama.cpp"`` runs a GGUF target on llama.cpp (``threads``: its
-        thread count)."""
-        return cls(load_model(model, device=device, dtype=dtype, backend=backend, threads=threads),
-                   drafters, **kwargs)
+        thread count); ``linear="stock"`` keeps PyTorch's own linear kernels (``load_model``)."""
+        return cls(load_model(model, device=device, dtype=dtype, backend=backend, threads=threads,
+                              linear=linear), drafters, **kwargs)
 
     # -- properties -----------------------------------------------------------------------------
     @property

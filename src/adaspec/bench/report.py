@@ -674,6 +674,13 @@ def prediction_table(summary: dict[str, Any]) -> str | None:
 
 
 # -- report -----------------------------------------------------------------------------------
+def _linear_note(linear: Any) -> str:
+    """The linear kernels adaspec's configurations ran with (``kernels.py``); peers run stock."""
+    if linear == "small-batch":
+        return ", small-batch linear kernels; Hugging Face peers on PyTorch's own"
+    return f", linear kernels {linear}" if linear else ""
+
+
 def _header(summary: dict[str, Any]) -> list[str]:
     g = summary.get
     temp = _num(g("temperature"))
@@ -682,7 +689,7 @@ def _header(summary: dict[str, Any]) -> list[str]:
     cats = ", ".join(summary["categories"]) or "none"
     return [f"# adaspec bench report: {g('model', '?')}", "",
             f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}, backend "
-            f"`{g('backend', 'transformers')}`), {mode}",
+            f"`{g('backend', 'transformers')}`{_linear_note(g('linear'))}), {mode}",
             f"- suite `{g('suite', '?')}`: {g('n_prompts', '?')} prompts, categories: {cats}",
             f"- max {g('max_new_tokens', '?')} new tokens, {g('repeats', '?')} timed pass(es) over the "
             "workload (median per prompt), configurations interleaved",

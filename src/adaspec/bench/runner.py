@@ -30,6 +30,7 @@ from ..drafters import Drafter, build_drafter, drafts_trees
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..exactness import NEAR_TIE_NATS, divergence_gap
+from ..kernels import linear_mode
 from ..metrics import Rates, RequestStats
 from ..models import LoadedModel
 from .workloads import BUILTIN_PROMPTS, BenchPrompt
@@ -199,6 +200,8 @@ class BenchRun:
     dtype: str = "float32"
     verify_costs: dict[str, Any] | None = None
     backend: str = "transformers"  # what ran the target (``backends``)
+    #: adaspec's linear kernels (``kernels.linear_mode``): "small-batch" or "stock"
+    linear: str = "stock"
     #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
     #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}
     predictions: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -451,7 +454,8 @@ class BenchRun:
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "adaspec_version": __version__, "model": self.model, "device": self.device,
-            "dtype": self.dtype, "backend": self.backend, "temperature": self.temperature,
+            "dtype": self.dtype, "backend": self.backend, "linear": self.linear,
+            "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens,
             "speedup_basis": "per_token" if self.per_token else "seconds",
             "repeats": self.repeats, "suite": self.suite,
@@ -790,12 +794,13 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         typical = int(statistics.median(prompt_lens)) + max_new_tokens // 2
         costs = surface.curve(typical).to_dict() | {"surface": surface.to_dict()}
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
-                    suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows)
+                    suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows,
+                    linear=linear_mode(getattr(target, "model", None)))
 
 
 # -- config files -------------------------------------------------------------------------
 #: keys a bench config file may set (TOML or YAML); CLI flags override them
-FILE_KEYS = {"model", "device", "dtype", "backend", "suite", "per_category", "seed", "max_new_tokens",
+FILE_KEYS = {"model", "device", "dtype", "backend", "linear", "suite", "per_category", "seed", "max_new_tokens",
              "repeats",
              "temperature", "drafters", "ks", "selectors", "lengths", "peers", "static", "costs",
              "out", "config", "tree"}

@@ -25,6 +25,9 @@ err = Console(stderr=True)
 
 BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF models on llama.cpp's "
                 "kernels; pip install 'adaspec\\[llamacpp]')")
+LINEAR_HELP = ("linear kernels on CPU float32: auto (the small-batch kernel where torch uses MKL: same "
+               "product, ~1.8x faster decoding here; docs/kernels.md), small-batch (on any CPU) or stock "
+               "(PyTorch's F.linear); transformers backend only")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
 TREE_HELP = ("draft trees: every drafter proposes several continuations (model drafters: EAGLE-2 "
@@ -61,6 +64,7 @@ def generate(
     dtype: str | None = typer.Option(None, help="float32 (exact; the default) or bfloat16 (faster, not "
                                      "batch-invariant); transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
+    linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
     tree: bool = typer.Option(False, "--tree", help=TREE_HELP),
     tree_nodes: int = typer.Option(15, "--tree-nodes", help="with --tree: most nodes of a draft tree "
                                    "(the verify-cost rule keeps the best-first prefix that pays)"),
@@ -76,11 +80,12 @@ def generate(
                                chat_template=not no_chat_template,
                                sampling=SamplingConfig(temperature, top_k, top_p, seed))
         check_tree(tree, backend, tree_nodes)
-        check_target(model, device, dtype, backend)
+        check_target(model, device, dtype, backend, linear)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
-                                                   backend=backend, selector=selector, length=length, k=k,
+                                                   backend=backend, linear=linear, selector=selector,
+                                                   length=length, k=k,
                                                    tree=tree, tree_nodes=tree_nodes)
         if as_json:
             result = engine.generate(prompt, cfg)
@@ -125,6 +130,7 @@ def serve(
     dtype: str | None = typer.Option(None, help="float32 (exact; the default) or bfloat16; transformers "
                                      "backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
+    linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
@@ -142,7 +148,7 @@ def serve(
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
     try:  # every option before the model loads
-        check_target(model, device, dtype, backend)
+        check_target(model, device, dtype, backend, linear)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         check_number("--port", port, low=1, high=65535, integer=True)
@@ -168,7 +174,8 @@ def serve(
         torch.set_num_threads(threads)
     try:
         engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
-                                                   backend=backend, selector=selector, length=length, k=k)
+                                                   backend=backend, linear=linear, selector=selector,
+                                                   length=length, k=k)
         max_batch = serve_batch_size(engine, max_batch)
         if no_state:
             state_file = None
@@ -207,11 +214,11 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
     return requested
 
 
-BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers",
+BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
                   "suite": "mixed", "per_category": 2,
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["auto"],
-                  "lengths": ["cost-model"], "peers": ["hf-pld"], "static": True, "costs": True, "out": None,
+                  "lengths": ["cost-model"], "peers": ["hf-pld", "hf-greedy"], "static": True, "costs": True, "out": None,
                   "tree": False}
 
 
@@ -230,8 +237,9 @@ def bench(
                                             help="length policy, run with each drafter, repeatable; "
                                             "'none' for none [default: cost-model]"),
     peer: list[str] | None = typer.Option(
-        None, "--peer", "-p", help="Hugging Face assisted generation: hf-pld[:k=10], "
-        "hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; 'none' for no peer [default: hf-pld]"),
+        None, "--peer", "-p", help="Hugging Face decoding: hf-greedy, hf-pld[:k=10], "
+        "hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; 'none' for no peer "
+        "[default: hf-pld, hf-greedy]"),
     no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
     suite: str | None = typer.Option(None, help="workload: a built-in suite (mixed, all, a category, or long-context), "
                                      "humaneval, or a .jsonl / .txt file [default: mixed]"),
@@ -247,6 +255,7 @@ def bench(
     dtype: str | None = typer.Option(None, help="float32 (the default) or bfloat16; transformers backend only"),
     backend: str | None = typer.Option(None, "--backend", help=BACKEND_HELP + " [default: transformers; "
                                        "on llama.cpp the default peers are llama.cpp and llama.cpp-pld]"),
+    linear: str | None = typer.Option(None, "--linear", help=LINEAR_HELP + " [default: auto]"),
     costs: bool | None = typer.Option(None, "--costs/--no-costs", help="measure the verify-cost curve"),
     out: str | None = typer.Option(None, "--out", "-o",
                                    help="report directory [default: adaspec-bench/<date-time>]"),
@@ -278,7 +287,7 @@ def bench(
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
              "repeats": repeats, "temperature": temperature, "seed": seed, "device": device,
-             "dtype": dtype, "backend": backend, "costs": costs, "out": out, "tree": tree}
+             "dtype": dtype, "backend": backend, "linear": linear, "costs": costs, "out": out, "tree": tree}
     try:
         file_cfg = load_bench_file(config_file) if config_file else {}
         opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
@@ -297,7 +306,7 @@ def bench(
         check_number("--prompts", prompts, low=0, integer=True)
         check_sampling(opt["temperature"])
         check_tree(opt["tree"], opt["backend"])
-        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"])
+        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"], opt["linear"])
         check_policies(opt["selectors"], opt["lengths"], opt["ks"])
         for p in opt["peers"]:
             check_peer(p)
@@ -334,7 +343,8 @@ def bench(
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 record = str(Path(out_dir) / "trace.npz")
         err.print(f"loading {opt['model']} ...")
-        target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"])
+        target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"],
+                            linear=opt["linear"])
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
         probe = _verify_probe(target, work, opt["max_new_tokens"]) if record else None
@@ -480,6 +490,7 @@ def costs(
     device: str = typer.Option("cpu"),
     dtype: str | None = typer.Option(None, help="float32 (the default) or bfloat16; transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
+    linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
     refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
     png: str | None = typer.Option("verify_cost_surface.png", "--png",
                                    help="write the heat map here ('' for none)"),
@@ -490,8 +501,8 @@ def costs(
     from ..models import load_model
 
     try:
-        check_target(model, device, dtype, backend)
-        loaded = load_model(model, device=device, dtype=dtype, backend=backend)
+        check_target(model, device, dtype, backend, linear)
+        loaded = load_model(model, device=device, dtype=dtype, backend=backend, linear=linear)
         with StageProgress(err) as bar:
             surface = load_or_measure(loaded, DEFAULT_KS, DEFAULT_CONTEXTS, refresh=refresh,
                                       progress=lambda done, total: bar("measuring the cost grid", done, total))
@@ -500,7 +511,7 @@ def costs(
         return
     print(surface.table())
     print(f"{len(surface.contexts)} cache lengths x {len(surface.ks)} widths; measuring the grid took "
-          f"{surface.measure_s:.1f} s (once per model, device, dtype and thread count: cache key {surface.key})")
+          f"{surface.measure_s:.1f} s (once per model, device, dtype, thread count and linear kernels: cache key {surface.key})")
     if png:
         from ..bench.report import plot_verify_surface
 

@@ -30,14 +30,20 @@ class _TargetProbe:
 
 
 def check_target(model: str, device: str = "cpu", dtype: str | None = None,
-                 backend: str = "transformers") -> None:
-    """``--model``, ``--device``, ``--dtype`` and ``--backend`` of a command that loads a target."""
+                 backend: str = "transformers", linear: str = "auto") -> None:
+    """``--model``, ``--device``, ``--dtype``, ``--backend`` and ``--linear`` of a command that
+    loads a target."""
     import importlib.util
 
     from ..backends.base import check_backend
-    from ..models import check_device, locate_model, resolve_dtype
+    from ..errors import ConfigError
+    from ..models import check_device, check_linear, locate_model, resolve_dtype
 
     backend = check_backend(backend)
+    try:
+        check_linear(linear, backend)
+    except ConfigError as exc:
+        raise AdaspecError(str(exc).replace("linear=", "--linear ", 1)) from None
     gguf = locate_model(model)
     if backend == "llama.cpp":
         from ..backends.llamacpp import INSTALL_HINT

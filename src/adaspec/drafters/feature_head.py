@@ -34,6 +34,7 @@ from torch import nn
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError, ModelLoadError
+from ..kernels import linear, use_small_batch_linear
 from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
@@ -237,8 +238,7 @@ class FeatureHead:
 
     def subset_logits(self, pred: torch.Tensor) -> torch.Tensor:
         """LM-head logits over the draft vocabulary [..., V']."""
-        out = pred @ self.lm_weight.T
-        return out if self.lm_bias is None else out + self.lm_bias
+        return linear(pred, self.lm_weight, self.lm_bias)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.net.parameters())
@@ -285,6 +285,8 @@ class FeatureHead:
                                  "retrain it for this target") from exc
         head = cls(target, blob["vocab"], net=net, parts=parts, training=blob.get("training"))
         head.net.eval()
+        if parts.lm_weight.device.type == "cpu":
+            use_small_batch_linear(head.net)  # drafting steps are 1-8 rows (kernels.py)
         return head
 
 
