@@ -235,6 +235,23 @@ def test_feature_head_file_holds_the_trained_weights_and_round_trips(target, tra
     _same_proposals(target, [FeatureHeadDrafter(a), FeatureHeadDrafter(b)])
 
 
+def test_feature_head_follows_its_targets_linear_kernels(trained):
+    """A head on a small-batch target drafts with the small-batch kernel (adaspec.kernels), one on
+    a stock target with PyTorch's; both stay exact (greedy output = plain decoding)."""
+    from adaspec.kernels import SmallBatchLinear, use_small_batch_linear
+
+    stock_target, fast_target = _target(0), _target(0)
+    use_small_batch_linear(fast_target.model)
+    for t, small in ((stock_target, False), (fast_target, True)):
+        head = FeatureHead.load(trained["feature-head"], t)
+        assert head.small_batch is small
+        assert any(type(m) is SmallBatchLinear for m in head.net.modules()) is small
+        plain = SpeculativeEngine(t, ["none"]).generate(_prompts(1, seed=2)[0], max_new_tokens=MAX_NEW)
+        got = SpeculativeEngine(t, [FeatureHeadDrafter(head)], k=4).generate(_prompts(1, seed=2)[0],
+                                                                             max_new_tokens=MAX_NEW)
+        assert got.token_ids == plain.token_ids
+
+
 def test_tiny_lm_directory_round_trips(target, trained, tmp_path):
     from adaspec.drafters.tiny_lm import read_tiny_lm_meta, save_tiny_lm
 

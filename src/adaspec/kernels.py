@@ -3,10 +3,11 @@
 Decoding and verification multiply a few rows (1 token, or a draft block of 2-8) by large
 weight matrices. On x86 CPUs with MKL, PyTorch's ``F.linear(x, W)`` takes a slow path for
 these shapes: one row goes through a matrix-vector kernel and 2-4 rows through a GEMM that is
-slower still (measured here, SmolLM2's 30 layers: 1 row 17 ms, 2 rows 25 ms, 3 rows 29 ms).
-Computing the same product as ``(W @ x.T).T`` streams the weights through another kernel at
-about 2.5x the memory bandwidth (1 row padded to 2: 9 ms, 3 rows 12 ms, 5 rows 15 ms); from
-about 9 rows on the stock path is as fast or faster. See docs/kernels.md for the measurements.
+slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 76 ms, 3 rows
+96 ms). Computing the same product as ``(W @ x.T).T`` streams the weights through another
+kernel at about twice the bandwidth (1 row padded to 2: 22 ms, 2 rows 20 ms, 3 rows 30 ms,
+8 rows 47 ms); from 9 rows on the two are level. ``scripts/linear_kernels.py`` measures it;
+docs/kernels.md has the tables.
 
 The result is the same product up to float rounding (the summation order differs), like any
 change of BLAS kernel; greedy exactness is judged against the engine's own autoregressive

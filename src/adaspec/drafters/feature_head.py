@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError, ModelLoadError
-from ..kernels import linear, use_small_batch_linear
+from ..kernels import linear, linear_mode, use_small_batch_linear
 from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
@@ -224,6 +225,8 @@ class FeatureHead:
         b = self.parts.lm_bias
         self.lm_bias = None if b is None else (b.detach() if self.full_vocab else b.detach()[self.vocab])
         self.training = dict(training or {})
+        #: the target's linear kernels, for the head's drafting steps too (``kernels.py``)
+        self.small_batch = linear_mode(getattr(target, "model", None)) == "small-batch"
 
     @property
     def hidden_size(self) -> int:
@@ -238,7 +241,7 @@ class FeatureHead:
 
     def subset_logits(self, pred: torch.Tensor) -> torch.Tensor:
         """LM-head logits over the draft vocabulary [..., V']."""
-        return linear(pred, self.lm_weight, self.lm_bias)
+        return (linear if self.small_batch else F.linear)(pred, self.lm_weight, self.lm_bias)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.net.parameters())
@@ -285,8 +288,8 @@ class FeatureHead:
                                  "retrain it for this target") from exc
         head = cls(target, blob["vocab"], net=net, parts=parts, training=blob.get("training"))
         head.net.eval()
-        if parts.lm_weight.device.type == "cpu":
-            use_small_batch_linear(head.net)  # drafting steps are 1-8 rows (kernels.py)
+        if head.small_batch:
+            use_small_batch_linear(head.net)  # drafting steps are 1-8 rows, as the target's
         return head
 
 
