@@ -29,6 +29,12 @@ from torch import nn
 SMALL_BATCH_MAX = 8
 
 
+def small_batch_pays(device: torch.device, dtype: torch.dtype) -> bool:
+    """``load_model(linear="auto")``: the kernel where it was measured to pay, float32 on a CPU
+    whose BLAS is MKL (docs/kernels.md); elsewhere PyTorch's own kernels."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
 def small_batch_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` takes the transposed product: float32 on CPU, no autograd, 1-8 rows."""
     rows = x.numel() // max(1, x.shape[-1])

@@ -26,7 +26,7 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .kernels import linear_mode, use_small_batch_linear
+from .kernels import linear_mode, small_batch_pays, use_small_batch_linear
 from .trees import DraftTree, tree_attention_mask
 
 log = logging.getLogger(__name__)
@@ -403,20 +403,14 @@ def load_model(
 LINEAR_MODES = ("auto", "small-batch", "stock")
 
 
-def small_batch_pays(device: torch.device, dtype: torch.dtype) -> bool:
-    """``linear="auto"``: the small-batch kernel where it was measured to pay, float32 on a CPU
-    whose BLAS is MKL (docs/kernels.md); elsewhere PyTorch's own kernels."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
-
-
 def check_linear(linear: str, backend: str = DEFAULT_BACKEND) -> None:
     """``linear`` is one of ``LINEAR_MODES``; any but ``"auto"`` is a transformers-backend choice."""
     if linear not in LINEAR_MODES:
-        raise ConfigError(f"linear={linear!r} is not one of {', '.join(LINEAR_MODES)}: 'auto' uses the "
+        raise ConfigError(f"linear {linear!r} (--linear) is not one of {', '.join(LINEAR_MODES)}: 'auto' uses the "
                           "small-batch kernel on CPU float32 with MKL (adaspec.kernels), 'small-batch' "
                           "always, 'stock' PyTorch's own")
     if linear != "auto" and backend != "transformers":
-        raise ConfigError(f"linear={linear!r} chooses PyTorch kernels, and the {backend} backend computes "
+        raise ConfigError(f"linear {linear!r} chooses PyTorch kernels, and the {backend} backend computes "
                           "with its own: drop --linear")
 
 

@@ -36,14 +36,10 @@ def check_target(model: str, device: str = "cpu", dtype: str | None = None,
     import importlib.util
 
     from ..backends.base import check_backend
-    from ..errors import ConfigError
     from ..models import check_device, check_linear, locate_model, resolve_dtype
 
     backend = check_backend(backend)
-    try:
-        check_linear(linear, backend)
-    except ConfigError as exc:
-        raise AdaspecError(str(exc).replace("linear=", "--linear ", 1)) from None
+    check_linear(linear, backend)
     gguf = locate_model(model)
     if backend == "llama.cpp":
         from ..backends.llamacpp import INSTALL_HINT
