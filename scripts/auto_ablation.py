@@ -7,6 +7,7 @@ same basis (predicted seconds over replay's AR). Seconds to run.
     python scripts/auto_ablation.py results/smollm2-auto/trace.npz
     python scripts/auto_ablation.py TRACE --costs docs/results/smollm2-llamacpp/surface.json  # llama.cpp's curve
     python scripts/auto_ablation.py TRACE --by-category --diagnose
+    python scripts/auto_ablation.py TRACE --variant auto:shrink=0.5 --variant auto:prior_weight=16  # a sweep
 
 ``--costs FILE`` prices the same rounds on another verify-cost surface (JSON as
 ``VerifyCostSurface.to_dict``): greedy paths are the target's argmax on every backend, so a
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="where auto's rounds lose, per category")
     ap.add_argument("--context-bound", action="store_true",
                     help="the best fixed (drafter, k) per peek context, fitted in hindsight")
+    ap.add_argument("--variant", action="append", default=[], metavar="SPEC",
+                    help="one more auto row over [pl, suffix, none], e.g. auto:shrink=0.5 (repeatable): a sweep")
     args = ap.parse_args()
     trace = Trace.load(args.trace)
     costs = load_surface(args.costs) if args.costs else None
@@ -197,10 +200,11 @@ def main() -> None:
     print("| configuration | predicted tokens/s | speed-up | MAT |")
     print("|---|---:|---:|---:|")
     results = {}
-    for name, sel, ln, drafters in ROWS:
+    rows = ROWS + [(f"{spec} (variant)", spec, None, POOL) for spec in args.variant]
+    for name, sel, ln, drafters in rows:
         r = replay(trace, sel, ln, k=5, drafters=drafters, costs=costs)
         results[name] = r
-        print(f"| {name} | {r.tokens_per_s:.1f} | {ar.predicted_s / r.predicted_s:.2f}x | {r.mat:.2f} |")
+        print(f"| {name} | {r.tokens_per_s:.1f} | {ar.predicted_s / r.predicted_s:.3f}x | {r.mat:.2f} |")
     ob = oracle_bounds(trace, 5, POOL[:2], costs=costs)
     print(f"| per-round oracle (least time, hindsight) | {ob['dp_time']['tokens_per_s']:.1f} | "
           f"{ob['dp_time']['speedup']:.2f}x | {ob['dp_time']['mat']:.2f} |")

@@ -1,6 +1,8 @@
-"""The small-batch linear kernel (``adaspec.kernels``): the same product as ``F.linear`` up to
-float rounding, on every row count and shape the engine sends, with the stock path kept where
-it applies (gradients, other dtypes, many rows); and decoding with it stays exact."""
+"""adaspec's linear kernels (``adaspec.kernels``): the transposed product (``small-batch``) and
+prepacked oneDNN weights (``packed``) compute the same product as ``F.linear`` up to float
+rounding, on every row count and shape the engine sends, with the stock path kept where it
+applies (gradients, other dtypes); a packed weight follows changes of the weight; and decoding
+with either stays exact."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from conftest import make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.errors import ConfigError
-from adaspec.kernels import (SMALL_BATCH_MAX, SmallBatchLinear, linear, linear_mode, small_batch_applies,
-                             stock_linears, use_small_batch_linear)
+from adaspec.kernels import (PACKED_MIN_ROWS, SMALL_BATCH_MAX, PackedLinear, SmallBatchLinear, linear, linear_mode,
+                             small_batch_applies, stock_linears, use_small_batch_linear)
 from adaspec.models import as_loaded, check_linear
 
 
@@ -33,6 +35,50 @@ def test_linear_equals_f_linear(rows, bias):
     assert got.shape == want.shape == (1, rows, 48)
     assert got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+KERNELS = [False, pytest.param(True, marks=needs_onednn)]  # use_small_batch_linear(packed=...)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_layer_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    layer = nn.Linear(24, 48, bias=bias)
+    use_small_batch_linear(layer, packed=True)
+    assert type(layer) is PackedLinear and layer._packed is not None  # packed when switched
+    x = torch.randn(2, rows, 24, generator=g)  # leading dimensions kept, 2 * rows rows
+    with torch.inference_mode():
+        got = layer(x)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert got.shape == want.shape == (2, rows, 48)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # a non-contiguous input (a transposed view) is the same product
+        xt = torch.randn(24, rows + 2, generator=g).t()
+        torch.testing.assert_close(layer(xt), F.linear(xt, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_weight_follows_changes_of_the_weight():
+    """A pack is a copy: an in-place update (optimizer step, load_state_dict) or a new weight
+    tensor must not leave a stale one behind."""
+    layer = nn.Linear(16, 8)
+    use_small_batch_linear(layer, packed=True)
+    x = torch.randn(PACKED_MIN_ROWS + 2, 16)
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # in place: the version counter moves
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.load_state_dict({"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(8, 16))  # a new tensor
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.double()
+    xd = torch.randn(5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(xd), F.linear(xd, layer.weight, layer.bias))
 
 
 def test_linear_keeps_leading_dimensions():
@@ -53,35 +99,42 @@ def test_dispatch_rule():
         assert small_batch_applies(torch.randn(2, 3), wg)
 
 
-def test_gradients_flow_through_the_stock_path():
+@pytest.mark.parametrize("packed", KERNELS)
+def test_gradients_flow_through_the_stock_path(packed):
     layer = nn.Linear(6, 4)
-    use_small_batch_linear(layer)
-    x = torch.randn(2, 6, requires_grad=True)
-    layer(x).sum().backward()
-    assert x.grad is not None and layer.weight.grad is not None
+    use_small_batch_linear(layer, packed=packed)
+    for rows in (2, 5):
+        x = torch.randn(rows, 6, requires_grad=True)
+        layer(x).sum().backward()
+        assert x.grad is not None and layer.weight.grad is not None
+        torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(rows, 6).detach())
 
 
-def test_switch_keeps_parameters_and_state_dict_and_is_reversible():
+@pytest.mark.parametrize("packed", KERNELS)
+def test_switch_keeps_parameters_and_state_dict_and_is_reversible(packed):
     model = make_tiny_model(0, 32)
     before = copy.deepcopy(model.state_dict())
-    n = use_small_batch_linear(model)
+    n = use_small_batch_linear(model, packed=packed)
+    mode = "packed" if packed else "small-batch"
     assert n == sum(1 for m in model.modules() if isinstance(m, nn.Linear)) > 0
-    assert linear_mode(model) == "small-batch"
+    assert linear_mode(model) == mode
+    assert model.state_dict().keys() == before.keys()  # the pack is not state
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with stock_linears(model):
         assert linear_mode(model) == "stock"
-        assert not any(type(m) is SmallBatchLinear for m in model.modules())
-    assert linear_mode(model) == "small-batch"
+        assert not any(isinstance(m, SmallBatchLinear) for m in model.modules())
+    assert linear_mode(model) == mode
     assert use_small_batch_linear(model) == 0  # already switched
 
 
-def test_model_logits_match_stock_on_every_block_width():
+@pytest.mark.parametrize("packed", KERNELS)
+def test_model_logits_match_stock_on_every_block_width(packed):
     model = make_tiny_model(3, 32, init_std=0.3)
     stock = copy.deepcopy(model)
-    use_small_batch_linear(model)
+    use_small_batch_linear(model, packed=packed)
     ids = torch.randint(1, 32, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        for width in (1, 2, 3, 5, 8, 12):
+        for width in (1, 2, 3, 5, 8, 12, 20):
             a = model(ids[:, :width]).logits
             b = stock(ids[:, :width]).logits
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -89,24 +142,26 @@ def test_model_logits_match_stock_on_every_block_width():
 
 @pytest.mark.parametrize("spec", [["none"], ["prompt-lookup"], ["suffix"], ["prompt-lookup", "suffix", "none"]])
 @pytest.mark.parametrize("tree", [False, True])
-def test_greedy_decoding_with_the_kernel_equals_hf_generate(spec, tree):
+@pytest.mark.parametrize("packed", KERNELS)
+def test_greedy_decoding_with_the_kernel_equals_hf_generate(spec, tree, packed):
     """Exactness with the kernel: the engine's output equals stock HF greedy generate."""
     model = make_tiny_model(0, 32, init_std=0.3, lm_head_scale=3.0)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40)[0, len(prompt):].tolist()
-    use_small_batch_linear(model)
+    use_small_batch_linear(model, packed=packed)
     engine = SpeculativeEngine(as_loaded(model), spec, k=4, tree=tree)
     assert engine.generate(prompt, max_new_tokens=40).token_ids == want
 
 
-def test_batch_engine_with_the_kernel_equals_hf_generate():
+@pytest.mark.parametrize("packed", KERNELS)
+def test_batch_engine_with_the_kernel_equals_hf_generate(packed):
     model = make_tiny_model(0, 32, init_std=0.3, lm_head_scale=3.0)
     prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6, 7, 5], [9, 9, 9]]
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24)[0, len(p):].tolist()
                 for p in prompts]
-    use_small_batch_linear(model)
+    use_small_batch_linear(model, packed=packed)
     engine = SpeculativeEngine(as_loaded(model), ["prompt-lookup"], k=3)
     got = engine.generate_batch(prompts, max_new_tokens=24)
     assert [r.token_ids for r in got] == want
@@ -115,7 +170,8 @@ def test_batch_engine_with_the_kernel_equals_hf_generate():
 def test_linear_option_is_checked():
     check_linear("auto")
     check_linear("stock")
-    with pytest.raises(ConfigError, match="not one of auto, small-batch, stock"):
+    check_linear("small-batch")
+    with pytest.raises(ConfigError, match="not one of auto, packed, small-batch, stock"):
         check_linear("fast")
     with pytest.raises(ConfigError, match="llama.cpp backend computes with its own"):
         check_linear("stock", "llama.cpp")
@@ -128,12 +184,36 @@ def test_identity_names_the_kernels():
     use_small_batch_linear(model)
     assert as_loaded(model).identity() != stock_id
     assert as_loaded(model).identity().endswith("linear=small-batch")
+    if torch.backends.mkldnn.is_available():
+        packed = make_tiny_model(0, 32)
+        use_small_batch_linear(packed, packed=True)
+        assert as_loaded(packed).identity().endswith("linear=packed")
 
 
 def test_auto_uses_the_kernel_only_where_it_was_measured_to_pay():
-    from adaspec.models import small_batch_pays
+    from adaspec.kernels import packed_pays, small_batch_pays
 
     cpu = torch.device("cpu")
     assert small_batch_pays(cpu, torch.float32) == torch.backends.mkl.is_available()
+    assert packed_pays(cpu, torch.float32) == (torch.backends.mkl.is_available()
+                                               and torch.backends.mkldnn.is_available())
+    assert not packed_pays(cpu, torch.bfloat16)
+    assert not packed_pays(torch.device("cuda"), torch.float32)
     assert not small_batch_pays(cpu, torch.bfloat16)
     assert not small_batch_pays(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["auto", "packed", "small-batch", "stock"])
+def test_load_model_installs_the_chosen_kernels(tmp_path, mode):
+    from adaspec.kernels import packed_pays, small_batch_pays
+    from adaspec.models import load_model
+
+    if mode == "packed" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    make_tiny_model(0, 32).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), linear=mode)
+    cpu = torch.device("cpu")
+    want = mode if mode != "auto" else ("packed" if packed_pays(cpu, torch.float32) else
+                                        "small-batch" if small_batch_pays(cpu, torch.float32) else "stock")
+    assert linear_mode(loaded.model) == want
+    assert loaded.identity().endswith(f"linear={want}")

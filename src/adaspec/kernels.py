@@ -1,17 +1,25 @@
-"""Small-batch linear layers for CPU decoding: the same product, through a faster BLAS call.
+"""Linear layers for CPU decoding: the same product, through faster kernels than ``F.linear``.
 
-Decoding and verification multiply a few rows (1 token, or a draft block of 2-8) by large
+Decoding and verification multiply a few rows (1 token, or a draft block of 2-16) by large
 weight matrices. On x86 CPUs with MKL, PyTorch's ``F.linear(x, W)`` takes a slow path for
 these shapes: one row goes through a matrix-vector kernel and 2-4 rows through a GEMM that is
 slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 76 ms, 3 rows
-96 ms). Computing the same product as ``(W @ x.T).T`` streams the weights through another
-kernel at about twice the bandwidth (1 row padded to 2: 22 ms, 2 rows 20 ms, 3 rows 30 ms,
-8 rows 47 ms); from 9 rows on the two are level. ``scripts/linear_kernels.py`` measures it;
-docs/kernels.md has the tables.
+96 ms). Two faster paths, both exact up to float rounding:
 
-The result is the same product up to float rounding (the summation order differs), like any
-change of BLAS kernel; greedy exactness is judged against the engine's own autoregressive
-decoding, which uses the same kernels.
+- the *transposed product* ``(W @ x.T).T`` streams the weights through another MKL kernel at
+  about twice the bandwidth (1 row padded to 2: 22 ms, 2 rows 20 ms, 8 rows 47 ms, no extra
+  memory): ``SmallBatchLinear``, ``linear="small-batch"``;
+- oneDNN's matmul on a copy of the weights *prepacked* once in its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, the call torch.compile's CPU freezing makes)
+  is faster still from 3 rows to hundreds (3-4 rows ~20 ms, 8 rows 25 ms, 16 rows 33 ms, 64
+  rows 100 ms against 64, 67, 81 and 135 ms stock) at the price of a second copy of the
+  weights: ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which keeps the
+  transposed product for 1-2 rows, where it is the faster of the two.
+
+``scripts/linear_kernels.py`` measures them; docs/kernels.md has the tables. The result is the
+same product up to float rounding (the summation order differs), like any change of BLAS
+kernel; greedy exactness is judged against the engine's own autoregressive decoding, which
+uses the same kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +35,12 @@ from torch import nn
 #: the largest row count that takes the transposed product; from 9 rows on, the stock call
 #: is as fast or faster (docs/kernels.md)
 SMALL_BATCH_MAX = 8
+#: ``PackedLinear``: up to this many rows take the transposed product, from the next one on the
+#: prepacked oneDNN matmul (2 rows: 18 against 28 ms; 3 rows: 24 against 20 ms; docs/kernels.md)
+PACKED_MIN_ROWS = 3
+#: the batch-size hint the weights are packed for (oneDNN picks its blocking from it; one pack
+#: serves every row count: 16 was as fast as or faster than 1, 8 and 64 from 3 rows to 512)
+PACK_ROWS_HINT = 16
 
 
 def small_batch_pays(device: torch.device, dtype: torch.dtype) -> bool:
@@ -35,11 +49,22 @@ def small_batch_pays(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
 
 
+def packed_pays(device: torch.device, dtype: torch.dtype) -> bool:
+    """``load_model(linear="auto")``: prepacked oneDNN weights where the small-batch path pays and
+    torch has oneDNN (``torch.backends.mkldnn``)."""
+    return small_batch_pays(device, dtype) and torch.backends.mkldnn.is_available()
+
+
+def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """float32 on CPU without autograd: where the faster paths apply (training keeps autograd's)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 def small_batch_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` takes the transposed product: float32 on CPU, no autograd, 1-8 rows."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (1 <= rows <= SMALL_BATCH_MAX and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and x.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    return 1 <= rows <= SMALL_BATCH_MAX and _cpu_inference(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,21 +91,57 @@ class SmallBatchLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def use_small_batch_linear(model: nn.Module) -> int:
-    """Switch every plain ``nn.Linear`` in ``model`` to ``SmallBatchLinear`` in place (the
-    class only: weights, hooks and state dict are untouched). Returns how many were switched."""
+class PackedLinear(SmallBatchLinear):
+    """An ``nn.Linear`` computing 1-2 rows by the transposed product and 3 or more (float32 on
+    CPU, no autograd) by oneDNN's matmul on prepacked weights (``pack``). The pack is a plain
+    attribute, outside the state dict, and is made again when the weight changes (its version
+    counter: an optimizer step, ``load_state_dict``) or moves off the CPU."""
+
+    _packed: torch.Tensor | None = None
+    _packed_key: tuple[int, int] | None = None
+
+    def pack(self) -> torch.Tensor:
+        """The weight in oneDNN's layout, made on first use and kept while the weight is unchanged."""
+        w = self.weight
+        key = (id(w.untyped_storage()), w._version)
+        if self._packed is None or self._packed_key != key:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+            self._packed_key = key
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        n = x.numel() // max(1, width)
+        if n < PACKED_MIN_ROWS or not _cpu_inference(x, self.weight):
+            return linear(x, self.weight, self.bias)
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(n, width).contiguous(), self.pack(), self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def use_small_batch_linear(model: nn.Module, packed: bool = False) -> int:
+    """Switch every plain ``nn.Linear`` in ``model`` to ``SmallBatchLinear`` (``packed``:
+    ``PackedLinear``, packing each weight now) in place (the class only: parameters, hooks and
+    state dict are untouched). Returns how many were switched."""
+    cls = PackedLinear if packed else SmallBatchLinear
     n = 0
     for module in model.modules():
         if type(module) is nn.Linear:
-            module.__class__ = SmallBatchLinear
+            module.__class__ = cls
             n += 1
+            if packed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+                module.pack()
     return n
 
 
 def linear_mode(model: Any) -> str:
-    """``"small-batch"`` if any of the model's linear layers uses ``SmallBatchLinear``, else ``"stock"``."""
-    if isinstance(model, nn.Module) and any(type(m) is SmallBatchLinear for m in model.modules()):
-        return "small-batch"
+    """``"packed"`` or ``"small-batch"`` by the model's switched linear layers, else ``"stock"``."""
+    if isinstance(model, nn.Module):
+        kinds = {type(m) for m in model.modules()}
+        if PackedLinear in kinds:
+            return "packed"
+        if SmallBatchLinear in kinds:
+            return "small-batch"
     return "stock"
 
 
@@ -88,11 +149,11 @@ def linear_mode(model: Any) -> str:
 def stock_linears(model: nn.Module) -> Iterator[None]:
     """Run ``model`` with PyTorch's own linear kernels inside the block (e.g. a Hugging Face
     peer in the benchmark: what a user of plain transformers gets), then switch back."""
-    switched = [m for m in model.modules() if type(m) is SmallBatchLinear]
-    for m in switched:
+    switched = [(m, type(m)) for m in model.modules() if type(m) in (SmallBatchLinear, PackedLinear)]
+    for m, _ in switched:
         m.__class__ = nn.Linear
     try:
         yield
     finally:
-        for m in switched:
-            m.__class__ = SmallBatchLinear
+        for m, cls in switched:
+            m.__class__ = cls

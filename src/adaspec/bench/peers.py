@@ -22,7 +22,7 @@ the confidence threshold stays fixed unless scikit-learn is installed (HF then t
 a call).
 
 Peers run with PyTorch's own linear kernels (``kernels.stock_linears``), as transformers does
-out of the box, while adaspec's configurations use the small-batch kernel that ``load_model``
+out of the box, while adaspec's configurations use the kernels that ``load_model``
 installs on CPU: ``hf-greedy`` against adaspec's AR shows what the kernel alone is worth.
 """
 

@@ -676,8 +676,8 @@ def prediction_table(summary: dict[str, Any]) -> str | None:
 # -- report -----------------------------------------------------------------------------------
 def _linear_note(linear: Any) -> str:
     """The linear kernels adaspec's configurations ran with (``kernels.py``); peers run stock."""
-    if linear == "small-batch":
-        return ", small-batch linear kernels; Hugging Face peers on PyTorch's own"
+    if linear in ("small-batch", "packed"):
+        return f", {linear} linear kernels; Hugging Face peers on PyTorch's own"
     return f", linear kernels {linear}" if linear else ""
 
 

@@ -200,7 +200,7 @@ class BenchRun:
     dtype: str = "float32"
     verify_costs: dict[str, Any] | None = None
     backend: str = "transformers"  # what ran the target (``backends``)
-    #: adaspec's linear kernels (``kernels.linear_mode``): "small-batch" or "stock"
+    #: adaspec's linear kernels (``kernels.linear_mode``): "packed", "small-batch" or "stock"
     linear: str = "stock"
     #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
     #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}

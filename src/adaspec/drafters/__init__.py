@@ -204,8 +204,8 @@ def build_drafter(spec: str | Drafter, target: LoadedModel, *, device: Any = Non
         if not rest:
             raise AdaspecError("model drafter needs a model: write model:HF_ID, model:DIR or model:FILE.gguf")
         on_torch = target.backend == "transformers"  # a GGUF drafter of a llama.cpp target: llama.cpp
-        stock = on_torch and linear_mode(getattr(target, "model", None)) == "stock"  # as the target's
-        loaded = load_model(rest, device=device or target.device, linear="stock" if stock else "auto",
+        linear = linear_mode(getattr(target, "model", None)) if on_torch else "auto"  # the target's kernels
+        loaded = load_model(rest, device=device or target.device, linear=linear,
                             dtype=dtype or (target.dtype if on_torch else None), backend=target.backend,
                             threads=None if on_torch else getattr(target, "threads", None))
         check_same_vocabulary(target, loaded)

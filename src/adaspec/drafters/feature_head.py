@@ -226,7 +226,7 @@ class FeatureHead:
         self.lm_bias = None if b is None else (b.detach() if self.full_vocab else b.detach()[self.vocab])
         self.training = dict(training or {})
         #: the target's linear kernels, for the head's drafting steps too (``kernels.py``)
-        self.small_batch = linear_mode(getattr(target, "model", None)) == "small-batch"
+        self.small_batch = linear_mode(getattr(target, "model", None)) != "stock"
 
     @property
     def hidden_size(self) -> int:
