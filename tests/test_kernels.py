@@ -75,6 +75,10 @@ def test_packed_weight_follows_changes_of_the_weight():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         layer.weight = nn.Parameter(torch.randn(8, 16))  # a new tensor
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight.data = torch.randn(8, 16)  # the same parameter, new storage
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        packed = layer.pack()
+        assert layer.pack() is packed  # unchanged weight: the pack is reused, not made again
     layer.double()
     xd = torch.randn(5, 16, dtype=torch.float64)
     with torch.no_grad():
@@ -217,3 +221,25 @@ def test_load_model_installs_the_chosen_kernels(tmp_path, mode):
                                         "small-batch" if small_batch_pays(cpu, torch.float32) else "stock")
     assert linear_mode(loaded.model) == want
     assert loaded.identity().endswith(f"linear={want}")
+
+
+@needs_onednn
+def test_packed_model_copies_and_pickles():
+    """deepcopy (e.g. a bf16 copy of a loaded target) and torch.save of a packed model work; the
+    copy packs its own weights and computes the same product."""
+    import io
+    import pickle
+
+    model = make_tiny_model(0, 32)
+    use_small_batch_linear(model, packed=True)
+    twin = copy.deepcopy(model)
+    assert linear_mode(twin) == "packed"
+    ids = torch.randint(1, 32, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(ids).logits, model(ids).logits)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert pickle.loads(pickle.dumps(model)) is not None
+    half = copy.deepcopy(model).to(torch.bfloat16)  # other dtypes take the stock path
+    with torch.inference_mode():
+        assert half(ids).logits.dtype == torch.bfloat16

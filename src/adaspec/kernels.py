@@ -24,6 +24,7 @@ uses the same kernels.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -98,17 +99,27 @@ class PackedLinear(SmallBatchLinear):
     counter: an optimizer step, ``load_state_dict``) or moves off the CPU."""
 
     _packed: torch.Tensor | None = None
-    _packed_key: tuple[int, int] | None = None
+    #: what the pack was made from: the weight (a weak reference), its data pointer and version
+    _packed_from: tuple[Any, int, int] | None = None
 
     def pack(self) -> torch.Tensor:
-        """The weight in oneDNN's layout, made on first use and kept while the weight is unchanged."""
+        """The weight in oneDNN's layout, made on first use and kept while the weight is the same
+        tensor, at the same address, unmodified (``_version``: in-place writes count)."""
         w = self.weight
-        key = (id(w.untyped_storage()), w._version)
-        if self._packed is None or self._packed_key != key:
+        src = self._packed_from
+        if self._packed is None or src is None or src[0]() is not w or src[1] != w.data_ptr() or src[2] != w._version:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
-            self._packed_key = key
+            self._packed_from = (weakref.ref(w), w.data_ptr(), w._version)
         return self._packed
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the pack out (an opaque oneDNN tensor and a weak reference
+        cannot be copied); the copy packs its own weight on first use."""
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state.pop("_packed_from", None)
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
