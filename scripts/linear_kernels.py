@@ -96,7 +96,8 @@ def main() -> None:
         once()  # warm
         return _median_ms(once, args.reps)
 
-    print(f"\nforward over w new tokens on a {args.context}-token cache (ms; in brackets: / the kernel's own 1-token step):\n"
+    print(f"\nforward over w new tokens on a {args.context}-token cache "
+          "(ms; in brackets: / the kernel's own 1-token step):\n"
           "| w | " + " | ".join(KERNELS) + " | packed / stock |\n|---:|" + "---:|" * (len(KERNELS) + 1))
     base: dict[str, float] = {}
     for w in rows:

@@ -4,16 +4,16 @@ Decoding and verification multiply a few rows (1 token, or a draft block of 2-16
 weight matrices. On x86 CPUs with MKL, PyTorch's ``F.linear(x, W)`` takes a slow path for
 these shapes: one row goes through a matrix-vector kernel and 2-4 rows through a GEMM that is
 slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 76 ms, 3 rows
-96 ms). Two faster paths, both exact up to float rounding:
+96 ms). Two faster paths, each the same product up to float rounding:
 
 - the *transposed product* ``(W @ x.T).T`` streams the weights through another MKL kernel at
   about twice the bandwidth (1 row padded to 2: 22 ms, 2 rows 20 ms, 8 rows 47 ms, no extra
   memory): ``SmallBatchLinear``, ``linear="small-batch"``;
 - oneDNN's matmul on a copy of the weights *prepacked* once in its blocked layout
-  (``torch.ops.mkldnn._reorder_linear_weight``, the call torch.compile's CPU freezing makes)
-  is faster still from 3 rows to hundreds (3-4 rows ~20 ms, 8 rows 25 ms, 16 rows 33 ms, 64
-  rows 100 ms against 64, 67, 81 and 135 ms stock) at the price of a second copy of the
-  weights: ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which keeps the
+  (``torch.ops.mkldnn._reorder_linear_weight``, as torch.compile's CPU freezing does for
+  dynamic shapes) is faster still from 3 rows to hundreds (3 rows 23 ms, 8 rows 28 ms, 16 rows
+  32 ms against 93, 57 and 81 ms with ``F.linear``) at the price of a second copy of the weights:
+  ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which keeps the
   transposed product for 1-2 rows, where it is the faster of the two.
 
 ``scripts/linear_kernels.py`` measures them; docs/kernels.md has the tables. The result is the
@@ -37,10 +37,10 @@ from torch import nn
 #: is as fast or faster (docs/kernels.md)
 SMALL_BATCH_MAX = 8
 #: ``PackedLinear``: up to this many rows take the transposed product, from the next one on the
-#: prepacked oneDNN matmul (2 rows: 18 against 28 ms; 3 rows: 24 against 20 ms; docs/kernels.md)
+#: prepacked oneDNN matmul (2 rows: 21 against 28 ms; 3 rows: 29 against 23 ms; docs/kernels.md)
 PACKED_MIN_ROWS = 3
 #: the batch-size hint the weights are packed for (oneDNN picks its blocking from it; one pack
-#: serves every row count: 16 was as fast as or faster than 1, 8 and 64 from 3 rows to 512)
+#: serves every row count: 16 was as fast as or faster than 1, 8 and 64 from 3 rows to 64)
 PACK_ROWS_HINT = 16
 
 
@@ -96,7 +96,8 @@ class PackedLinear(SmallBatchLinear):
     """An ``nn.Linear`` computing 1-2 rows by the transposed product and 3 or more (float32 on
     CPU, no autograd) by oneDNN's matmul on prepacked weights (``pack``). The pack is a plain
     attribute, outside the state dict, and is made again when the weight changes (its version
-    counter: an optimizer step, ``load_state_dict``) or moves off the CPU."""
+    counter: an optimizer step, ``load_state_dict``) or is replaced; off the CPU or float32 the
+    layer computes ``F.linear``."""
 
     _packed: torch.Tensor | None = None
     #: what the pack was made from: the weight (a weak reference), its data pointer and version
@@ -107,7 +108,8 @@ class PackedLinear(SmallBatchLinear):
         tensor, at the same address, unmodified (``_version``: in-place writes count)."""
         w = self.weight
         src = self._packed_from
-        if self._packed is None or src is None or src[0]() is not w or src[1] != w.data_ptr() or src[2] != w._version:
+        if (self._packed is None or src is None or src[0]() is not w or src[1] != w.data_ptr()
+                or src[2] != w._version):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
             self._packed_from = (weakref.ref(w), w.data_ptr(), w._version)
@@ -126,7 +128,8 @@ class PackedLinear(SmallBatchLinear):
         n = x.numel() // max(1, width)
         if n < PACKED_MIN_ROWS or not _cpu_inference(x, self.weight):
             return linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(n, width).contiguous(), self.pack(), self.bias, "none", [], "")
+        rows = x.reshape(n, width).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.pack(), self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 

@@ -398,7 +398,8 @@ def load_model(
     model.eval()
     if linear == "auto":
         dev = check_device(device)
-        linear = "packed" if packed_pays(dev, torch_dtype) else "small-batch" if small_batch_pays(dev, torch_dtype) else "stock"
+        linear = ("packed" if packed_pays(dev, torch_dtype) else
+                  "small-batch" if small_batch_pays(dev, torch_dtype) else "stock")
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
     return LoadedModel(model=model, tokenizer=tok, name=spec)
