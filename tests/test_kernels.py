@@ -243,3 +243,35 @@ def test_packed_model_copies_and_pickles():
     half = copy.deepcopy(model).to(torch.bfloat16)  # other dtypes take the stock path
     with torch.inference_mode():
         assert half(ids).logits.dtype == torch.bfloat16
+
+
+def test_release_openmp_threads_then_compute_on_two_threads():
+    """The server's engine thread starts after the loading thread releases its OpenMP pool
+    (``serve.scheduler.Scheduler.start``); compute stays correct on both threads after it, and
+    with PyTorch's OpenMP backend the runtime accepts the call."""
+    import threading
+
+    from adaspec.kernels import release_openmp_threads
+
+    layer = nn.Linear(64, 32)
+    use_small_batch_linear(layer, packed=torch.backends.mkldnn.is_available())
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = F.linear(x, layer.weight, layer.bias)
+        layer(x)
+    released = release_openmp_threads()
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert released
+    got = {}
+
+    def work():
+        with torch.inference_mode():
+            got["thread"] = layer(x)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    with torch.inference_mode():
+        got["main"] = layer(x)  # the calling thread computes again: a new pool
+    for v in got.values():
+        torch.testing.assert_close(v, want, rtol=1e-5, atol=1e-5)

@@ -133,6 +133,33 @@ class PackedLinear(SmallBatchLinear):
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
+def release_openmp_threads() -> bool:
+    """Free the calling thread's OpenMP worker pool (OpenMP 5.0 ``omp_pause_resource_all``), so
+    that the thread that computes next does not share the CPUs with this one's idle workers.
+
+    With PyTorch's GNU OpenMP, a second thread's parallel regions run at about half speed while
+    the first thread's pool exists: a SmolLM2 step took 33 ms on the thread that loaded the
+    model, 65-80 ms on a server's engine thread, and 32 ms there after this call from the
+    loading thread. The runtime makes a new pool if the calling thread computes again. Returns
+    whether an OpenMP runtime accepted the call (False: none found, or not OpenMP)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    import ctypes
+    from pathlib import Path
+
+    libs = [None, *sorted(str(p) for pat in ("libgomp*.so*", "libiomp5*", "libomp*")
+                          for p in (Path(torch.__file__).parent / "lib").glob(pat))]
+    for name in libs:
+        try:
+            fn = getattr(ctypes.CDLL(name), "omp_pause_resource_all", None)
+        except OSError:
+            continue
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn(2) == 0  # omp_pause_hard
+    return False
+
+
 def use_small_batch_linear(model: nn.Module, packed: bool = False) -> int:
     """Switch every plain ``nn.Linear`` in ``model`` to ``SmallBatchLinear`` (``packed``:
     ``PackedLinear``, packing each weight now) in place (the class only: parameters, hooks and
