@@ -152,7 +152,7 @@ def release_openmp_threads() -> bool:
     for name in libs:
         try:
             fn = getattr(ctypes.CDLL(name), "omp_pause_resource_all", None)
-        except OSError:
+        except (OSError, TypeError):  # no such library; CDLL(None) where the platform has no global handle
             continue
         if fn is not None:
             fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
