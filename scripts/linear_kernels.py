@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from adaspec.kernels import PACK_ROWS_HINT, PackedLinear, SmallBatchLinear, linear, stock_linears
+from adaspec.kernels import PackedLinear, SmallBatchLinear, linear, stock_linears
 from adaspec.models import load_model
 
 KERNELS = ("stock", "small-batch", "packed")
@@ -65,8 +65,9 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     loaded = load_model(args.model, linear="packed")
     model = loaded.model
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packs = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT) for w in weights]
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    weights = [m.weight for m in layers]
+    packs = [m.pack() for m in layers]  # the packs load_model made
     print(f"{args.model}: {len(weights)} linear layers, {sum(w.numel() for w in weights) / 1e6:.0f} M weights, "
           f"{torch.get_num_threads()} threads")
 
@@ -81,7 +82,6 @@ def main() -> None:
                                          for w, p in zip(weights, packs)], args.reps)
             print(f"| {n} | {stock:.1f} | {small:.1f} | {packed:.1f} | {small / stock:.2f} | {packed / stock:.2f} |",
                   flush=True)
-    del packs
 
     ids = torch.randint(0, loaded.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     state = loaded.new_state()

@@ -56,6 +56,11 @@ def packed_pays(device: torch.device, dtype: torch.dtype) -> bool:
     return small_batch_pays(device, dtype) and torch.backends.mkldnn.is_available()
 
 
+def auto_linear(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernels ``load_model(linear="auto")`` installs: ``"packed"``, ``"small-batch"`` or ``"stock"``."""
+    return "packed" if packed_pays(device, dtype) else "small-batch" if small_batch_pays(device, dtype) else "stock"
+
+
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """float32 on CPU without autograd: where the faster paths apply (training keeps autograd's)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32

@@ -26,7 +26,7 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .kernels import linear_mode, packed_pays, small_batch_pays, use_small_batch_linear
+from .kernels import auto_linear, linear_mode, use_small_batch_linear
 from .trees import DraftTree, tree_attention_mask
 
 log = logging.getLogger(__name__)
@@ -397,9 +397,7 @@ def load_model(
     model = model.to(device)
     model.eval()
     if linear == "auto":
-        dev = check_device(device)
-        linear = ("packed" if packed_pays(dev, torch_dtype) else
-                  "small-batch" if small_batch_pays(dev, torch_dtype) else "stock")
+        linear = auto_linear(check_device(device), torch_dtype)
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
     return LoadedModel(model=model, tokenizer=tok, name=spec)
