@@ -423,3 +423,79 @@ def test_batched_greedy_passes_the_tie_aware_check_on_a_flat_model():
     for p, r in zip(prompts, out):
         check = check_tie_aware(flat, p, r.token_ids, max_gap=NEAR_TIE_NATS)
         assert check.ok and check.n_tokens == 30, check.violations
+
+
+# -- the joint batch width -----------------------------------------------------------------------
+def test_block_curve_gives_each_cap_its_best_drafter_and_commit_plays_it():
+    """``AutoController.block_curve``: per cap, the best looked-at drafter's expected tokens,
+    flat past its block; ``commit`` makes the round's plan that cap (cold start: the prior's
+    means a = 0.5, c = 0.7)."""
+    sel = AutoSelector()
+    ctl = sel.controller
+    sel.begin_request(["prompt-lookup", "suffix", "none"])
+    assert sel.block_curve() is None  # nothing looked at yet
+    sel.observe_proposals({0: [5, 6, 7], 1: [9]})
+    curve = sel.block_curve()
+    assert curve[0] == (1.0, 2, 0)  # a plain step: none
+    assert curve[1][0] == pytest.approx(1.5) and curve[1][2] == 1
+    assert curve[2] == (pytest.approx(1 + 0.5 * 1.7), 0, 2)  # suffix's block ends at 1
+    assert curve[3] == curve[16] == (pytest.approx(1 + 0.5 * (1 + 0.7 + 0.49)), 0, 3)
+    sel.commit(6)
+    assert sel.select() == 0 and ctl.cap_for(0) == 3  # its whole block, not past it
+    sel.observe_proposals({0: [], 1: []})
+    sel.commit(4)
+    assert sel.select() == 2 and ctl.cap_for(2) == 0  # no block: a plain step
+    model_sel = AutoSelector()
+    model_sel.bind_drafters([False, True, False])
+    model_sel.begin_request(["prompt-lookup", "tiny-lm", "none"])
+    model_sel.observe_proposals({0: [5, 6]})
+    assert model_sel.block_curve() is None  # a model drafter would spend drafting time
+
+
+def test_joint_width_maximises_the_batch_rate():
+    """W maximises sum_r E_r(W - 1) / (R o + V(W)), at least the other rows' widest block."""
+    from adaspec.batch import joint_width
+
+    curves = [[1.0, 1.9, 2.7, 2.7], [1.0, 1.2, 1.3]]
+    flat = lambda w: 0.010  # noqa: E731 - widening is free: the widest useful block
+    assert joint_width(curves, 2, 1, 0.0, flat) == 3
+    steep = lambda w: 0.010 * w  # noqa: E731 - widening costs a full step per token
+    assert joint_width(curves, 2, 1, 0.0, steep) == 1
+    mid = lambda w: 0.010 + 0.004 * (w - 1)  # noqa: E731
+    rates = {w: (curves[0][min(w - 1, 3)] + curves[1][min(w - 1, 2)]) / mid(w) for w in range(1, 5)}
+    assert joint_width(curves, 2, 1, 0.0, mid) == max(rates, key=rates.get)
+    assert joint_width(curves, 3, 4, 0.0, steep) == 4  # another row drafts 3 tokens anyway
+    assert joint_width([], 2, 2, 0.0, flat) == 2
+
+
+def _shared_widening(rows=(1, 2, 4, 8, 16, 32), widths=(1, 2, 4, 8), contexts=(100, 500)) -> BatchCosts:
+    """V = 10 ms + 2 ms per extra column, whatever the rows: widening is the batch's, not a row's."""
+    sec = [[[0.010 + 0.002 * (w - 1) for w in widths] for _ in rows] for _ in contexts]
+    return BatchCosts(list(contexts), list(rows), list(widths), sec)
+
+
+def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monkeypatch):
+    """A width the batch pays once: priced alone (its share of a plain step, 2.5 ms, plus the
+    whole widening, 2 ms a token) no row's block pays; priced jointly the rows draft together,
+    every row up to the one width, and stay exact."""
+    engine = _engine(model, "auto")
+    prompts = _prompts(4)
+    ref = [engine.generate(p, max_new_tokens=24).token_ids for p in prompts]
+
+    def run(joint: bool) -> tuple[dict, list]:
+        batch = BatchEngine(engine, max_batch=4, batch_costs=_shared_widening())
+        if not joint:  # every row plans alone on its row price (the rule before the joint width)
+            monkeypatch.setattr(batch, "_joint_plans", lambda: [batch._plan(r) for r in batch._rows])
+        widths, real = [], batch._forward
+        monkeypatch.setattr(batch, "_forward", lambda inputs: widths.append(sorted(len(x) for x in inputs))
+                            or real(inputs))
+        ids = [batch.add(p, max_new_tokens=24) for p in prompts]
+        out = batch.run()
+        assert [out[i].token_ids for i in ids] == ref
+        return {i: out[i] for i in ids}, widths
+
+    alone, _ = run(joint=False)
+    assert sum(r.drafted for res in alone.values() for r in res.stats.rounds) == 0
+    joint, widths = run(joint=True)
+    assert sum(r.drafted for res in joint.values() for r in res.stats.rounds) > 0
+    assert any(len(w) == 4 and w[-1] > 1 for w in widths)

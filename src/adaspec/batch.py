@@ -2,7 +2,8 @@
 
 Each request keeps what is its own (forked drafters, its own selector and length policy, its
 ``torch.Generator``, tokens, stops and statistics) and chooses its drafter and block (0: a plain
-step) as in ``SpeculativeEngine``; one padded forward verifies every row's ``[last] + drafts``
+step) as in ``SpeculativeEngine``, except that ``auto`` rows choose the batch's width together
+(``BatchEngine._joint_plans``); one padded forward verifies every row's ``[last] + drafts``
 and each row is accepted exactly (``verify_greedy`` / ``verify_sampling``) on its own logits.
 
 KV layout (chosen by measuring, ``scripts/batch_cache_layout.py``, docs/architecture.md): one
@@ -26,7 +27,7 @@ import copy
 import secrets
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,16 @@ class _Request:
     def cost_aware(self) -> bool:
         """Do the request's policies price rounds (then they never draft where it cannot pay)?"""
         return any(getattr(p, "wants_costs", False) for p in (self.view.selector, self.view.length))
+
+
+@dataclass
+class _Look:
+    """A row's looks this round (``BatchEngine._look``): the blocks shown to its selector."""
+
+    peeked: dict
+    looked: bool
+    timed: bool  # the selector may skip looks: their seconds feed ``CostModel.observe_look``
+    seconds: float
 
 
 @dataclass
@@ -383,13 +394,12 @@ class BatchEngine:
         t = time.perf_counter()
         return _RowPlan(PLAIN, 0, Draft(), 0, (t, t, t, t, t), 0.0)
 
-    def _plan(self, req: _Request) -> _RowPlan:
-        """The row's drafter choice, catch-up and draft (as in ``SpeculativeEngine._rounds``)."""
-        view, tokens = req.view, req.tokens
-        selector, length, drafters = view.selector, view.length, view.drafters
-        now = time.perf_counter
+    def _look(self, req: _Request) -> _Look:
+        """The row's looks at its model-free drafters' blocks (``Drafter.peek``), shown to its
+        selector: the first part of ``_plan``."""
+        view, tokens, selector = req.view, req.tokens, req.view.selector
         self._start(req)
-        t0 = now()
+        t0 = time.perf_counter()
         self.cost_model.context = len(tokens) - 1
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
         looks = getattr(selector, "looks", None)
@@ -398,12 +408,25 @@ class BatchEngine:
         if looked:
             peeked = view._peek(tokens, min(peek_k, req.remaining - 1), req.seen)
             selector.observe_proposals(peeked)
+        return _Look(peeked, looked, looks is not None, time.perf_counter() - t0)
+
+    def _plan(self, req: _Request, look: _Look | None = None) -> _RowPlan:
+        """The row's drafter choice, catch-up and draft (as in ``SpeculativeEngine._rounds``),
+        after its ``look`` (taken here if not given)."""
+        view, tokens = req.view, req.tokens
+        selector, length, drafters = view.selector, view.length, view.drafters
+        now = time.perf_counter
+        if look is None:
+            look = self._look(req)
+        t0 = now() - look.seconds
+        self.cost_model.context = len(tokens) - 1
+        peeked, looked = look.peeked, look.looked
         i = selector.select()
         if not 0 <= i < len(drafters):
             raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
         cap = min(length.begin_round(i), req.remaining - 1)
         t1 = now()
-        if looked and looks is not None and req.stats.rounds:  # the first look also ingests the prompt
+        if looked and look.timed and req.stats.rounds:  # the first look also ingests the prompt
             self.cost_model.observe_look(t1 - t0)
         drafter: Drafter = drafters[i]
         if req.seen[i] == 0:
@@ -425,6 +448,47 @@ class BatchEngine:
         draft = view._draft_chain(i, tokens, cap, peeked, req.cfg.sampling, req.generator, decide)
         return _RowPlan(i, cap, draft, catch_up_tokens, (t0, t1, t_pre, t2, now()), spent[0])
 
+    def _joint_plans(self) -> list[_RowPlan]:
+        """Every row's plan, the batch's width chosen jointly for the rows that can (``auto``
+        with free blocks: ``AutoController.block_curve``).
+
+        A padded forward is as wide as its widest row, so a row priced alone pays the whole
+        widening and declines (SmolLM2, 4 rows: 45 / 54 / 65 ms at width 1 / 2 / 4, one row's
+        4-token block priced at 3.4x its plain step: no row drafted), while a row priced at its
+        1/R share over-drafts (0.60x batched AR at 16 rows).
+        The batch instead picks the width W that maximises its expected tokens per second,
+
+            sum_r E_r(W - 1) / (R o + V(R, W)),
+
+        E_r(k) the row's expected emitted tokens at cap k (its best drafter's), V the batch
+        surface (``BatchCosts.cost``), o the per-row round overhead; W is at least the other
+        rows' widest block, and every joint row then drafts up to W - 1 tokens (free: the forward
+        is that wide anyway)."""
+        rows, cm = self._rows, self.cost_model
+        joint: dict[int, tuple[_Look, list[tuple[float, int, int]]]] = {}
+        if len(rows) > 1 and cm.batch is not None:
+            for r, req in enumerate(rows):
+                sel, length = req.view.selector, req.view.length
+                if not (hasattr(sel, "block_curve") and getattr(length, "controller", None) is not None
+                        and length.controller is getattr(sel, "controller", None)):
+                    continue
+                look = self._look(req)
+                joint[r] = (look, sel.block_curve() or [])  # no curve: planned on its own below
+        plans: dict[int, _RowPlan] = {}
+        for r, req in enumerate(rows):
+            if r not in joint or not joint[r][1]:
+                plans[r] = self._plan(req, joint[r][0] if r in joint else None)
+        curves = {r: c for r, (_, c) in joint.items() if c}
+        if curves:
+            least = max((len(p.draft.tokens) + 1 for p in plans.values()), default=1)
+            ctx = cm.batch_context
+            width = joint_width([[e for e, _, _ in c] for c in curves.values()], len(rows), least,
+                                cm.round_overhead_s, lambda w: cm.batch.cost(len(rows), w, ctx))
+            for r in curves:
+                rows[r].view.selector.commit(width - 1)
+                plans[r] = self._plan(rows[r], joint[r][0])
+        return [plans[r] for r in range(len(rows))]
+
     def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
         """One padded forward over every row's inputs: logits [rows, W, vocab]."""
         logits = forward_rows(self.target, self._cache, self._valid, inputs, self._pad)
@@ -438,7 +502,10 @@ class BatchEngine:
         if self._wants_costs and rows > 1 and self.cost_model.batch is None:
             self.cost_model.batch = load_or_measure_batch(self.target)
         plain = not self._drafting_can_pay()
-        plans = [self._plain(req) if plain and req.cost_aware else self._plan(req) for req in self._rows]
+        if plain:
+            plans = [self._plain(req) if req.cost_aware else self._plan(req) for req in self._rows]
+        else:
+            plans = self._joint_plans()
         t_fwd = time.perf_counter()
         t_before = self._valid.shape[1]
         logits = self._forward([[req.tokens[-1], *p.draft.tokens] for req, p in zip(self._rows, plans)])
@@ -567,6 +634,22 @@ class BatchEngine:
 
 
 # -- the padded forward ------------------------------------------------------------------------
+def joint_width(curves: Sequence[Sequence[float]], rows: int, least: int, overhead: float,
+                cost: Callable[[int], float]) -> int:
+    """The batch width W >= ``least`` with the most expected tokens per second,
+    sum_r E_r(W - 1) / (rows o + V(W)) (``BatchEngine._joint_plans``): ``curves[r][k]`` is a
+    joint row's expected emitted tokens at cap k (flat past its end), each of the other rows
+    counts one token, ``cost(W)`` is the batch forward's seconds. Ties go to the narrower."""
+    top = max((len(c) for c in curves), default=1)
+    best_w, best_rate = least, -1.0
+    for w in range(least, max(least, top) + 1):
+        tokens = sum(c[min(w - 1, len(c) - 1)] for c in curves) + (rows - len(curves))
+        rate = tokens / max(rows * overhead + cost(w), 1e-12)
+        if rate > best_rate:
+            best_w, best_rate = w, rate
+    return best_w
+
+
 def batch_attention_mask(valid: torch.Tensor, widths: Sequence[int], width: int, dtype: torch.dtype,
                          device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive float mask [rows, 1, W, T + W] for a forward of ``width`` new columns per row on

@@ -315,6 +315,8 @@ class AutoController:
         self._looked = False
         #: looks may cost this share of a plain round on average (0: look every round)
         self.look_share = LOOK_SHARE
+        #: the round's plan fixed by a batch's joint width (``commit``), played by ``choose``
+        self.forced: Plan | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def begin_request(self, names: Sequence[str], is_model: Sequence[bool] | None = None) -> None:
@@ -333,6 +335,7 @@ class AutoController:
         self.peeked, self.contexts = {}, {}
         self.idle_looks = self.skip_left = 0
         self.skipping = self._looked = False
+        self.forced = None
 
     # -- estimates and costs ----------------------------------------------------------------
     def estimate(self, d: int, context: str | None = None) -> tuple[float, float, float]:
@@ -439,14 +442,17 @@ class AutoController:
             self.peeked, self.contexts = {}, {}
             self.plan = Plan(self.names.index(NONE_NAMES[0]), 0, 0.0)
             return self.plan
-        verify, draft, overhead = self._cost_fns()
-        row = getattr(self.costs, "verify_row", None) if self.objective == "time" else None
-        if row is not None:  # V(w) at this round's context, once
-            widths = row(self.max_k + 1)
+        if self.forced is not None:  # a batch chose this round's width for every row (``commit``)
+            best, self.forced = self.forced, None
         else:
-            widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
-        plans = [self.best_k(d, widths.__getitem__, draft, overhead) for d in range(len(self.names))]
-        best = max(plans, key=lambda p: (p.rate, p.k))
+            verify, draft, overhead = self._cost_fns()
+            row = getattr(self.costs, "verify_row", None) if self.objective == "time" else None
+            if row is not None:  # V(w) at this round's context, once
+                widths = row(self.max_k + 1)
+            else:
+                widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
+            plans = [self.best_k(d, widths.__getitem__, draft, overhead) for d in range(len(self.names))]
+            best = max(plans, key=lambda p: (p.rate, p.k))
         if best.k == 0:
             for d, name in enumerate(self.names):
                 if name in NONE_NAMES:
@@ -459,6 +465,45 @@ class AutoController:
             self.idle_looks = 0
         self.plan = best
         return best
+
+    def block_curve(self) -> list[tuple[float, int, int]] | None:
+        """For a batch's joint width (``batch.BatchEngine``): per cap k in 0..max_k, the best
+        drafter's expected emitted tokens E_d(k) = 1 + a (1 + c + ... + c^(k'-1)), k' = min(k,
+        its block), as (E, drafter, k'). Only when every block is free this round (the drafters
+        were looked at, or propose nothing; ``none``): None when a drafter would spend drafting
+        time (a model drafter, or one that cannot be looked at), the round skips its look, or the
+        objective is not time."""
+        if self.skip_left > 0 or self.objective != "time" or not self._looked:
+            return None
+        plain = next((d for d, n in enumerate(self.names) if n in NONE_NAMES), None)
+        curve: list[tuple[float, int, int]] = [(1.0, 0 if plain is None else plain, 0)] * (self.max_k + 1)
+        for d, name in enumerate(self.names):
+            if name in NONE_NAMES:
+                continue
+            if (d < len(self.is_model) and self.is_model[d]) or d not in self.peeked:
+                return None
+            block = self.peeked[d]
+            if not block or not self.trusted(d):
+                continue
+            _, a, c = self.estimate(d, self.contexts.get(d))
+            top = min(len(block), self.max_k)
+            run, geo = 1.0, 0.0
+            for k in range(1, self.max_k + 1):
+                if k <= top:
+                    geo += run
+                    run *= c
+                e = 1.0 + a * geo
+                if e > curve[k][0]:
+                    curve[k] = (e, d, min(k, top))
+        return curve
+
+    def commit(self, k: int) -> None:
+        """Play cap ``k`` (and the drafter ``block_curve`` gave for it) this round."""
+        curve = self.block_curve()
+        if curve is None:
+            raise ValueError("commit() needs a block_curve() this round")
+        e, d, cap = curve[max(0, min(k, self.max_k))]
+        self.forced = Plan(d, cap, e)
 
     def observe_proposals(self, blocks: dict[int, Any]) -> None:
         """This round's blocks (``drafters.base.Peek``, or token lists) of the drafters that can
@@ -683,6 +728,14 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 
     def select(self) -> int:
         return self.controller.choose().drafter
+
+    def block_curve(self) -> list[tuple[float, int, int]] | None:
+        """Expected tokens per cap for a batch's joint width (``AutoController.block_curve``)."""
+        return self.controller.block_curve()
+
+    def commit(self, k: int) -> None:
+        """Play cap ``k`` this round (the batch's joint width less one)."""
+        self.controller.commit(k)
 
     def evaluate(self, drafter: int) -> bool:
         return self.controller.evaluate(drafter)
