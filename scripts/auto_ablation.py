@@ -20,6 +20,8 @@ more, plain steps where a drafter would have been accepted, caps too long or too
 and walks it: what a rule that sees only those features can get without adapting within a
 request. When it is no better than ``auto``, better learning on these features cannot close
 the gap to the per-round oracle; only features that tell long runs from short ones can.
+``--context-feature`` adds one candidate feature to those contexts (``CONTEXT_FEATURES``: was
+the drafter right at the previous position(s), how far the drafters' blocks agree).
 """
 
 from __future__ import annotations
@@ -127,10 +129,38 @@ def diagnose(trace: Trace, r: ReplayResult, costs: VerifyCostSurface | None) -> 
         print(f"| {k} | " + " | ".join(fmt(v) for v in vals) + f" | {fmt(sum(vals))} |")
 
 
-def context_bound(trace: Trace, costs: VerifyCostSurface | None, depth: int = 16) -> tuple[float, float, int]:
+def _agree_len(blocks: dict[int, list[int]], j: int) -> int:
+    """How many leading tokens drafter j's block shares with the longest-agreeing other block."""
+    best = 0
+    for i, b in blocks.items():
+        if i != j and b:
+            n = 0
+            while n < min(len(b), len(blocks[j])) and b[n] == blocks[j][n]:
+                n += 1
+            best = max(best, n)
+    return best
+
+
+#: extra context features for ``--context-bound`` (``--context-feature``): what else might tell a
+#: long run from a short one, from the drafter's accepted lengths ``acc`` at earlier positions
+#: and this position's blocks
+CONTEXT_FEATURES = {
+    "none": lambda acc, x, blocks, j: "",
+    "prev1": lambda acc, x, blocks, j: ":hot" if x >= 1 and acc[x - 1] >= 1 else "",
+    "prev2": lambda acc, x, blocks, j: (":hot2" if x >= 2 and acc[x - 1] >= 1 and acc[x - 2] >= 2
+                                        else ":hot" if x >= 1 and acc[x - 1] >= 1 else ""),
+    "agree-len": lambda acc, x, blocks, j: f":a{min(4, _agree_len(blocks, j))}",
+}
+
+
+def context_bound(trace: Trace, costs: VerifyCostSurface | None, depth: int = 16,
+                  feature: str = "none") -> tuple[float, float, int]:
     """The best fixed (drafter, k) per peek context, fitted on every position in hindsight and
     walked along the greedy paths (module docstring): (speed-up over AR, MAT, contexts). Rounds
-    are priced as the oracle prices them (verify at the cache length plus round overhead)."""
+    are priced as the oracle prices them (verify at the cache length plus round overhead).
+    ``feature`` (``CONTEXT_FEATURES``) refines the contexts: was the drafter right at the
+    previous position(s), how long do the blocks agree."""
+    extra = CONTEXT_FEATURES[feature]
     pool = _Pool.of(trace, POOL)
     price = _RoundPricer(trace, pool, costs)
     cheap = [j for j, s in enumerate(pool.src) if s is not None]
@@ -144,8 +174,9 @@ def context_bound(trace: Trace, costs: VerifyCostSurface | None, depth: int = 16
                 chain = views[pool.src[j]].chains[x][:depth]
                 look = peekers[j].peek(pt.path[:t], depth) if j in peekers else None
                 blocks[j], match[j] = chain, (look.match if look is not None and look.tokens == chain else 0)
-            rows[(p, x)] = {j: (peek_context(j, blocks, match[j], fams), len(blocks[j]),
-                                views[pool.src[j]].accepted[x]) for j in cheap if blocks[j]}
+            rows[(p, x)] = {j: (peek_context(j, blocks, match[j], fams)
+                                + extra(views[pool.src[j]].accepted, x, blocks, j),
+                                len(blocks[j]), views[pool.src[j]].accepted[x]) for j in cheap if blocks[j]}
 
     def seconds(p: int, x: int, k: int) -> float:
         return price.verify(k + 1, trace.prompts[p].n_prompt + x) + price.round_overhead()
@@ -189,6 +220,8 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="where auto's rounds lose, per category")
     ap.add_argument("--context-bound", action="store_true",
                     help="the best fixed (drafter, k) per peek context, fitted in hindsight")
+    ap.add_argument("--context-feature", choices=sorted(CONTEXT_FEATURES), default="none",
+                    help="with --context-bound: refine the contexts by one more feature")
     ap.add_argument("--variant", action="append", default=[], metavar="SPEC",
                     help="one more auto row over [pl, suffix, none], e.g. auto:shrink=0.5 (repeatable): a sweep")
     args = ap.parse_args()
@@ -221,7 +254,7 @@ def main() -> None:
     if args.diagnose:
         diagnose(trace, results[ROWS[3][0]], costs)
     if args.context_bound:
-        speedup, mat, n_ctx = context_bound(trace, costs)
+        speedup, mat, n_ctx = context_bound(trace, costs, feature=args.context_feature)
         print(f"\nbest fixed (drafter, k) per peek context, fitted in hindsight ({n_ctx} contexts): "
               f"{speedup:.3f}x over AR, MAT {mat:.2f} (auto {ar.predicted_s / results[ROWS[3][0]].predicted_s:.3f}x)")
 
