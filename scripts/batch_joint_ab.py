@@ -21,7 +21,7 @@ from adaspec.models import load_model
 
 def run(engine: SpeculativeEngine, prompts: list, rows: int, n: int, costs, alone: bool) -> dict:
     batch = BatchEngine(engine, max_batch=rows, batch_costs=costs)
-    if alone:  # every row plans on its own row price (BatchCosts.row_cost)
+    if alone:  # every row plans on its own row price (BatchCosts.row_cost), as before the joint width
         batch._joint_plans = lambda: [batch._plan(r) for r in batch._rows]
     widths: collections.Counter = collections.Counter()
     forward = batch._forward

@@ -319,11 +319,12 @@ def test_configuration_errors(model):
 
 
 # -- batch costs ---------------------------------------------------------------------------------
-def _synthetic(compute: float = 1e-3) -> BatchCosts:
-    """V = 10 ms + compute x rows x width + 1 us x context: memory-bound at one row, compute-bound
-    at many."""
+def _synthetic(compute: float = 1e-3, per_width: float = 0.0) -> BatchCosts:
+    """V = 10 ms + compute x rows x width + 1 us x context (+ per_width x (width - 1)): memory-bound
+    at one row, compute-bound at many (with per_width > 0 a wider forward never pays)."""
     rows, widths, contexts = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8], [100, 500]
-    sec = [[[0.01 + compute * r * w + 1e-6 * c for w in widths] for r in rows] for c in contexts]
+    sec = [[[0.01 + compute * r * w + 1e-6 * c + per_width * (w - 1) for w in widths] for r in rows]
+            for c in contexts]
     return BatchCosts(contexts, rows, widths, sec)
 
 
@@ -370,14 +371,14 @@ def test_rows_skip_planning_where_no_block_can_pay(model, monkeypatch):
     take plain steps without asking their policies; a static-k row still drafts (the user
     asked for k); the output stays the target's; a one-row batch plans as usual."""
     engine = _engine(model, "auto")
-    batch = BatchEngine(engine, max_batch=4, batch_costs=_synthetic(compute=5e-2))
+    batch = BatchEngine(engine, max_batch=4, batch_costs=_synthetic(compute=5e-2, per_width=2e-2))
     batch._wants_costs = True
     auto_ids = [batch.add(p, max_new_tokens=10) for p in _prompts(3)]
     static_id = batch.add(_prompts(3)[2], max_new_tokens=10, drafters=[0], selector="static",
                           length="static", k=3)
     planned: list[int] = []
     real_plan = batch._plan
-    monkeypatch.setattr(batch, "_plan", lambda req: planned.append(req.id) or real_plan(req))
+    monkeypatch.setattr(batch, "_plan", lambda req, look=None: planned.append(req.id) or real_plan(req, look))
     results = batch.run()
     assert planned and set(planned) == {static_id}  # only the static row was planned
     assert any(r.drafted for r in results[static_id].stats.rounds)
@@ -499,3 +500,30 @@ def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monk
     joint, widths = run(joint=True)
     assert sum(r.drafted for res in joint.values() for r in res.stats.rounds) > 0
     assert any(len(w) == 4 and w[-1] > 1 for w in widths)
+
+
+def test_joint_width_sampling_first_tokens_follow_the_target(soft_model):
+    """Chi-square (alpha = 0.001, fixed seeds): sampled ``auto`` rows whose blocks the batch's
+    joint width decides (a shared widening, so the rows draft together) emit first tokens
+    distributed as the target's after the prompt."""
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5]
+    with torch.inference_mode():
+        logits = soft_model(torch.tensor([prompt])).logits[0, -1].float()
+    probs = torch.softmax(logits, -1).tolist()
+    counts, drafted = [0] * VOCAB, 0
+    for trial in range(80):  # a fresh engine each time: auto's cold start drafts (a = 0.5)
+        engine = SpeculativeEngine(soft_model, ["prompt-lookup", "none"], selector="auto")
+        batch = BatchEngine(engine, max_batch=4, batch_costs=_shared_widening())
+        ids = [batch.add(prompt, max_new_tokens=3, temperature=1.0, seed=1000 * trial + j) for j in range(4)]
+        first = {}
+        while len(batch):
+            for ev in batch.step():
+                if ev.request not in first:
+                    first[ev.request] = ev.tokens[0]
+                    drafted += ev.round.drafted
+        for i in ids:
+            counts[first[i]] += 1
+    assert drafted > 100  # the joint width drafted for the first position
+    stat, p_value, cells = chisquare_gof(counts, probs)
+    assert cells >= 3
+    assert p_value > 1e-3, (stat, p_value, counts)
