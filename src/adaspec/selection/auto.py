@@ -469,7 +469,8 @@ class AutoController:
     def block_curve(self) -> list[tuple[float, int, int]] | None:
         """For a batch's joint width (``batch.BatchEngine``): per cap k in 0..max_k, the best
         drafter's expected emitted tokens E_d(k) = 1 + a (1 + c + ... + c^(k'-1)), k' = min(k,
-        its block), as (E, drafter, k'). Only when every block is free this round (the drafters
+        its block) (the module docstring's E_d(k) with h = 1: the block is known), as
+        (E, drafter, k'). Only when every block is free this round (the drafters
         were looked at, or propose nothing; ``none``): None when a drafter would spend drafting
         time (a model drafter, or one that cannot be looked at), the round skips its look, or the
         objective is not time."""
@@ -502,8 +503,8 @@ class AutoController:
         curve = self.block_curve()
         if curve is None:
             raise ValueError("commit() needs a block_curve() this round")
-        e, d, cap = curve[max(0, min(k, self.max_k))]
-        self.forced = Plan(d, cap, e)
+        _, d, cap = curve[max(0, min(k, self.max_k))]
+        self.forced = Plan(d, cap, 0.0)  # priced for the batch, not per row: no rate of its own
 
     def observe_proposals(self, blocks: dict[int, Any]) -> None:
         """This round's blocks (``drafters.base.Peek``, or token lists) of the drafters that can
