@@ -3,7 +3,7 @@
 
     python scripts/batch_joint_ab.py --concurrency 2,4,8 --repeats 2 -n 64
 
-Per level C: 2C requests arrive at once, C rows busy; total tokens/s (median over repeats), the
+Per level C: 2C requests (``--requests``) arrive at once, C rows busy; total tokens/s (median over repeats), the
 widths of the batch forwards and the rows' mean accepted tokens per round (MAT)."""
 
 from __future__ import annotations
@@ -41,12 +41,16 @@ def main() -> None:
     ap.add_argument("--concurrency", default="2,4,8")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    ap.add_argument("--per-category", type=int, default=None,
+                    help="prompts per category of the mixed suite (default: all, in the suite's order)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per level, cycling over the prompts (default: 2 x concurrency)")
     args = ap.parse_args()
     target = load_model("smollm2")
     costs = load_or_measure_batch(target)
     ar = SpeculativeEngine(target, ["none"])
     auto = SpeculativeEngine(target, ["prompt-lookup", "suffix", "none"], selector="auto")
-    prompts = [auto.encode_prompt(p.turns[0]) for p in load_workload("mixed")]
+    prompts = [auto.encode_prompt(p.turns[0]) for p in load_workload("mixed", per_category=args.per_category)]
     warm = BatchEngine(auto, max_batch=2, batch_costs=costs)
     for p in prompts[:2]:
         warm.add(p, max_new_tokens=8)
@@ -55,7 +59,8 @@ def main() -> None:
           "| wide forwards alone | joint | MAT alone | joint |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in (int(x) for x in args.concurrency.split(",")):
-        reqs = prompts[: 2 * c]
+        n_req = args.requests or 2 * c
+        reqs = [prompts[i % len(prompts)] for i in range(n_req)]
         res: dict[str, list] = {"ar": [], "alone": [], "joint": []}
         for _ in range(args.repeats):
             res["ar"].append(run(ar, reqs, c, args.max_new_tokens, costs, False))
