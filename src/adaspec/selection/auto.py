@@ -488,12 +488,8 @@ class AutoController:
                 continue
             _, a, c = self.estimate(d, self.contexts.get(d))
             top = min(len(block), self.max_k)
-            run, geo = 1.0, 0.0
             for k in range(1, self.max_k + 1):
-                if k <= top:
-                    geo += run
-                    run *= c
-                e = 1.0 + a * geo
+                e = expected_tokens(1.0, a, c, min(k, top))
                 if e > curve[k][0]:
                     curve[k] = (e, d, min(k, top))
         return curve
