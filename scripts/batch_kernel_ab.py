@@ -3,7 +3,7 @@
     python scripts/batch_kernel_ab.py [--batch 1,4,8,16] [--tokens 32] [--repeats 2]
 
 For each batch size, ``generate_batch`` over the first B prompts of the mixed suite, the two
-kernels interleaved (``kernels.stock_linears`` for PyTorch's), total tokens/s per run. A
+kernels interleaved (``kernels.stock_kernels`` for PyTorch's), total tokens/s per run. A
 benchmark: run it on a quiet machine.
 """
 
@@ -14,7 +14,7 @@ import time
 
 from adaspec import SpeculativeEngine
 from adaspec.bench.workloads import load_workload
-from adaspec.kernels import stock_linears
+from adaspec.kernels import stock_kernels
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
             for stock in (True, False):
                 t0 = time.perf_counter()
                 if stock:
-                    with stock_linears(model):
+                    with stock_kernels(model, attention=False):
                         results = engine.generate_batch(batch, max_new_tokens=args.tokens)
                 else:
                     results = engine.generate_batch(batch, max_new_tokens=args.tokens)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from adaspec.kernels import PackedLinear, SmallBatchLinear, linear, stock_linears
+from adaspec.kernels import PackedLinear, SmallBatchLinear, linear, stock_kernels
 from adaspec.models import load_model
 
 KERNELS = ("stock", "small-batch", "packed")
@@ -40,7 +40,7 @@ def _median_ms(fn, reps: int) -> float:
 def kernel(model: torch.nn.Module, name: str):
     """Run ``model``'s (packed) linear layers with kernel ``name`` inside the block."""
     if name == "stock":
-        with stock_linears(model):
+        with stock_kernels(model, attention=False):
             yield
         return
     layers = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]

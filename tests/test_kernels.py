@@ -17,8 +17,9 @@ from conftest import make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.errors import ConfigError
-from adaspec.kernels import (PACKED_MIN_ROWS, SMALL_BATCH_MAX, PackedLinear, SmallBatchLinear, linear, linear_mode,
-                             small_batch_applies, stock_linears, use_small_batch_linear)
+from adaspec.kernels import (GQA_ATTENTION, PACKED_MIN_ROWS, SMALL_BATCH_MAX, PackedLinear, SmallBatchLinear, linear,
+                             linear_mode, small_batch_applies, stock_kernels, use_gqa_attention,
+                             use_small_batch_linear)
 from adaspec.models import as_loaded, check_linear
 
 
@@ -124,7 +125,7 @@ def test_switch_keeps_parameters_and_state_dict_and_is_reversible(packed):
     assert linear_mode(model) == mode
     assert model.state_dict().keys() == before.keys()  # the pack is not state
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    with stock_linears(model):
+    with stock_kernels(model):
         assert linear_mode(model) == "stock"
         assert not any(isinstance(m, SmallBatchLinear) for m in model.modules())
     assert linear_mode(model) == mode
@@ -187,11 +188,14 @@ def test_identity_names_the_kernels():
     stock_id = as_loaded(model).identity()
     use_small_batch_linear(model)
     assert as_loaded(model).identity() != stock_id
-    assert as_loaded(model).identity().endswith("linear=small-batch")
+    assert "|linear=small-batch|" in as_loaded(model).identity()
     if torch.backends.mkldnn.is_available():
         packed = make_tiny_model(0, 32)
         use_small_batch_linear(packed, packed=True)
-        assert as_loaded(packed).identity().endswith("linear=packed")
+        assert "|linear=packed|" in as_loaded(packed).identity()
+    sdpa_id = as_loaded(model).identity()
+    assert use_gqa_attention(model)
+    assert as_loaded(model).identity() == sdpa_id.replace("attention=sdpa", f"attention={GQA_ATTENTION}") != sdpa_id
 
 
 def test_auto_uses_the_kernel_only_where_it_was_measured_to_pay():
@@ -220,7 +224,8 @@ def test_load_model_installs_the_chosen_kernels(tmp_path, mode):
     want = mode if mode != "auto" else ("packed" if packed_pays(cpu, torch.float32) else
                                         "small-batch" if small_batch_pays(cpu, torch.float32) else "stock")
     assert linear_mode(loaded.model) == want
-    assert loaded.identity().endswith(f"linear={want}")
+    assert f"|linear={want}|" in loaded.identity()
+    assert loaded.model.config._attn_implementation == GQA_ATTENTION
 
 
 @needs_onednn
@@ -275,3 +280,91 @@ def test_release_openmp_threads_then_compute_on_two_threads():
         got["main"] = layer(x)  # the calling thread computes again: a new pool
     for v in got.values():
         torch.testing.assert_close(v, want, rtol=1e-5, atol=1e-5)
+
+
+# -- attention: grouped-query SDPA under a mask (kernels.GQA_ATTENTION) ----------------------------
+
+
+def _gqa_and_stock(init_std: float = 0.3):
+    """A tiny grouped-query model (4 query heads on 2 key/value heads) on ``GQA_ATTENTION`` and
+    a copy of it on transformers' ``sdpa``."""
+    model = make_tiny_model(3, 32, init_std=init_std, lm_head_scale=3.0)
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < 4
+    stock = copy.deepcopy(model)
+    assert use_gqa_attention(model) and model.config._attn_implementation == GQA_ATTENTION
+    return model, stock
+
+
+def test_gqa_attention_runs_its_own_path_and_equals_sdpa_on_cached_blocks(monkeypatch):
+    """Blocks of 1-12 tokens on a cache of 17 (a mask, several queries): the logits equal
+    transformers' SDPA path, and the blocks of 2 or more went through ``enable_gqa``."""
+    model, stock = _gqa_and_stock()
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("enable_gqa", False))
+        return real(*args, **kwargs)
+
+    ids = torch.randint(1, 32, (1, 30), generator=torch.Generator().manual_seed(1))
+    a_model, b_model = as_loaded(model), as_loaded(stock)
+    for width in (1, 2, 3, 5, 8, 12):
+        outs = []
+        for loaded in (a_model, b_model):
+            state = loaded.new_state()
+            loaded.forward(state, ids[0, :17].tolist())
+            calls.clear()
+            with monkeypatch.context() as m:
+                m.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+                outs.append(loaded.forward(state, ids[0, 17:17 + width].tolist(), keep=width)[0])
+            if loaded is a_model and width > 1:
+                assert calls and all(calls), "a masked block did not take the grouped kernel"
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_gqa_attention_equals_sdpa_for_trees_and_padded_batches():
+    from adaspec.trees import DraftTree
+
+    model, stock = _gqa_and_stock()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    tree = DraftTree(tokens=[4, 5, 6, 7, 8], parents=[-1, 0, 0, 1, 3])
+    outs = []
+    for m in (model, stock):
+        loaded = as_loaded(m)
+        state = loaded.new_state()
+        loaded.forward(state, prompt)
+        outs.append(loaded.forward_tree(state, 10, tree)[0])
+    assert torch.equal(outs[0], outs[1])
+    # a padded batch: left padding under a 4D mask, as the batch engine sends it
+    ids = torch.tensor([[0, 0, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.inference_mode():
+        a = model(input_ids=ids, attention_mask=mask).logits
+        b = stock(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(a[:, 2:], b[:, 2:])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_decoding_on_gqa_attention_equals_hf_generate(tree):
+    model, stock = _gqa_and_stock()
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    with torch.no_grad():
+        want = stock.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40)[0, len(prompt):].tolist()
+    engine = SpeculativeEngine(as_loaded(model), ["prompt-lookup", "suffix", "none"], k=4, tree=tree)
+    assert engine.generate(prompt, max_new_tokens=40).token_ids == want
+    batch = SpeculativeEngine(as_loaded(model), ["prompt-lookup"], k=3)
+    assert [r.token_ids for r in batch.generate_batch([prompt, [7, 8, 9]], max_new_tokens=24)][0] == want[:24]
+
+
+def test_gqa_attention_is_installed_only_over_sdpa_on_cpu_and_stock_kernels_restores_it():
+    eager = make_tiny_model(0, 32)
+    eager.set_attn_implementation("eager")
+    assert not use_gqa_attention(eager) and eager.config._attn_implementation == "eager"
+    model = make_tiny_model(0, 32)
+    use_small_batch_linear(model)
+    assert use_gqa_attention(model)
+    with stock_kernels(model):
+        assert model.config._attn_implementation == "sdpa" and linear_mode(model) == "stock"
+    assert model.config._attn_implementation == GQA_ATTENTION and linear_mode(model) == "small-batch"
+    with stock_kernels(model, attention=False):
+        assert model.config._attn_implementation == GQA_ATTENTION and linear_mode(model) == "stock"

@@ -1,4 +1,5 @@
-"""Linear layers for CPU decoding: the same product, through faster kernels than ``F.linear``.
+"""Linear layers and attention for CPU decoding: the same products, through faster kernels than
+PyTorch's and transformers' defaults.
 
 Decoding and verification multiply a few rows (1 token, or a draft block of 2-16) by large
 weight matrices. On x86 CPUs with MKL, PyTorch's ``F.linear(x, W)`` takes a slow path for
@@ -20,6 +21,14 @@ slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 
 same product up to float rounding (the summation order differs), like any change of BLAS
 kernel; greedy exactness is judged against the engine's own autoregressive decoding, which
 uses the same kernels.
+
+Attention: for a block of several queries with a mask (verification, trees, padded batches),
+transformers' SDPA path copies every layer's keys and values once per query-head group
+(``repeat_kv``) because masked grouped-query attention falls back to a slow kernel on CUDA. On
+the CPU, PyTorch's flash kernel takes the mask and the grouping together (``enable_gqa``):
+``GQA_ATTENTION``, installed on CPU models by ``load_model`` (``use_gqa_attention``), saves
+those copies (SmolLM2, 400 cached tokens: 4 ms of a 37-66 ms forward at 2-16 tokens;
+``scripts/attention_kernels.py``).
 """
 
 from __future__ import annotations
@@ -138,6 +147,46 @@ class PackedLinear(SmallBatchLinear):
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
+#: the attention implementation name ``use_gqa_attention`` registers with transformers
+GQA_ATTENTION = "adaspec_sdpa_gqa"
+
+
+def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except that several queries under a mask attend to the
+    grouped keys and values in the kernel (``enable_gqa``) instead of through a copy repeated
+    per group; every other case is transformers' own ``sdpa_attention_forward``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or query.shape[2] == 1
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_attention(model: nn.Module) -> bool:
+    """Switch a CPU model on transformers' ``"sdpa"`` attention to ``GQA_ATTENTION`` (registered
+    with transformers' attention and mask interfaces, the mask being SDPA's). Returns whether it
+    switched: other attention implementations, and models off the CPU (where masked grouped
+    attention in SDPA is slower, per transformers), are left as they are."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_ATTENTION, sdpa_gqa_attention)
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(GQA_ATTENTION)
+    return True
+
+
 def release_openmp_threads() -> bool:
     """Free the calling thread's OpenMP worker pool (OpenMP 5.0 ``omp_pause_resource_all``), so
     that the thread that computes next does not share the CPUs with this one's idle workers.
@@ -192,14 +241,20 @@ def linear_mode(model: Any) -> str:
 
 
 @contextmanager
-def stock_linears(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` with PyTorch's own linear kernels inside the block (e.g. a Hugging Face
-    peer in the benchmark: what a user of plain transformers gets), then switch back."""
+def stock_kernels(model: nn.Module, attention: bool = True) -> Iterator[None]:
+    """Run ``model`` with PyTorch's own linear kernels and (``attention``) transformers' own SDPA
+    attention inside the block (e.g. a Hugging Face peer in the benchmark: what a user of plain
+    transformers gets), then switch back."""
     switched = [(m, type(m)) for m in model.modules() if type(m) in (SmallBatchLinear, PackedLinear)]
+    gqa = attention and getattr(getattr(model, "config", None), "_attn_implementation", None) == GQA_ATTENTION
     for m, _ in switched:
         m.__class__ = nn.Linear
+    if gqa:
+        model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
         for m, cls in switched:
             m.__class__ = cls
+        if gqa:
+            model.set_attn_implementation(GQA_ATTENTION)

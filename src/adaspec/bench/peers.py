@@ -21,9 +21,9 @@ request (HF's ``heuristic`` schedule would otherwise carry it over from the prev
 the confidence threshold stays fixed unless scikit-learn is installed (HF then tunes it within
 a call).
 
-Peers run with PyTorch's own linear kernels (``kernels.stock_linears``), as transformers does
-out of the box, while adaspec's configurations use the kernels that ``load_model``
-installs on CPU: ``hf-greedy`` against adaspec's AR shows what the kernel alone is worth.
+Peers run with PyTorch's own linear kernels and transformers' own attention
+(``kernels.stock_kernels``), as transformers does out of the box, while adaspec's configurations use the kernels that ``load_model``
+installs on CPU: ``hf-greedy`` against adaspec's AR shows what the kernels alone are worth.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 from ..drafters import check_same_vocabulary, parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
-from ..kernels import stock_linears
+from ..kernels import stock_kernels
 from ..models import LoadedModel, load_model
 
 PEER_NAMES = ("hf-greedy", "hf-pld[:k=10,max_ngram=2]",
@@ -338,9 +338,9 @@ class HFPeer:
             configs.append((self.assistant.model, self._assistant_config()))  # k restarts every run
         with ExitStack() as stack:
             # a transformers user's kernels: PyTorch's own linear layers (adaspec.kernels)
-            stack.enter_context(stock_linears(model))
+            stack.enter_context(stock_kernels(model))
             if self.assistant is not None:
-                stack.enter_context(stock_linears(self.assistant.model))
+                stack.enter_context(stock_kernels(self.assistant.model))
             stack.enter_context(_SwappedGenerationConfigs(configs))
             stack.enter_context(_QuietInternalDeprecation())
             target_calls = stack.enter_context(_ForwardCounter(model))
