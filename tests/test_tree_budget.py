@@ -14,6 +14,7 @@ from adaspec.costs import CostModel, VerifyCostCurve
 from adaspec.drafters import Draft
 from adaspec.feedback import RoundFeedback
 from adaspec.config import SamplingConfig
+from adaspec.selection.auto import Plan
 from adaspec.trees import nodes_worth_verifying
 from conftest import make_tiny_model
 
@@ -99,10 +100,10 @@ def test_model_free_trees_are_as_deep_as_their_nodes_allow_whatever_the_cap():
     d = eng.drafters[0]
     ctx = BRANCHY * 3
     d.begin_request(ctx)
-    tree = eng._draft_tree(d, ctx, 2, 100)
+    tree = eng._draft_tree(0, ctx, 2, 100)
     assert tree is not None and not tree.is_chain
     assert max(tree.depths) > 2 and max(tree.depths) <= 7 and len(tree) <= 8  # deeper than k=2
-    shallow = eng._draft_tree(d, ctx, 2, 3)  # 3 tokens left to generate
+    shallow = eng._draft_tree(0, ctx, 2, 3)  # 3 tokens left to generate
     assert max(shallow.depths) <= 3
 
 
@@ -115,7 +116,7 @@ def test_a_drafter_without_alternatives_drafts_its_chain_and_a_cut_tree_nothing(
     d = eng.drafters[0]
     ctx = [5, 6, 7, 8, 9, 5, 6, 7]  # one continuation only: 8, 9, 5, ...
     d.begin_request(ctx)
-    assert eng._draft_tree(d, ctx, 3, 100) is None  # the chain path (cap 3 and decide)
+    assert eng._draft_tree(0, ctx, 3, 100) is None  # the chain path (cap 3 and decide)
     # a branching offer the budget cuts to nothing is a plain step, never the chain
     monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: 0)
     branching = []
@@ -151,6 +152,36 @@ def test_the_budget_prices_nodes_against_the_running_rate_unless_auto_planned_th
     eng.generate(BRANCHY, max_new_tokens=20)
     assert seen and all((r is not None) == expect_rate for r in seen)
     assert all(r > 0 for r in seen if r is not None)
+
+
+def test_under_auto_a_tree_replaces_the_planned_chain_only_when_it_promises_a_higher_rate(monkeypatch):
+    """``auto`` planned a chain at some rate: the tree's best prefix, E_m / (o + V(m + 1)),
+    must beat it, else the engine drafts the plan's chain (None)."""
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    eng = SpeculativeEngine(model, ["suffix", "none"], selector="auto", tree=True, tree_nodes=8)
+    eng.cost_model.curve = _curve([1.0] * 32)
+    d = eng.drafters[0]
+    ctx = BRANCHY * 3
+    d.begin_request(ctx)
+    tree = eng._draft_tree(0, ctx, 2, 100)
+    assert tree is not None and not tree.is_chain and tree.scores
+    seconds = eng.cost_model.round_overhead_s + eng.cost_model.verify_cost(len(tree) + 1)
+    tree_rate = (1.0 + sum(tree.scores)) / seconds
+    for planned, replaced in ((tree_rate * 1.01, True), (tree_rate * 0.99, False), (None, False)):
+        monkeypatch.setattr(eng.length, "planned_rate", lambda i, p=planned: p if i == 0 else None)
+        d.begin_request(ctx)
+        got = eng._draft_tree(0, ctx, 2, 100)
+        assert (got is None) == replaced
+        if not replaced:
+            assert got.tokens == tree.tokens
+    # the plan's rate is auto's own: none for another drafter, none for a plain step
+    monkeypatch.undo()
+    eng.length.controller.plan = Plan(0, 3, 7.5)
+    assert eng.length.planned_rate(0) == 7.5 and eng.length.planned_rate(1) is None
+    eng.length.controller.plan = Plan(0, 0, 7.5)
+    assert eng.length.planned_rate(0) is None
 
 
 # -- length policies with trees ---------------------------------------------------------------------

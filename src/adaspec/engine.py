@@ -457,7 +457,7 @@ class SpeculativeEngine:
             policy_in_draft = 0.0
             tree = None
             if cap > 0 and trees[i]:
-                tree = self._draft_tree(drafter, tokens, cap, remaining - 1, sampling)
+                tree = self._draft_tree(i, tokens, cap, remaining - 1, sampling)
                 if tree is None:  # the drafter offered one chain: drafted as without trees
                     draft = self._draft_chain(i, tokens, cap, peeked, sampling, generator, decide)
                 elif tree.is_chain:  # a chain (or a tree cut to one) is verified as one
@@ -553,7 +553,7 @@ class SpeculativeEngine:
         return drafter.draft(tokens, cap, sampling, generator, decide,
                              want_hidden=self.length.needs_hidden and drafter.is_model)
 
-    def _draft_tree(self, drafter: Drafter, tokens: list[int], cap: int, room: int,
+    def _draft_tree(self, index: int, tokens: list[int], cap: int, room: int,
                     sampling: SamplingConfig | None = None) -> DraftTree | None:
         """The drafter's tree cut to the best-first prefix worth verifying
         (``trees.nodes_worth_verifying``); None when a model-free drafter offered a single
@@ -565,7 +565,14 @@ class SpeculativeEngine:
         the tokens left): its nodes cost lookups, and the budget prices each by its calibrated
         score, so a cap chosen for a chain would only cut paths that pay; one less than the
         nodes, so that a tree of one chain means the drafter had no alternative (the nodes ran
-        out of candidates, not the budget)."""
+        out of candidates, not the budget).
+
+        A length policy that plans the round's rate (``auto``) planned a chain of ``cap``
+        tokens at an expected rate of its own (``LengthPolicy.planned_rate``): a model-free
+        drafter's tree replaces it only when the tree's best prefix promises a higher rate, E_m
+        / (o + V(m + 1)) with E_m = 1 + its nodes' scores (``nodes_worth_verifying``), else the
+        chain is drafted (None)."""
+        drafter = self.drafters[index]
         if drafter.is_model:
             tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap), sampling)
             if tree.is_chain:
@@ -581,7 +588,13 @@ class SpeculativeEngine:
         # the opportunity cost of a second is the generation's running rate, unless the length
         # policy planned the round on its own rate (auto): the tree then keeps that objective
         rate = None if self.length.plans_round_rate else costs.running_rate()
-        return tree.prefix(nodes_worth_verifying(tree.scores, costs.verify_cost, costs.round_overhead_s, rate))
+        m = nodes_worth_verifying(tree.scores, costs.verify_cost, costs.round_overhead_s, rate)
+        planned = None if drafter.is_model or rate is not None else self.length.planned_rate(index)
+        if planned is not None:
+            seconds = costs.round_overhead_s + costs.verify_cost(m + 1)
+            if seconds > 0.0 and (1.0 + sum(tree.scores[:m])) / seconds <= planned:
+                return None
+        return tree.prefix(m)
 
     def _verify_tree(self, cache: Any, tokens: list[int], tree: DraftTree, sampling: SamplingConfig,
                      generator: torch.Generator | None, features: bool

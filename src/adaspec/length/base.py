@@ -53,6 +53,12 @@ class LengthPolicy(ABC):
     def update(self, feedback: RoundFeedback) -> None:
         """Learn from one round (default: nothing)."""
 
+    def planned_rate(self, drafter: int) -> float | None:
+        """Expected tokens per second of the chain this round's plan drafts with ``drafter``
+        (``plans_round_rate`` policies: a model-free tree must promise more to replace it);
+        None when the policy plans no rate (the default)."""
+        return None
+
 
 class StaticLength(LengthPolicy):
     """Draft exactly K tokens (or fewer if the drafter runs out of proposals)."""

@@ -825,6 +825,13 @@ class AutoLength(_SharedCosts, LengthPolicy):
             self._rate = BlockRate(draft(drafter, 1) - d0, verify, base=overhead + d0, horizon=cap, limit=cap)
         return cap
 
+    def planned_rate(self, drafter: int) -> float | None:
+        """The plan's rate when it drafts with ``drafter`` (a batch's committed plan has none)."""
+        plan = self.controller.plan
+        if plan is None or plan.drafter != drafter or plan.k <= 0 or plan.rate <= 0.0:
+            return None
+        return plan.rate
+
     def decide(self, step: DraftStep) -> Decision:
         conf = step_confidence(step) if self._rate is not None else None
         if conf is None:  # model-free drafters: the plan's cap
