@@ -26,7 +26,8 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .kernels import GQA_ATTENTION, auto_linear, linear_mode, use_gqa_attention, use_small_batch_linear
+from .kernels import (GQA_ATTENTION, auto_linear, linear_mode, small_rows_mode, tune_small_rows, use_gqa_attention,
+                      use_small_batch_linear)
 from .trees import DraftTree, tree_attention_mask
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class LoadedModel(TargetBackend):
         n_params = sum(p.numel() for p in self.model.parameters())
         return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|torch={torch.__version__}|linear={linear_mode(self.model)}"
-                f"|attention={getattr(self.model.config, '_attn_implementation', None)}")
+                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}")
 
 
 #: attention implementations that add a custom 4D float mask to the scores (draft trees)
@@ -363,7 +364,9 @@ def load_model(
     ``linear="auto"`` (the default) computes the model's float32 linear layers on a CPU where
     torch has MKL and oneDNN with ``"packed"`` kernels (``adaspec.kernels``: the same product,
     about 1.7x faster decoding and 1.8x faster 16-token verification here, for a second copy of
-    the linear weights in oneDNN's layout); ``"small-batch"`` takes only the transposed product
+    the linear weights in oneDNN's layout; 1-2 rows take the transposed product or are padded
+    to the packed matmul, whichever a timed one-token forward finds faster for this model:
+    ``kernels.tune_small_rows``); ``"small-batch"`` takes only the transposed product
     (no extra memory, any CPU), ``"stock"`` keeps PyTorch's own ``F.linear``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -403,6 +406,8 @@ def load_model(
         linear = auto_linear(check_device(device), torch_dtype)
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
+    if linear == "packed":
+        tune_small_rows(model)
     use_gqa_attention(model)
     return LoadedModel(model=model, tokenizer=tok, name=spec)
 
