@@ -97,6 +97,14 @@ def tiny_model():
     return make_tiny_model()
 
 
+@pytest.fixture(autouse=True)
+def _no_cached_pool(request, monkeypatch):
+    """Tests see no trained pool in the adaspec cache unless marked ``cached_pool``: a pool
+    built on this machine (``adaspec build-pool``) would change the engine's default drafters."""
+    if request.node.get_closest_marker("cached_pool") is None:
+        monkeypatch.setattr("adaspec.pools.find_pool", lambda target: None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread_for_fast_tests(request):
     """Fast-suite modules run torch on one thread (tiny models are per-op-overhead bound);

@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from .length import LengthPolicy, StaticLength
 from .metrics import RequestStats, RoundRecord
 from .backends import DEFAULT_BACKEND, TargetBackend
 from .models import DEFAULT_MODEL, as_loaded, load_model
+from .pools import pool_drafters
 from .sampling import process_logits, verify_greedy, verify_sampling
 from .selection import DrafterPolicy, build_policies
 from .trees import DraftTree, nodes_worth_verifying, tree_gammas, verify_tree_greedy, verify_tree_sampling
@@ -92,8 +94,8 @@ class SpeculativeEngine:
         target: a ``TargetBackend`` (``LoadedModel`` for Hugging Face models, ``LlamaCppTarget``
             for llama.cpp) or a ``PreTrainedModel`` (then pass ``tokenizer``).
         drafters: drafter specs (``"prompt-lookup"``, ``"suffix"``, ``"model:REF"``, ``"none"``)
-            or ``Drafter`` instances; None (default): ``DEFAULT_DRAFTERS``. Empty means plain
-            autoregressive decoding.
+            or ``Drafter`` instances; None (default): ``DEFAULT_DRAFTERS`` plus the drafters of
+            the pool built for this target (``pool``). Empty means plain autoregressive decoding.
         selector: drafter policy (name or instance); default: ``auto`` (drafter and length
             chosen online) over several drafters, the drafter itself when there is one.
         length: length policy (name, int K, or instance); default: the selector's own (``auto``)
@@ -110,14 +112,21 @@ class SpeculativeEngine:
             a single chain drafts and verifies it exactly as without trees.
         tree_nodes: most nodes of a draft tree (default 15: a 16-token forward, the widest
             of the cost surface's grid).
+        pool: trained drafters of a pool built by ``adaspec build-pool``, added after
+            ``drafters``: None (default) adds the pool built for this target in the cache
+            (``pools.find_pool``) when ``drafters`` is None and nothing otherwise; ``"auto"``
+            that pool whatever ``drafters`` is (an error if there is none); a directory that
+            pool; False none. ``auto`` learns which of them pay (issue 16).
     """
 
     def __init__(self, target: Any, drafters: Sequence[str | Drafter] | None = None, *,
                  selector: str | DrafterPolicy | None = None,
                  length: str | int | LengthPolicy | None = None, k: int = 5,
-                 tokenizer: Any = None, tree: bool = False, tree_nodes: int = 15):
+                 tokenizer: Any = None, tree: bool = False, tree_nodes: int = 15,
+                 pool: str | Path | bool | None = None):
         self.target: TargetBackend = as_loaded(target, tokenizer)
-        drafters = DEFAULT_DRAFTERS if drafters is None else drafters
+        extra = pool_drafters(self.target, pool, default=drafters is None)
+        drafters = [*(DEFAULT_DRAFTERS if drafters is None else drafters), *extra]
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
         self.tree, self.tree_nodes = bool(tree), int(tree_nodes)
         if self.tree:

@@ -551,6 +551,19 @@ def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Seque
     return configs
 
 
+def with_pool_rows(configs: Sequence[BenchConfig], specs: Sequence[str],
+                   selectors: Sequence[str]) -> list[BenchConfig]:
+    """Each chain row of a selector in ``selectors`` followed by its twin over the same drafters
+    plus a pool's (``NAME + pool``): what the engine runs by default once a pool is built for
+    the target (``SpeculativeEngine(pool=None)``), next to what it ran before."""
+    out: list[BenchConfig] = []
+    for c in configs:
+        out.append(c)
+        if c.selector in selectors and not c.tree and c.kind == "adaptive":
+            out.append(replace(c, name=f"{c.name} + pool", drafters=[*c.drafters, *specs]))
+    return out
+
+
 # -- running ------------------------------------------------------------------------------
 @dataclass
 class _TurnRuns:

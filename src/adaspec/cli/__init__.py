@@ -69,6 +69,9 @@ def generate(
     tree: bool = typer.Option(False, "--tree", help=TREE_HELP),
     tree_nodes: int = typer.Option(15, "--tree-nodes", help="with --tree: most nodes of a draft tree "
                                    "(the verify-cost rule keeps the best-first prefix that pays)"),
+    pool: str | None = typer.Option(None, "--pool", help="drafters of a pool built by adaspec build-pool: "
+                                    "'auto' (the model's pool in the cache), a directory, or 'none' [default: "
+                                    "the model's pool in the cache when no -d is given]"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, token_ids, stats"),
     rounds: bool = typer.Option(False, help="with --json: include per-round records"),
 ) -> None:
@@ -87,7 +90,8 @@ def generate(
         engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
                                                    backend=backend, linear=linear, selector=selector,
                                                    length=length, k=k,
-                                                   tree=tree, tree_nodes=tree_nodes)
+                                                   tree=tree, tree_nodes=tree_nodes,
+                                                   pool=False if pool == "none" else pool)
         if as_json:
             result = engine.generate(prompt, cfg)
             print(json.dumps(result.to_dict(rounds=rounds), ensure_ascii=False))
@@ -263,7 +267,9 @@ def bench(
     plots: bool = typer.Option(True, "--plots/--no-plots", help="write report.md and PNG plots"),
     json_out: str | None = typer.Option(None, "--json", help="also write summary.json here"),
     pool: str | None = typer.Option(None, "--pool", help="add the drafters of a pool built by adaspec "
-                                    "build-pool: its directory, or 'auto' for the model's pool in the cache"),
+                                    "build-pool to every configuration: its directory, or 'auto' for the "
+                                    "model's pool in the cache; 'none': no '+ pool' rows [default: when the "
+                                    "model's pool is in the cache, each selector row gets a '+ pool' twin]"),
     pool_kinds: str | None = typer.Option(None, help="with --pool: kinds to use, comma-separated "
                                           "(feature-head, tiny-lm, suffix; default all)"),
     record: str | None = typer.Option(None, "--record", help="also record a replay trace of the workload "
@@ -281,7 +287,7 @@ def bench(
 
     from ..backends import check_backend
     from ..bench.peers import check_peer
-    from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench
+    from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench, with_pool_rows
     from ..models import load_model
     from ..bench.workloads import load_workload
 
@@ -315,8 +321,8 @@ def bench(
             raise AdaspecError("--record needs greedy decoding (temperature 0): traces replay greedy runs")
         if opt["temperature"] > 0 and opt["peers"]:
             raise AdaspecError("peers run greedy only: add --peer none for a sampling bench")
-        if pool:
-            from ..training.pool import default_pool_root, pool_specs
+        if pool and pool != "none":
+            from ..pools import default_pool_root, pool_specs
 
             root = default_pool_root(opt["model"]) if pool == "auto" else Path(pool)
             kinds = [x.strip() for x in pool_kinds.split(",")] if pool_kinds else None
@@ -346,6 +352,14 @@ def bench(
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"],
                             linear=opt["linear"])
+        if pool is None and opt["selectors"]:
+            from ..pools import find_pool
+
+            found = find_pool(target)  # the engine's default adds it: show auto with and without it
+            if found is not None:
+                configs = with_pool_rows(configs, found.specs(), opt["selectors"])
+                err.print(f"[dim]pool in {found.root}: '+ pool' rows add its {len(found.specs())} drafters "
+                          "(--pool none: without)[/]")
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
         probe = _verify_probe(target, work, opt["max_new_tokens"]) if record else None

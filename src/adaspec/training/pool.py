@@ -29,27 +29,22 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import os
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-import torch
 import typer
 
 from .distill import (DEFAULT_BATCH_SIZE, DOMAINS, Progress, build_datastore_info,
                       distill_run, domain_prompts, load_distilled)
 from ..errors import AdaspecError, ConfigError, ModelLoadError, PromptSetChangedError
-from ..models import LoadedModel, cache_dir, target_fingerprint
+from ..models import LoadedModel, target_fingerprint
 
-POOL_FORMAT = "adaspec.pool/1"
-GENERALIST = "generalist"
-TRAINABLE_KINDS: tuple[str, ...] = ("feature-head", "tiny-lm")
-SPEC_KINDS: tuple[str, ...] = (*TRAINABLE_KINDS, "suffix")
+from ..pools import (FINGERPRINT_KEYS, GENERALIST, POOL_FORMAT, SPEC_KINDS, TRAINABLE_KINDS,  # noqa: F401
+                     PoolDrafter, PoolEntry, PoolManifest, _json_default, default_pool_root, load_manifest,
+                     pool_specs)
 #: defaults of the full pool: training prompts per domain, greedy responses of <= 128 tokens.
 #: The budget is set by CPU time (measured, see docs/training.md, "How long it takes"): distillation runs at ~100
 #: tokens/s, the target features (cached per set, shared by the generalist and the specialists)
@@ -79,138 +74,6 @@ Trainer = Callable[..., Any]
 #: evaluate_drafters(kind, target, paths, data, heldout_fraction=, seed=, progress=) -> one
 #: {domain: {"mat_k5", "top1", ...}} per path (adaspec.drafter_training)
 Evaluator = Callable[..., list[dict[str, dict[str, float]]]]
-
-
-@dataclass
-class PoolDrafter:
-    """One drafter of the pool: a label for tables (``DOMAIN/KIND``) and its spec string."""
-
-    label: str
-    domain: str
-    kind: str
-    spec: str
-
-
-@dataclass
-class PoolEntry:
-    """One domain of the pool (or the generalist): its data, drafter specs, reports and times."""
-
-    domain: str
-    data: list[str]
-    n_samples: int = 0
-    n_output_tokens: int = 0
-    specs: dict[str, str] = field(default_factory=dict)  # kind -> spec string
-    reports: dict[str, Any] = field(default_factory=dict)  # kind or "distill" -> report dict
-    train_keys: dict[str, str] = field(default_factory=dict)  # kind -> data + options hash
-    times: dict[str, float] = field(default_factory=dict)  # stage -> seconds
-
-
-@dataclass
-class PoolManifest:
-    """``pool.json``: which target the pool serves, how it was built, and its drafters."""
-
-    root: Path
-    target: dict[str, Any]
-    settings: dict[str, Any]
-    entries: dict[str, PoolEntry] = field(default_factory=dict)
-    times: dict[str, float] = field(default_factory=dict)
-    #: kind -> {"key", "seconds", "rows": {drafter entry: {domain: {"mat_k5", "top1", ...}}}}
-    heldout: dict[str, Any] = field(default_factory=dict)
-    created: str = ""
-    format: str = POOL_FORMAT
-
-    @property
-    def path(self) -> Path:
-        return self.root / "pool.json"
-
-    def drafters(self, kinds: Sequence[str] | None = None,
-                 domains: Sequence[str] | None = None) -> list[PoolDrafter]:
-        """Drafters in domain order (the generalist last), kinds in ``kinds`` order."""
-        kinds = tuple(kinds) if kinds is not None else SPEC_KINDS
-        bad = [k for k in kinds if k not in SPEC_KINDS]
-        if bad:
-            raise ConfigError(f"unknown pool drafter kind(s) {bad}: use {', '.join(SPEC_KINDS)}")
-        names = list(domains) if domains is not None else list(self.entries)
-        missing = [d for d in names if d not in self.entries]
-        if missing:
-            raise ConfigError(f"the pool in {self.root} has no domain(s) {missing}: it has "
-                              f"{', '.join(self.entries)}")
-        return [PoolDrafter(f"{d}/{k}", d, k, self.entries[d].specs[k])
-                for d in names for k in kinds if k in self.entries[d].specs]
-
-    def specs(self, kinds: Sequence[str] | None = None, domains: Sequence[str] | None = None) -> list[str]:
-        return [d.spec for d in self.drafters(kinds, domains)]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "target": self.target, "root": str(self.root), "created": self.created,
-                "settings": self.settings, "times": self.times, "heldout": self.heldout,
-                "domains": {k: asdict(v) for k, v in self.entries.items()}}
-
-    def save(self) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name("pool.json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, default=_json_default) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
-        return self.path
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "to_dict"):
-        return obj.to_dict()
-    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
-
-
-def load_manifest(path: str | Path) -> PoolManifest:
-    """Read ``pool.json`` (or the pool directory holding it). A moved pool directory still works:
-    paths inside the specs are re-rooted at the manifest's location."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        path = path / "pool.json"
-    if not path.is_file():
-        raise AdaspecError(f"no pool manifest at {path}: build the pool with `adaspec build-pool`")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise AdaspecError(f"{path} is not valid JSON ({exc}): rebuild the pool") from exc
-    if not isinstance(raw, dict) or raw.get("format") != POOL_FORMAT:
-        raise AdaspecError(f"{path} is not a pool manifest (format {POOL_FORMAT!r}): rebuild the pool")
-    root = path.parent.resolve()
-    old_root = str(raw.get("root", root))
-    entries: dict[str, PoolEntry] = {}
-    for name, e in raw.get("domains", {}).items():
-        entry = PoolEntry(**e)
-        if old_root != str(root):
-            entry.specs = {k: _reroot(v, old_root, str(root)) for k, v in entry.specs.items()}
-            entry.data = [_reroot(d, old_root, str(root)) for d in entry.data]
-        entries[name] = entry
-    return PoolManifest(root=root, target=raw["target"], settings=raw.get("settings", {}), entries=entries,
-                        times=raw.get("times", {}), heldout=raw.get("heldout", {}), created=raw.get("created", ""))
-
-
-def _reroot(text: str, old: str, new: str) -> str:
-    """A path (or a spec ``kind:key=PATH``) under the old pool root, moved under the new one."""
-    if text.startswith(old):
-        return new + text[len(old):]
-    return text.replace(f"={old}", f"={new}")
-
-
-def pool_specs(manifest_or_path: PoolManifest | str | Path, kinds: Sequence[str] | None = None,
-               domains: Sequence[str] | None = None) -> list[str]:
-    """Drafter spec strings of a pool (all kinds by default: feature-head, tiny-lm, suffix), for
-    ``SpeculativeEngine(..., drafters=...)`` or ``adaspec bench -d``."""
-    manifest = manifest_or_path if isinstance(manifest_or_path, PoolManifest) else load_manifest(manifest_or_path)
-    return manifest.specs(kinds, domains)
-
-
-def default_pool_root(target: LoadedModel | str, quick: bool = False) -> Path:
-    """``cache_dir()/pool/NAME`` (``NAME-quick`` for the smoke version)."""
-    name = target if isinstance(target, str) else target.name
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(str(name)).name or str(name)).strip("-") or "target"
-    return cache_dir() / "pool" / (f"{safe}-quick" if quick else safe)
 
 
 def prompt_counts(n_prompts: int | Mapping[str, int], domains: Sequence[str]) -> dict[str, int]:
@@ -354,8 +217,7 @@ def build_pool(target: LoadedModel, out_root: str | Path | None = None, *, domai
     old: PoolManifest | None = None
     if (root / "pool.json").is_file():
         old = load_manifest(root)
-        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
-        if any(old.target.get(k) != fingerprint.get(k) for k in keys):
+        if any(old.target.get(k) != fingerprint.get(k) for k in FINGERPRINT_KEYS):
             raise ModelLoadError(f"the pool in {root} was built for target {old.target.get('name')!r}, not "
                                  f"{target.name!r}: use another --out, or delete {root}")
     settings = {"domains": domains, "n_prompts": counts, "kinds": kinds, "generalist": generalist,
