@@ -142,3 +142,27 @@ def test_bench_and_generate_use_the_cached_pool(cache, tmp_path, monkeypatch):
         assert built[-1] == names
     res = runner.invoke(app, [*gen, "--pool", str(tmp_path / "nowhere")])
     assert res.exit_code == 2 and "no pool manifest" in res.output
+
+
+def test_generate_batch_leaves_out_the_default_pools_heads(cache):
+    """Feature heads are not batched: a default engine's batch drafts with the rest of its
+    drafters (the pool's heads were not asked for); a BatchEngine over it, or heads asked for
+    explicitly, get an error that names the fix."""
+    from adaspec.batch import BatchEngine
+
+    target = _target()
+    build_pool(target, None, domains=("code",), n_prompts=4, kinds=("feature-head",), generalist=False,
+               max_new_tokens=6, batch_size=2, heldout=False,
+               train_opts={"epochs": 1, "vocab_size": len(WORDS), "heldout_fraction": 0.25})
+    engine = SpeculativeEngine(target)
+    assert engine.drafter_names[3].startswith("feature-head") and engine.drafter_names[4] == "suffix:code"
+    assert engine.default_pool == [3, 4]
+    prompts = [[3, 5, 6, 7, 3, 5], [1, 2, 1, 2, 1]]
+    plain = SpeculativeEngine(target, [])
+    got = engine.generate_batch(prompts, max_new_tokens=6)
+    assert [r.token_ids for r in got] == [plain.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    with pytest.raises(ConfigError, match=r"several requests at once.*pool=False\)\)$"):
+        BatchEngine(engine).add(prompts[0])
+    with pytest.raises(ConfigError, match=r"several requests at once: use a model-free drafter \(none, prompt-lookup, "
+                                          r"suffix\)$"):  # asked for: no pool hint
+        SpeculativeEngine(target, pool="auto").generate_batch(prompts, max_new_tokens=6)

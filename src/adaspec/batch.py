@@ -134,6 +134,13 @@ def batching_problem(engine: Any, drafters: bool = True) -> str | None:
     return None
 
 
+
+def _pool_hint(engine: Any) -> str:
+    """The fix when the unbatchable drafters came with the engine's default (a built pool)."""
+    if getattr(engine, "default_pool", None):
+        return " (the engine's default drafters include a built pool's heads: SpeculativeEngine(..., pool=False))"
+    return ""
+
 class BatchEngine:
     """Continuous batching over a ``SpeculativeEngine`` (transformers targets).
 
@@ -224,10 +231,10 @@ class BatchEngine:
         try:
             view.drafters = [d.fork() for d in view.drafters]
         except AdaspecError as exc:
-            raise ConfigError(f"batched decoding needs a drafter per request: {exc}") from None
+            raise ConfigError(f"batched decoding needs a drafter per request: {exc}{_pool_hint(engine)}") from None
         if any(getattr(d, "uses_target_features", False) for d in view.drafters):
             raise ConfigError("feature drafters (EAGLE-style heads) are not batched yet: use model-free "
-                              "drafters (none, prompt-lookup, suffix) with the batch engine")
+                              f"drafters (none, prompt-lookup, suffix) with the batch engine{_pool_hint(engine)}")
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(62)
         gen = None if cfg.sampling.greedy else torch.Generator(device=self.target.device).manual_seed(seed)
         stats = RequestStats(prompt_tokens=len(prompt_ids), seed=None if cfg.sampling.greedy else seed)

@@ -128,6 +128,8 @@ class SpeculativeEngine:
         extra = pool_drafters(self.target, pool, default=drafters is None)
         drafters = [*(DEFAULT_DRAFTERS if drafters is None else drafters), *extra]
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
+        #: indices of the drafters a cached pool added by default (``pool=None``), not asked for
+        self.default_pool = list(range(len(drafters) - len(extra), len(drafters))) if pool is None else []
         self.tree, self.tree_nodes = bool(tree), int(tree_nodes)
         if self.tree:
             self._check_trees()
@@ -290,7 +292,13 @@ class SpeculativeEngine:
         most 32; the rest wait for a free row). Results in the order of ``prompts``."""
         from .batch import BatchEngine
 
-        batch = BatchEngine(self, max_batch=max_batch or min(max(1, len(prompts)), 32))
+        engine = self
+        unbatched = [i for i, d in enumerate(self.drafters) if getattr(d, "uses_target_features", False)]
+        if unbatched and set(unbatched) <= set(self.default_pool):  # the default's pool heads: batch without them
+            log.info("generate_batch: the pool's feature heads are not batched; the batch drafts with %s",
+                     [d.name for i, d in enumerate(self.drafters) if i not in unbatched])
+            engine = self.with_policies([i for i in range(len(self.drafters)) if i not in unbatched])
+        batch = BatchEngine(engine, max_batch=max_batch or min(max(1, len(prompts)), 32))
         ids = [batch.add(p, config, **overrides) for p in prompts]
         results = batch.run()
         return [results[i] for i in ids]
