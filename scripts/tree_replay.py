@@ -16,6 +16,7 @@ AR is priced alike. The engine's policies read the surface the live engines read
     python scripts/tree_replay.py --record ar.json              # or: AR outputs of SmolLM2 (mixed suite)
     python scripts/tree_replay.py ar.json --costs surface.json  # priced on a surface JSON, 2 ms a round
     python scripts/tree_replay.py TRACE.npz --only "suffix k=5 +tree" --tree-nodes 31  # a larger node budget
+    python scripts/tree_replay.py TRACE.npz --suffix suffix:datastore=$HOME/.cache/adaspec/pool/smollm2/datastores/generalist.jsonl
 """
 
 from __future__ import annotations
@@ -238,11 +239,15 @@ def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
 
 
 def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rounds_csv: str | None = None,
-           **engine_kw: Any) -> None:
+           suffix: str | None = None, **engine_kw: Any) -> None:
+    """Replay every configuration (``names``: only these); ``suffix``: another suffix spec in
+    their place (e.g. ``suffix:datastore=FILE``, a datastore's candidates in the trees)."""
     work = load_workload(path, costs, rounds_csv)
     for name, kw in CONFIGS:
         if names and name not in names:
             continue
+        if suffix:
+            kw = dict(kw, drafters=[suffix if d == "suffix" else d for d in kw["drafters"]])
         r = replay_config(work, **kw, **engine_kw)
         print(f"{name:26s} MAT {r['mat']:.3f}  identical to AR: {r['identical']}  nodes/round "
               f"{r['nodes_per_round']:.2f}  drafting rounds {r['drafting_share']:.2f}  python "
@@ -267,6 +272,8 @@ def main() -> None:
                          "rounds.csv instead of the trace's calibration")
     ap.add_argument("--tree-nodes", type=int, default=None,
                     help="most nodes of a draft tree (the engine's tree_nodes, default 15)")
+    ap.add_argument("--suffix", metavar="SPEC", help="replace the suffix drafter by SPEC, e.g. "
+                    "suffix:datastore=FILE (a datastore built by adaspec build-pool)")
     args = ap.parse_args()
     if args.record:
         record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
@@ -274,7 +281,7 @@ def main() -> None:
         if not args.wall_clock:
             time.perf_counter = time.process_time  # the engine's timers, in this process only
         kw = {} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}
-        replay(args.recording, args.costs, args.only, args.live_ratios, **kw)
+        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, **kw)
     else:
         ap.error("give --record OUT, or a trace (or a recording and --costs)")
 
