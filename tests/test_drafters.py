@@ -266,6 +266,14 @@ def test_datastore_save_load_round_trip(tmp_path):
     assert SuffixDatastore.load(path, max_tokens=1000).max_tokens == 1000
 
 
+def test_datastore_paths_expand_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    store = SuffixDatastore()
+    store.add([1, 2, 3, 4])
+    store.save(tmp_path / "store.jsonl")
+    assert SuffixDatastore.load("~/store.jsonl").docs == [[1, 2, 3, 4]]
+
+
 def test_datastore_load_errors(tmp_path):
     with pytest.raises(AdaspecError, match="not found"):
         SuffixDatastore.load(tmp_path / "missing.jsonl")

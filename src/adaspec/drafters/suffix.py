@@ -84,8 +84,8 @@ class SuffixDatastore:
     @classmethod
     def load(cls, path: str | Path, max_tokens: int | None = None,
              min_match: int | None = None) -> SuffixDatastore:
-        """Load a saved datastore (.jsonl of token-id lists)."""
-        path = Path(path)
+        """Load a saved datastore (.jsonl of token-id lists; ``~`` is expanded)."""
+        path = Path(path).expanduser()
         if not path.is_file():
             raise AdaspecError(f"datastore file not found: {path}")
         with open(path, encoding="utf-8") as fh:
@@ -108,7 +108,7 @@ class SuffixDatastore:
         """Build from a plain-text corpus: one document per blank-line separated paragraph."""
         if tokenizer is None:
             raise AdaspecError("building a datastore from text needs the target's tokenizer")
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).expanduser().read_text(encoding="utf-8")
         store = cls(min_match=min_match, max_tokens=max_tokens)
         for para in text.split("\n\n"):
             if para.strip():
