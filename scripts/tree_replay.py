@@ -17,6 +17,7 @@ AR is priced alike. The engine's policies read the surface the live engines read
     python scripts/tree_replay.py ar.json --costs surface.json  # priced on a surface JSON, 2 ms a round
     python scripts/tree_replay.py TRACE.npz --only "suffix k=5 +tree" --tree-nodes 31  # a larger node budget
     python scripts/tree_replay.py TRACE.npz --suffix suffix:datastore=$HOME/.cache/adaspec/pool/smollm2/datastores/generalist.jsonl
+    python scripts/tree_replay.py TRACE.npz --only auto --add suffix:datastore=$HOME/.cache/adaspec/pool/smollm2/datastores/generalist.jsonl
 """
 
 from __future__ import annotations
@@ -239,15 +240,18 @@ def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
 
 
 def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rounds_csv: str | None = None,
-           suffix: str | None = None, **engine_kw: Any) -> None:
+           suffix: str | None = None, add: Sequence[str] = (), **engine_kw: Any) -> None:
     """Replay every configuration (``names``: only these); ``suffix``: another suffix spec in
-    their place (e.g. ``suffix:datastore=FILE``, a datastore's candidates in the trees)."""
+    their place (e.g. ``suffix:datastore=FILE``, a datastore's candidates in the trees); ``add``:
+    more drafters for ``auto`` (a pool's datastores)."""
     work = load_workload(path, costs, rounds_csv)
     for name, kw in CONFIGS:
         if names and name not in names:
             continue
         if suffix:
             kw = dict(kw, drafters=[suffix if d == "suffix" else d for d in kw["drafters"]])
+        if add and kw.get("selector") == "auto":
+            kw = dict(kw, drafters=[*kw["drafters"], *add])
         r = replay_config(work, **kw, **engine_kw)
         print(f"{name:26s} MAT {r['mat']:.3f}  identical to AR: {r['identical']}  nodes/round "
               f"{r['nodes_per_round']:.2f}  drafting rounds {r['drafting_share']:.2f}  python "
@@ -274,6 +278,8 @@ def main() -> None:
                     help="most nodes of a draft tree (the engine's tree_nodes, default 15)")
     ap.add_argument("--suffix", metavar="SPEC", help="replace the suffix drafter by SPEC, e.g. "
                     "suffix:datastore=FILE (a datastore built by adaspec build-pool)")
+    ap.add_argument("--add", action="append", default=[], metavar="SPEC",
+                    help="add a drafter to auto's (repeatable), e.g. a pool's suffix:datastore=FILE")
     args = ap.parse_args()
     if args.record:
         record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
@@ -281,7 +287,7 @@ def main() -> None:
         if not args.wall_clock:
             time.perf_counter = time.process_time  # the engine's timers, in this process only
         kw = {} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}
-        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, **kw)
+        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, args.add, **kw)
     else:
         ap.error("give --record OUT, or a trace (or a recording and --costs)")
 
