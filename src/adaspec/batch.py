@@ -134,12 +134,12 @@ def batching_problem(engine: Any, drafters: bool = True) -> str | None:
     return None
 
 
-
 def _pool_hint(engine: Any) -> str:
     """The fix when the unbatchable drafters came with the engine's default (a built pool)."""
     if getattr(engine, "default_pool", None):
         return " (the engine's default drafters include a built pool's heads: SpeculativeEngine(..., pool=False))"
     return ""
+
 
 class BatchEngine:
     """Continuous batching over a ``SpeculativeEngine`` (transformers targets).
