@@ -194,11 +194,14 @@ def target_fingerprint(target: LoadedModel) -> dict[str, Any]:
             "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest}
 
 
+#: fields of ``target_fingerprint`` that must match for an artifact to serve a target (not the name)
+FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
+
+
 def check_fingerprint(expected: dict[str, Any], target: LoadedModel, what: str) -> None:
     """Raise if ``target`` is not the model ``what`` was built for (the name may differ)."""
     got = target_fingerprint(target)
-    diff = [k for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
-            if expected.get(k) != got.get(k)]
+    diff = [k for k in FINGERPRINT_KEYS if expected.get(k) != got.get(k)]
     if diff:
         raise ModelLoadError(
             f"{what} was built for target {expected.get('name')!r} but the loaded target "

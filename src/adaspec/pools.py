@@ -2,8 +2,8 @@
 
 ``adaspec build-pool`` (``adaspec.training.pool``) builds a pool under ``cache_dir()/pool/NAME``
 and writes ``pool.json``; this module is the runtime's half of that pair and imports nothing
-from the tools. ``cached_pool_specs`` gives the drafter spec strings of the pool built for a
-loaded target, which the engine adds to its default drafters (issue 16: ``auto`` runs over
+from the tools. ``find_pool`` finds the pool built for a loaded target, whose drafters
+``pool_drafters`` adds to the engine's default drafters (issue 16: ``auto`` runs over
 prompt lookup, suffix, ``none`` and the trained pool found in the cache).
 """
 
@@ -27,8 +27,6 @@ POOL_FORMAT = "adaspec.pool/1"
 GENERALIST = "generalist"
 TRAINABLE_KINDS: tuple[str, ...] = ("feature-head", "tiny-lm")
 SPEC_KINDS: tuple[str, ...] = (*TRAINABLE_KINDS, "suffix")
-#: fields of ``models.target_fingerprint`` that must match for a pool to serve a target
-FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
 
 
 @dataclass
@@ -176,12 +174,12 @@ def find_pool(target: Any) -> PoolManifest | None:
     except AdaspecError as exc:
         log.warning("skipping the pool in %s: %s", root, exc)
         return None
-    from .models import target_fingerprint  # the target's weights hash, only when a pool exists
+    from .models import check_fingerprint  # hashes the target's weights: only when a pool exists
 
-    got = target_fingerprint(target)
-    if any(manifest.target.get(k) != got.get(k) for k in FINGERPRINT_KEYS):
-        log.warning("skipping the pool in %s: it was built for another model (%s)", root,
-                    manifest.target.get("name"))
+    try:
+        check_fingerprint(manifest.target, target, f"the pool in {root}")
+    except AdaspecError as exc:
+        log.warning("skipping a pool built for another model: %s", exc)
         return None
     return manifest
 
@@ -190,12 +188,15 @@ def pool_drafters(target: Any, pool: str | Path | bool | None, default: bool) ->
     """Spec strings of the pool ``SpeculativeEngine(pool=...)`` names: None, the pool built for
     ``target`` in the cache when ``default`` (no drafters were given) and nothing otherwise;
     ``"auto"`` or True, that pool or an error; a directory, that pool; False, nothing."""
-    if pool is None or pool is False:
-        manifest = find_pool(target) if pool is None and default else None
-        if manifest is not None:
-            log.info("adding the %d drafters of the pool in %s (pool=False: without them)",
-                     len(manifest.specs()), manifest.root)
-        return manifest.specs() if manifest is not None else []
+    if pool is False or (pool is None and not default):
+        return []
+    if pool is None:
+        manifest = find_pool(target)
+        if manifest is None:
+            return []
+        log.info("adding the %d drafters of the pool in %s (pool=False: without them)",
+                 len(manifest.specs()), manifest.root)
+        return manifest.specs()
     if pool is True or pool == "auto":
         manifest = find_pool(target)
         if manifest is None:

@@ -40,9 +40,9 @@ import typer
 from .distill import (DEFAULT_BATCH_SIZE, DOMAINS, Progress, build_datastore_info,
                       distill_run, domain_prompts, load_distilled)
 from ..errors import AdaspecError, ConfigError, ModelLoadError, PromptSetChangedError
-from ..models import LoadedModel, target_fingerprint
+from ..models import FINGERPRINT_KEYS, LoadedModel, target_fingerprint
 
-from ..pools import (FINGERPRINT_KEYS, GENERALIST, POOL_FORMAT, SPEC_KINDS, TRAINABLE_KINDS,  # noqa: F401
+from ..pools import (GENERALIST, POOL_FORMAT, SPEC_KINDS, TRAINABLE_KINDS,  # noqa: F401
                      PoolDrafter, PoolEntry, PoolManifest, _json_default, default_pool_root, load_manifest,
                      pool_specs)
 #: defaults of the full pool: training prompts per domain, greedy responses of <= 128 tokens.
