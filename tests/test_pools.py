@@ -53,16 +53,16 @@ def test_the_engine_adds_the_pool_built_for_its_target(cache):
     assert manifest.root == (cache / "pool" / "tinypool").resolve()
     found = pools.find_pool(target)
     assert found is not None and found.specs() == manifest.specs() and len(found.specs()) == 3
-    engine = SpeculativeEngine(target)
-    assert engine.drafter_names == [*DEFAULT_DRAFTERS, "suffix:code", "suffix:math", "suffix:generalist"]
+    engine = SpeculativeEngine(target)  # of the datastores, the generalist's (a superset of the domains')
+    assert found.default_specs() == found.specs()[2:]
+    assert engine.drafter_names == [*DEFAULT_DRAFTERS, "suffix:generalist"]
     assert isinstance(engine.selector, AutoSelector)
     assert engine.generate([3, 5, 6, 7, 3, 5], max_new_tokens=8).token_ids == SpeculativeEngine(
         target, []).generate([3, 5, 6, 7, 3, 5], max_new_tokens=8).token_ids
     # pool=False: without it; explicit drafters: without it unless pool= asks for it
     assert SpeculativeEngine(target, pool=False).drafter_names == list(DEFAULT_DRAFTERS)
     assert SpeculativeEngine(target, ["suffix"]).drafter_names == ["suffix"]
-    assert SpeculativeEngine(target, ["suffix"], pool="auto").drafter_names == [
-        "suffix", "suffix:code", "suffix:math", "suffix:generalist"]
+    assert SpeculativeEngine(target, ["suffix"], pool="auto").drafter_names == ["suffix", "suffix:generalist"]
     assert SpeculativeEngine(target, [], pool=manifest.root).drafter_names[-1] == "suffix:generalist"
 
 
@@ -124,6 +124,13 @@ def test_bench_and_generate_use_the_cached_pool(cache, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     rows = json.loads((tmp_path / "bench2" / "summary.json").read_text())["overall"]
     assert [r["config"] for r in rows] == ["AR (no drafter)", "auto over [prompt-lookup, suffix]"]
+    for kinds, n in ((["--pool-kinds", "suffix"], 5), ([], 3)):  # every datastore, or the engine's share
+        bench3 = tmp_path / f"bench3{n}"
+        res = runner.invoke(app, [*args, "--pool", str(cache / "pool" / "tinypool"), *kinds, "-o", str(bench3)])
+        assert res.exit_code == 0, res.output
+        rows = json.loads((bench3 / "summary.json").read_text())["overall"]
+        assert rows[1]["config"] == ("auto over [5 drafters]" if n == 5
+                                     else "auto over [prompt-lookup, suffix, suffix:datastore=generalist]")
     built: list[list[str]] = []
     real = SpeculativeEngine.__init__
 
@@ -133,10 +140,9 @@ def test_bench_and_generate_use_the_cached_pool(cache, tmp_path, monkeypatch):
 
     monkeypatch.setattr(SpeculativeEngine, "__init__", spy)
     gen = ["generate", "the cat sat", "-m", str(folder), "-n", "4", "--no-chat-template", "--json"]
-    for extra, names in (([], [*DEFAULT_DRAFTERS, "suffix:code", "suffix:math", "suffix:generalist"]),
+    for extra, names in (([], [*DEFAULT_DRAFTERS, "suffix:generalist"]),
                          (["--pool", "none"], list(DEFAULT_DRAFTERS)), (["-d", "suffix"], ["suffix"]),
-                         (["-d", "suffix", "--pool", "auto"], ["suffix", "suffix:code", "suffix:math",
-                                                               "suffix:generalist"])):
+                         (["-d", "suffix", "--pool", "auto"], ["suffix", "suffix:generalist"])):
         res = runner.invoke(app, [*gen, *extra])
         assert res.exit_code == 0, res.output
         assert built[-1] == names

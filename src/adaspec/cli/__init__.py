@@ -270,8 +270,10 @@ def bench(
                                     "build-pool to every configuration: its directory, or 'auto' for the "
                                     "model's pool in the cache; 'none': no '+ pool' rows [default: when the "
                                     "model's pool is in the cache, each selector row gets a '+ pool' twin]"),
-    pool_kinds: str | None = typer.Option(None, help="with --pool: kinds to use, comma-separated "
-                                          "(feature-head, tiny-lm, suffix; default all)"),
+    pool_kinds: str | None = typer.Option(None, help="with --pool: every drafter of these kinds, "
+                                          "comma-separated (feature-head, tiny-lm, suffix) [default: what "
+                                          "the engine adds, every trained drafter and the generalist "
+                                          "datastore]"),
     record: str | None = typer.Option(None, "--record", help="also record a replay trace of the workload "
                                       "(greedy) for the drafters to FILE (.npz); see adaspec replay [default: "
                                       "OUT/trace.npz when the matrix has an adaptive configuration]"),
@@ -322,11 +324,13 @@ def bench(
         if opt["temperature"] > 0 and opt["peers"]:
             raise AdaspecError("peers run greedy only: add --peer none for a sampling bench")
         if pool and pool != "none":
-            from ..pools import default_pool_root, pool_specs
+            from ..pools import default_pool_root, load_manifest, pool_specs
 
             root = default_pool_root(opt["model"]) if pool == "auto" else Path(pool)
             kinds = [x.strip() for x in pool_kinds.split(",")] if pool_kinds else None
-            opt["drafters"] = list(opt["drafters"]) + pool_specs(root, kinds=kinds)
+            # the engine's default share of the pool, or every drafter of the kinds named
+            opt["drafters"] = list(opt["drafters"]) + (pool_specs(root, kinds=kinds) if kinds
+                                                       else load_manifest(root).default_specs())
         check_drafters(opt["drafters"])
         if record and no_record:
             raise AdaspecError("--record and --no-record contradict each other: pass one of them")
@@ -357,8 +361,9 @@ def bench(
 
             found = find_pool(target)  # the engine's default adds it: show auto with and without it
             if found is not None:
-                configs = with_pool_rows(configs, found.specs(), opt["selectors"])
-                err.print(f"[dim]pool in {found.root}: '+ pool' rows add its {len(found.specs())} drafters "
+                specs = found.default_specs()
+                configs = with_pool_rows(configs, specs, opt["selectors"])
+                err.print(f"[dim]pool in {found.root}: '+ pool' rows add {len(specs)} of its drafters "
                           "(--pool none: without)[/]")
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
