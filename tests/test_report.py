@@ -194,12 +194,15 @@ def test_overall_and_category_tables_numbers_and_mismatch_marker():
 def test_optional_columns_and_sampling_mode():
     summary = make_summary()
     for i, r in enumerate(summary["overall"]):
-        r.update(engine_overhead_share=0.05, cliff_share=0.25 if i else None)
+        r.update(engine_overhead_share=0.05, cliff_share=0.25 if i else None,
+                 scoring_overhead_share=0.007 if r["config"] == ADAPTIVE else None)
     summary["temperature"] = 0.8
     lines = markdown_tables(summary).splitlines()
-    assert "| policy overhead | engine overhead | rounds in cost cliff | stopping-time regret |" in lines[0]
+    assert ("| policy overhead | scoring overhead | engine overhead | rounds in cost cliff | stopping-time regret |"
+            in lines[0])
     pl = next(line for line in lines if line.startswith("| prompt-lookup k=5 |"))
-    assert pl.endswith("| 0.0% | 5.0% | 25.0% | – | – | n/a (sampling) |")
+    assert pl.endswith("| 0.0% | – | 5.0% | 25.0% | – | – | n/a (sampling) |")
+    assert "| 1.2% | 0.7% | 5.0% |" in next(line for line in lines if line.startswith(f"| {ADAPTIVE} |"))
     ada = next(line for line in lines if line.startswith(f"| {ADAPTIVE} |"))
     assert ada.endswith("| **1/2 MISMATCH** |")  # a recorded mismatch is shown even when sampling
 

@@ -766,6 +766,34 @@ def test_a_model_drafter_is_scored_before_it_is_played():
     assert bandit.controller.trusted(0) and bandit.controller.best_k(0).k > 0
 
 
+def test_scoring_model_drafters_keeps_to_its_share_of_the_wall_time():
+    """Trusted model drafters are scored on their own staggered rounds, and not at all while
+    scoring has cost more than ``eval_share`` of the wall time (``CostModel.eval_share``)."""
+    from adaspec.costs import CostModel
+
+    sel = AutoSelector(eval_share=0.05)
+    sel.bind_drafters([True, True, False])
+    sel.begin_request(["h1", "h2", "none"])
+    c = sel.controller
+    c.costs = CostModel()
+    c.first_scored = {0: 99, 1: 99}  # trusted
+    c.plan = Plan(2, 0, 1.0)
+    due = [(r, d) for r in range(8) for d in (0, 1) if (c.__setattr__("rounds", r) or c.evaluate(d))]
+    assert due == [(0, 0), (3, 1), (4, 0), (7, 1)]  # every 4th round, each head on its own
+    c.eval_losses = {}
+    c.costs.observe_eval(0.0, 1.0)
+    assert c.costs.eval_share == 0.0
+    c.rounds = 4
+    assert c.evaluate(0)
+    c.costs.observe_eval(1.0, 1.0)  # scoring now costs ~half the wall time: over the budget
+    assert c.costs.eval_share > 0.05
+    assert not c.evaluate(0) and c.eval_losses.get(0, 0) == 0  # skipped, not counted as a loss
+    c.eval_share = 1.0  # no budget
+    assert c.evaluate(0)
+    with pytest.raises(ConfigError, match="eval_share must be a number in"):
+        AutoSelector(eval_share=2)
+
+
 def test_a_model_drafter_that_drafts_is_scored_every_few_rounds_again():
     c = AutoController(shrink=0.0)
     c.begin_request(["head", "none"], is_model=[True, False])

@@ -605,6 +605,9 @@ class CostModel:
         self.rate_decay = 0.999
         self._rate_tokens = 0.0
         self._rate_seconds = 0.0
+        #: decayed seconds of full-information scoring and of whole rounds (``observe_eval``)
+        self._eval_s = 0.0
+        self._round_s = 0.0
         #: batched rounds (``adaspec.batch``): the batch surface, the round's rows and cache
         #: columns; with rows > 1 ``verify_cost`` is the row's price in the batch (``row_cost``)
         self.batch: BatchCosts | None = None
@@ -652,6 +655,19 @@ class CostModel:
         keep = self.rate_decay
         self._rate_tokens = keep * self._rate_tokens + emitted
         self._rate_seconds = keep * self._rate_seconds + self.verify_cost(width) + max(0.0, other_s)
+
+    def observe_eval(self, eval_s: float, round_s: float) -> None:
+        """A round's seconds scoring drafters it did not play (full information) and its whole
+        seconds: ``eval_share`` is the scoring's share of the wall time (decayed by
+        ``rate_decay`` per round, kept across requests)."""
+        keep = self.rate_decay
+        self._eval_s = keep * self._eval_s + max(0.0, eval_s)
+        self._round_s = keep * self._round_s + max(0.0, round_s)
+
+    @property
+    def eval_share(self) -> float:
+        """Share of the wall time spent scoring drafters the rounds did not play (0 before any)."""
+        return self._eval_s / self._round_s if self._round_s > 0.0 else 0.0
 
     def running_rate(self) -> float:
         """Tokens per second of the rounds so far (decayed by ``rate_decay`` per round, kept

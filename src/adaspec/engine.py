@@ -529,6 +529,7 @@ class SpeculativeEngine:
             length.update(feedback)
             t7 = now()
             cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
+            cost_model.observe_eval(t6 - t5, t7 - t0)
             if self.tree:  # the running rate prices tree nodes only (``_draft_tree``)
                 cost_model.observe_round(len(emitted), k + 1, (t7 - t0) - verify_s)
             stats.rounds.append(RoundRecord(

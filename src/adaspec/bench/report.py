@@ -56,6 +56,9 @@ LEGEND = """\
   generated tokens (SpecDec++ eq. 5.1). Both are hardware-independent: lower-left in the
   Pareto plot is better.
 - **policy overhead**: policy seconds (drafter and length policies) / total seconds.
+- **scoring overhead** (when present): seconds the engine spent scoring drafters a round did
+  not play (full-information feedback, e.g. a model drafter's forward over the verified
+  tokens) / total seconds; with the policy overhead, what choosing the drafter costs.
 - **engine overhead** (when present): median over prompts of the engine's bookkeeping time per
   round / the target forward time; **rounds in cost cliff** (when present): share of rounds whose
   verify width is a cost cliff of the verify-cost curve (a wider block would have been cheaper).
@@ -193,7 +196,8 @@ def overall_table(summary: dict[str, Any]) -> str:
     """One row per configuration: throughput, speed-up, MAT, rates, regret and exactness; the optional
     engine-overhead and cost-cliff columns appear when any row has them."""
     rows_in = summary["overall"]
-    extra = [(key, title) for key, title in (("engine_overhead_share", "engine overhead"),
+    extra = [(key, title) for key, title in (("scoring_overhead_share", "scoring overhead"),
+                                             ("engine_overhead_share", "engine overhead"),
                                              ("cliff_share", "rounds in cost cliff"))
              if any(_num(r.get(key)) is not None for r in rows_in)]
     header = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verification",

@@ -85,6 +85,7 @@ class PromptRecord:
     drafted: int = 0
     accepted: int = 0
     policy_s: float = 0.0
+    eval_s: float = 0.0  # full-information scoring of drafters the rounds did not play
     identical: bool = True
     first_mismatch: int | None = None
     #: at the first difference from AR: |log p(AR's token) - log p(this token)| under the target's
@@ -117,6 +118,7 @@ class ConfigResult(Rates):
     identical: int = 0
     prompts: int = 0
     policy_s: float = 0.0
+    eval_s: float = 0.0
     mismatches: list[str] = field(default_factory=list)  # differences from AR that are not near-ties
     near_ties: list[str] = field(default_factory=list)  # differences at a numeric near-tie
     failed: list[str] = field(default_factory=list)  # prompts a peer failed on (left out of the totals)
@@ -149,6 +151,11 @@ class ConfigResult(Rates):
         """Share of wall time spent in the drafter and length policies."""
         return self.policy_s / self.seconds if self.seconds else 0.0
 
+    @property
+    def scoring_share(self) -> float:
+        """Share of wall time spent scoring drafters the rounds did not play (full information)."""
+        return self.eval_s / self.seconds if self.seconds else 0.0
+
     @classmethod
     def total(cls, name: str, records: Sequence[PromptRecord]) -> ConfigResult:
         r = cls(name)
@@ -164,6 +171,7 @@ class ConfigResult(Rates):
             r.drafted += p.drafted
             r.accepted += p.accepted
             r.policy_s += p.policy_s
+            r.eval_s += p.eval_s
             r.overhead_shares.extend(p.overhead_shares)
             for w, c in p.verify_widths.items():
                 r.verify_widths[w] = r.verify_widths.get(w, 0) + c
@@ -433,6 +441,7 @@ class BenchRun:
                 "acceptance_rate": r.acceptance_rate if r.drafted else None,
                 "discard_rate": r.discard_rate, "verification_rate": r.verification_rate,
                 "policy_overhead_share": r.policy_share, "engine_overhead_share": r.overhead_share,
+                "scoring_overhead_share": r.scoring_share if r.eval_s > 0 else None,
                 "cliff_share": r.cliff_share, "identical": r.identical, "mismatches": r.mismatches,
                 "near_ties": r.near_ties, "failed": r.failed,
                 "stopping_time_regret": reg["stopping_time_regret"] if reg else None,
@@ -616,6 +625,7 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
         rec.drafted += out.drafted
         rec.accepted += out.accepted
         rec.policy_s += sum(r.policy_s for r in out.rounds)
+        rec.eval_s += sum(r.eval_s for r in out.rounds)
         rec.overhead_shares.append(out.overhead_share)
         for name, c in out.drafter_usage().items():
             rec.drafter_usage[name] = rec.drafter_usage.get(name, 0) + c

@@ -138,6 +138,11 @@ NONE_NAMES = ("none",)
 LOOK_SHARE = 0.0
 #: ... skipping at most this many rounds in a row
 MAX_LOOK_SKIP = 8
+#: scoring trusted model drafters on rounds they did not play may cost at most this share of
+#: the wall time (``CostModel.eval_share``; option ``eval_share``): past it their scores are
+#: skipped (Not-a-Bandit B.5). With the default SmolLM2 pool's six feature heads scoring
+#: took 6.2% of the wall time without a budget
+EVAL_SHARE = 0.01
 
 
 class DecayClock:
@@ -317,6 +322,9 @@ class AutoController:
         self.look_share = LOOK_SHARE
         #: the round's plan fixed by a batch's joint width (``commit``), played by ``choose``
         self.forced: Plan | None = None
+        #: trusted model drafters are scored only while scoring costs at most this share of
+        #: the wall time (``EVAL_SHARE``; 1: no budget)
+        self.eval_share = EVAL_SHARE
 
     # -- lifecycle --------------------------------------------------------------------------
     def begin_request(self, names: Sequence[str], is_model: Sequence[bool] | None = None) -> None:
@@ -521,7 +529,9 @@ class AutoController:
         """Score drafter ``d`` on this round's verified tokens? ``none``: never (it proposes
         nothing); looked-at drafters: no, their blocks are scored for free (``peek_chain``);
         other model-free ones: always; model drafters: every ``model_eval_every`` rounds
-        (Not-a-Bandit B.5)."""
+        (Not-a-Bandit B.5), each on its own rounds (staggered by its index, so that a pool of
+        heads is not scored all in one round), and only while scoring has cost at most
+        ``eval_share`` of the wall time (``CostModel.eval_share``)."""
         if self.names[d] in NONE_NAMES or (self.learn_from_peeks and d in self.peeked):
             return False
         if self.skipping and not self.is_model[d]:  # not looked at this round: seen at the next look
@@ -529,8 +539,10 @@ class AutoController:
         if not self.is_model[d] or not self.trusted(d):
             return True
         losses = self.eval_losses.get(d, 0)
-        if self.rounds % (self.model_eval_every * 2 ** min(losses, MAX_EVAL_BACKOFF)):
+        if (self.rounds + d) % (self.model_eval_every * 2 ** min(losses, MAX_EVAL_BACKOFF)):
             return False
+        if self.eval_share < 1.0 and float(getattr(self.costs, "eval_share", 0.0) or 0.0) > self.eval_share:
+            return False  # over the scoring budget: skipped, not counted as a loss
         # the interval doubles each time d's best plan loses to the round's choice, and is
         # back to model_eval_every once it would have won or drafts: a pool of heads that
         # never pay is scored every 128 rounds, not every 4 (each score is a forward of the head)
@@ -663,8 +675,11 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
                  peek: int | bool = 1, objective: str = "time", feedback: str = "full", seed: int | None = 0,
                  shrink: float = 1.0, peek_depth: int = 4, confidence_stop: int | bool = 1,
-                 look_share: float = LOOK_SHARE):
+                 look_share: float = LOOK_SHARE, eval_share: float = EVAL_SHARE):
         super().__init__(seed=seed, scope=scope)
+        if isinstance(eval_share, bool) or not isinstance(eval_share, (int, float)) or not 0 <= eval_share <= 1:
+            raise ConfigError(f"eval_share must be a number in [0, 1], got {eval_share!r}: e.g. eval_share=0.01 "
+                              "(scoring model drafters costs at most that share of the wall time), 1 for no budget")
         if isinstance(look_share, bool) or not isinstance(look_share, (int, float)) or not 0 <= look_share <= 1:
             raise ConfigError(f"look_share must be a number in [0, 1], got {look_share!r}: e.g. look_share=0.005 "
                               "(looks cost at most that share of a plain round), 0 (default) to look every round")
@@ -684,6 +699,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         self.controller.model_warmup = MODEL_WARMUP if feedback == "full" else 0
         self.controller.peek_depth = peek_depth
         self.controller.look_share = float(look_share)
+        self.controller.eval_share = float(eval_share)
         #: peek this round? (``AutoController.looks``); None when looks are never skipped, so
         #: the engine neither asks each round nor times the looks
         self.looks = self.controller.looks if look_share > 0 else None
