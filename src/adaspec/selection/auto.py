@@ -643,6 +643,12 @@ def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0,
     return f"{rel}:{match_bucket(match)}" if match > 0 else rel
 
 
+def _check_share(name: str, value: object, example: str) -> None:
+    """A share of time (``look_share``, ``eval_share``): a number in [0, 1], else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be a number in [0, 1], got {value!r}: e.g. {example}")
+
+
 def _check_confidence_stop(value: object) -> bool:
     if value not in (0, 1, True, False):
         raise ConfigError(f"confidence_stop must be 0 or 1, got {value!r}: pass confidence_stop=1 to stop a "
@@ -677,12 +683,10 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
                  shrink: float = 1.0, peek_depth: int = 4, confidence_stop: int | bool = 1,
                  look_share: float = LOOK_SHARE, eval_share: float = EVAL_SHARE):
         super().__init__(seed=seed, scope=scope)
-        if isinstance(eval_share, bool) or not isinstance(eval_share, (int, float)) or not 0 <= eval_share <= 1:
-            raise ConfigError(f"eval_share must be a number in [0, 1], got {eval_share!r}: e.g. eval_share=0.01 "
-                              "(scoring model drafters costs at most that share of the wall time), 1 for no budget")
-        if isinstance(look_share, bool) or not isinstance(look_share, (int, float)) or not 0 <= look_share <= 1:
-            raise ConfigError(f"look_share must be a number in [0, 1], got {look_share!r}: e.g. look_share=0.005 "
-                              "(looks cost at most that share of a plain round), 0 (default) to look every round")
+        _check_share("eval_share", eval_share, "eval_share=0.01 (scoring model drafters costs at most that "
+                     "share of the wall time), 1 for no budget")
+        _check_share("look_share", look_share, "look_share=0.005 (looks cost at most that share of a plain "
+                     "round), 0 (default) to look every round")
         if peek not in (0, 1, True, False):
             raise ConfigError(f"peek must be 0 or 1, got {peek!r}: pass peek=1 to look at model-free "
                               "drafters' proposals before choosing, peek=0 not to")
