@@ -25,7 +25,7 @@ from adaspec.selection import build_policies
 from adaspec.drafters.base import Peek
 from adaspec.drafters import drafter_family
 from adaspec.selection.auto import (AutoController, AutoLength, AutoSelector, ChainCounts, Plan, expected_tokens,
-                                    lower_bound, peek_chain, peek_context)
+                                    lower_bound, peek_chain, peek_context, verify_floor)
 
 GREEDY = SamplingConfig()
 WORDS = [f"w{i:02d}" for i in range(32)]
@@ -189,6 +189,24 @@ def test_cap_never_stops_inside_a_cost_cliff():
     # a plain verify-cost-free curve and a poor drafter: the cap is short but not zero
     c2 = controller_with({0: (1.0, 0.3, 0.3)}, FixedCosts(flat(1.0, 0.1)), ["lookup"])
     assert c2.best_k(0).k == 1
+
+
+def test_pruned_cap_search_equals_the_full_search():
+    """``best_k`` with the verify floor stops early but must pick what pricing every cap picks,
+    on random curves with cliffs, random drafting costs and estimates (peeked or not)."""
+    rng = random.Random(7)
+    for trial in range(300):
+        curve = {w: rng.uniform(0.5, 2.5) for w in range(1, 20)}
+        est = (rng.choice([0.0, 0.3, 1.0, rng.random()]), rng.random(), rng.choice([0.0, 0.99, rng.random()]))
+        costs = FixedCosts(curve, {0: rng.choice([0.0, 0.01, 0.2])}, overhead=rng.uniform(0.0, 0.5))
+        c = controller_with({0: est}, costs, ["suffix"])
+        if trial % 2:  # a looked-at block of random length (drafting paid, h = 1)
+            c.observe_proposals({0: Peek(list(range(rng.randint(1, 20))), 3)})
+        verify, draft, overhead = c._cost_fns()
+        widths = [0.0] + [verify(w) for w in range(1, c.max_k + 2)]
+        full = c.best_k(0, widths.__getitem__, draft, overhead)
+        pruned = c.best_k(0, widths.__getitem__, draft, overhead, verify_floor(widths))
+        assert (pruned.k, pruned.rate) == (full.k, full.rate), trial
 
 
 def test_plain_decoding_when_drafting_does_not_pay():
@@ -733,6 +751,23 @@ def test_model_drafters_whose_plan_keeps_losing_are_scored_ever_more_rarely():
     assert c.evaluate(0) and c.eval_losses[0] == 0
     c.rounds = 516
     assert c.evaluate(0)
+
+
+def test_a_losing_model_drafter_is_priced_again_at_its_next_scoring():
+    """Between scorings a model drafter whose plan lost is not planned, even once its
+    estimates (moved only by decay) would win; its next scoring prices it, and it plays."""
+    c = AutoController(shrink=0.0)
+    c.costs = FixedCosts(flat(1.0, 0.05), {0: 0.01})
+    c.begin_request(["head", "none"], is_model=[True, False])
+    c.eval_losses[0] = 1  # lost at its last scoring: next due at a multiple of 8 (rounds + 0)
+    c.global_counts[0].s, c.global_counts[0].t = [1e4, 0.99e4, 0.99e4], [1e4, 1e4, 1e4]
+    assert c.best_k(0).k > 0  # it would pay now
+    c.rounds = 3
+    assert c.choose().drafter == 1 and not c.evaluate(0)  # not due: still parked
+    c.rounds = 8
+    assert c.choose().drafter == 1 and c.evaluate(0) and c.eval_losses[0] == 0
+    plan = c.choose()
+    assert plan.drafter == 0 and plan.k > 0
 
 
 def test_a_model_drafter_is_scored_before_it_is_played():

@@ -63,7 +63,8 @@ that cannot be looked at (model drafters) are scored on the verified tokens by t
 probability gamma at every emitted position, ``counterfactual_alpha`` the acceptance of the
 realised token), every ``model_eval_every`` rounds (skipped evaluation, Not-a-Bandit B.5),
 an interval that doubles (up to 2^``MAX_EVAL_BACKOFF`` times) while their best plan keeps
-losing to the round's choice, and learn from their own rounds in between. A model drafter is
+losing to the round's choice (a losing one is not priced in the rounds between: only decay
+moves its estimates there), and learn from their own rounds in between. A model drafter is
 scored every round and not played until ``MODEL_WARMUP`` first tokens are scored
 (``trusted``): scoring costs its forward, playing it on the prior's optimism a wider verify.
 
@@ -111,8 +112,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..drafters.base import Decision, DraftStep
 from ..errors import ConfigError
@@ -235,6 +235,15 @@ def lower_bound(p: float, n: float, z: float) -> float:
     return max(0.0, p - z * (p * (1.0 - p) / (n + 1.0)) ** 0.5)
 
 
+def verify_floor(widths: Sequence[float]) -> list[float]:
+    """floor[w] = min(widths[w:]): the cheapest verify of a block at least w wide (a lower
+    bound on what any longer cap costs, ``AutoController.best_k``)."""
+    floor = list(widths)
+    for w in range(len(floor) - 2, -1, -1):
+        floor[w] = min(floor[w], floor[w + 1])
+    return floor
+
+
 def expected_tokens(h: float, a: float, c: float, k: int) -> float:
     """E(k) = 1 + h a (1 + c + ... + c^(k-1)): emitted tokens of a round with cap k."""
     if k <= 0:
@@ -243,9 +252,8 @@ def expected_tokens(h: float, a: float, c: float, k: int) -> float:
     return 1.0 + h * a * geo
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The controller's choice for a round."""
+class Plan(NamedTuple):
+    """The controller's choice for a round (a tuple: one is built per drafter per round)."""
 
     drafter: int
     k: int
@@ -353,22 +361,35 @@ class AutoController:
         posterior ``shrink``-sigma lower bound."""
         w = self.prior_weight
         glob_c, req_c = self.global_counts[d], self.request_counts[d]
-        glob = glob_c.estimate(DEFAULT_PRIOR, w)
-        est = req_c.estimate(glob, w)
-        n = [w + req_c.t[i] for i in range(3)]
-        data = [glob_c.t[i] + req_c.t[i] for i in range(3)]  # trials behind the estimate
+        glob_c._sync()
+        req_c._sync()
+        gs, gt, rs, rt = glob_c._s, glob_c._t, req_c._s, req_c._t
+        # the request's counts on the global estimate on DEFAULT_PRIOR, each worth w trials
+        est = [(rs[i] + w * (gs[i] + w * DEFAULT_PRIOR[i]) / (gt[i] + w)) / (rt[i] + w) for i in (0, 1, 2)]
+        n = rt  # this request's evidence (+ w below)
         if context is not None:
             g = self.global_ctx[d].get(context)
-            base = g.estimate(est, w) if g is not None else est
+            if g is not None:
+                g._sync()
+                est = [(g._s[i] + w * est[i]) / (g._t[i] + w) for i in (0, 1, 2)]
             r = self.request_ctx[d].get(context)
-            est = r.estimate(base, w) if r is not None else base
-            n = [w + (r.t[i] if r is not None else 0.0) for i in range(3)]  # this request's evidence
+            if r is not None:
+                r._sync()
+                est = [(r._s[i] + w * est[i]) / (r._t[i] + w) for i in (0, 1, 2)]
+                n = r._t
+            else:
+                n = (0.0, 0.0, 0.0)
         if self.shrink <= 0.0:
-            return est
+            return est[0], est[1], est[2]
         # the curse is of estimates from data: a cold start (no trials yet) plans on the prior's
-        # mean, and the bound comes in as trials do (z e / (e + w), e = trials behind it)
-        return tuple(lower_bound(est[i], n[i], self.shrink * data[i] / (data[i] + w))  # type: ignore[return-value]
-                     for i in range(3))
+        # mean, and the bound comes in as trials do (z e / (e + w), e = trials behind it):
+        # lower_bound(p, w + n, z e / (e + w)), inlined (this runs for every drafter every round)
+        z = self.shrink
+        out = []
+        for i in (0, 1, 2):
+            p, e = est[i], gt[i] + rt[i]
+            out.append(max(0.0, p - z * e / (e + w) * (p * (1.0 - p) / (w + n[i] + 1.0)) ** 0.5))
+        return out[0], out[1], out[2]
 
     def _cost_fns(self) -> tuple[Callable[[int], float], Callable[[int, int], float], float]:
         c = self.costs
@@ -377,14 +398,19 @@ class AutoController:
         return c.verify_cost, c.draft_cost, float(getattr(c, "round_overhead_s", 0.0) or 0.0)
 
     def best_k(self, d: int, verify: Callable[[int], float] | None = None,
-               draft: Callable[[int, int], float] | None = None, overhead: float | None = None) -> Plan:
-        """The cap k in 0..max_k that maximises rate_d(k) (k = 0: a plain decoding step)."""
+               draft: Callable[[int, int], float] | None = None, overhead: float | None = None,
+               floor: Sequence[float] | None = None) -> Plan:
+        """The cap k in 0..max_k that maximises rate_d(k) (k = 0: a plain decoding step).
+        ``floor[w]``: min V(w') over w' >= w (``verify_floor``); with it the search stops once
+        no longer cap can beat the best so far (E(k') < 1 + h a / (1 - c), T(k') >= o + miss +
+        h (D(k) + floor[k + 1]) for k' >= k: drafting more tokens never costs less, as in every
+        cost model here): a drafter that does not pay is priced in a few steps, not max_k."""
         if verify is None or draft is None or overhead is None:
             verify, draft, overhead = self._cost_fns()
         v1 = verify(1)
-        best = Plan(d, 0, 1.0 / max(overhead + v1, 1e-12))
+        best_rate = 1.0 / max(overhead + v1, 1e-12)
         if self.names[d] in NONE_NAMES or not self.trusted(d):
-            return best
+            return Plan(d, 0, best_rate)
         top = self.max_k
         if d in self.peeked:  # its proposal is known: h is 0 or 1, k <= its length, drafting done
             block = len(self.peeked[d])
@@ -401,14 +427,20 @@ class AutoController:
             h, a, c = self.estimate(d)
         miss = (1.0 - h) * (v1 + draft(d, 0))
         ha, run, geo = h * a, 1.0, 0.0  # E(k) = 1 + h a (1 + c + ... + c^(k-1)), summed as k grows
-        best_k, best_rate = 0, best.rate
+        best_k = 0
+        bound = floor is not None and c < 1.0
         for k in range(1, top + 1):
+            dk = draft(d, k)
+            # the best any cap >= k could do, drafting never cheaper for more tokens (1e-9: rounding)
+            if bound and (1.0 + ha * (geo + run / (1.0 - c))) <= best_rate * (1.0 - 1e-9) * max(
+                    overhead + miss + h * (dk + floor[k + 1]), 1e-12):
+                break
             geo += run
             run *= c
-            rate = (1.0 + ha * geo) / max(overhead + h * (draft(d, k) + verify(k + 1)) + miss, 1e-12)
+            rate = (1.0 + ha * geo) / max(overhead + h * (dk + verify(k + 1)) + miss, 1e-12)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return Plan(d, best_k, best_rate) if best_k else best
+        return Plan(d, best_k, best_rate)
 
     def trusted(self, d: int) -> bool:
         """May drafter ``d`` be played? A model drafter only once scored on ``model_warmup``
@@ -459,8 +491,13 @@ class AutoController:
                 widths = row(self.max_k + 1)
             else:
                 widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
-            plans = [self.best_k(d, widths.__getitem__, draft, overhead) for d in range(len(self.names))]
-            best = max(plans, key=lambda p: (p.rate, p.k))
+            floor = verify_floor(widths)
+            # a model drafter whose plan lost at its last scoring is priced again at its next
+            # one (``evaluate``): until then only decay moved its estimates
+            losing = self.eval_losses
+            plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor)
+                     for d in range(len(self.names)) if not losing.get(d)]
+            best = max(plans, key=lambda p: (p.rate, p.k)) if plans else Plan(0, 0, 1.0 / max(overhead + widths[1], 1e-12))
         if best.k == 0:
             for d, name in enumerate(self.names):
                 if name in NONE_NAMES:
