@@ -141,8 +141,9 @@ MAX_LOOK_SKIP = 8
 #: scoring trusted model drafters on rounds they did not play may cost at most this share of
 #: the wall time (``CostModel.eval_share``; option ``eval_share``): past it their scores are
 #: skipped (Not-a-Bandit B.5). With the default SmolLM2 pool's six feature heads scoring
-#: took 6.2% of the wall time without a budget
-EVAL_SHARE = 0.01
+#: took 6.2% of the wall time without a budget; 0.01 and 0.005 ran level (1.92x and 1.93x AR,
+#: docs/results/smollm2-pool-auto-overhead), 0.005 at 0.8% of the wall time instead of 1.0%
+EVAL_SHARE = 0.005
 
 
 class DecayClock:
@@ -720,7 +721,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
                  shrink: float = 1.0, peek_depth: int = 4, confidence_stop: int | bool = 1,
                  look_share: float = LOOK_SHARE, eval_share: float = EVAL_SHARE):
         super().__init__(seed=seed, scope=scope)
-        _check_share("eval_share", eval_share, "eval_share=0.01 (scoring model drafters costs at most that "
+        _check_share("eval_share", eval_share, "eval_share=0.005 (scoring model drafters costs at most that "
                      "share of the wall time), 1 for no budget")
         _check_share("look_share", look_share, "look_share=0.005 (looks cost at most that share of a plain "
                      "round), 0 (default) to look every round")
