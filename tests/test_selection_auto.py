@@ -753,23 +753,6 @@ def test_model_drafters_whose_plan_keeps_losing_are_scored_ever_more_rarely():
     assert c.evaluate(0)
 
 
-def test_a_losing_model_drafter_is_priced_again_at_its_next_scoring():
-    """Between scorings a model drafter whose plan lost is not planned, even once its
-    estimates (moved only by decay) would win; its next scoring prices it, and it plays."""
-    c = AutoController(shrink=0.0)
-    c.costs = FixedCosts(flat(1.0, 0.05), {0: 0.01})
-    c.begin_request(["head", "none"], is_model=[True, False])
-    c.eval_losses[0] = 1  # lost at its last scoring: next due at a multiple of 8 (rounds + 0)
-    c.global_counts[0].s, c.global_counts[0].t = [1e4, 0.99e4, 0.99e4], [1e4, 1e4, 1e4]
-    assert c.best_k(0).k > 0  # it would pay now
-    c.rounds = 3
-    assert c.choose().drafter == 1 and not c.evaluate(0)  # not due: still parked
-    c.rounds = 8
-    assert c.choose().drafter == 1 and c.evaluate(0) and c.eval_losses[0] == 0
-    plan = c.choose()
-    assert plan.drafter == 0 and plan.k > 0
-
-
 def test_a_model_drafter_is_scored_before_it_is_played():
     """Full feedback: a model drafter is scored every round and planned as a plain step until
     MODEL_WARMUP first tokens are scored, however good the prior looks; then its estimates

@@ -300,6 +300,27 @@ def test_suffix_trees_offer_the_last_tokens_continuations_without_a_match():
     assert 0 < tree.scores[0] < 0.5  # a weak, calibrated estimate the node budget can cut
 
 
+@pytest.mark.parametrize("drafter", ["suffix", "prompt-lookup"])
+def test_trees_offer_the_most_frequent_tokens_after_an_unseen_token(drafter):
+    """After a token the request has not seen (no match at any level) the root's candidates
+    are the request's most frequent tokens, ties most recent first, in the frequency bucket;
+    the chain still has nothing to propose."""
+    from adaspec.drafters import build_drafter
+    from adaspec.drafters.indexed import frequent_candidates
+
+    ctx = [4, 1, 9, 1, 7, 2, 4, 2, 1, 8, 2, 9, 30]  # 1 and 2 three times, 4 and 9 twice, 30 unseen
+    d = build_drafter(drafter, None)
+    d.begin_request(ctx)
+    assert d.peek(ctx, 5).tokens == []
+    tree = d.draft_tree(ctx, 2, 6)
+    root = [tree.tokens[i] for i in tree.children()[0]]
+    assert root == [2, 1, 9, 4]  # by count, then by the last occurrence (2 after 1, 9 after 4)
+    assert dict(d.candidate_keys()) == dict.fromkeys(root, (0, 0, 0))
+    assert all(0 < s <= 0.05 for s in tree.scores[:4])  # weak, so the node budget prices them
+    d.catch_up(ctx)
+    assert [t for t, _ in frequent_candidates(d._index, 2)] == [2, 1]
+
+
 class ChainOnly:
     """Patch: every tree node gets only its top candidate, so trees are chains."""
 

@@ -10,7 +10,7 @@ match and stay a pure function of the prefix.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .indexed import CandidateKey, IndexedDrafter, level_candidates
+from .indexed import CandidateKey, IndexedDrafter, frequent_candidates, level_candidates
 
 #: most recent matches per n-gram size read for a tree's candidates
 MAX_TREE_HITS = 64
@@ -26,6 +26,7 @@ class PromptLookupDrafter(IndexedDrafter):
         (1, 2, 1): 0.04, (1, 3, 0): 0.38, (2, 0, 1): 0.10, (2, 1, 0): 0.21, (2, 1, 1): 0.12,
         (2, 2, 0): 0.24, (2, 2, 1): 0.07, (2, 3, 0): 0.58, (3, 1, 0): 0.36, (3, 2, 0): 0.27,
         (3, 3, 0): 0.85,
+        (0, 0, 0): 0.025,  # the frequency level (``frequent_candidates``), as suffix's
     }
     CALIBRATION_DEFAULT = 0.05
 
@@ -52,10 +53,12 @@ class PromptLookupDrafter(IndexedDrafter):
     def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
         """The continuations of several distinct matches: every n-gram size with matches is a
         level (longest first), its tokens ranked by their share of its recent matches; the
-        chain's proposal (the most recent match of the longest n-gram) leads."""
+        chain's proposal (the most recent match of the longest n-gram) leads. Without any
+        match (a token the request has not seen), its most frequent tokens
+        (``frequent_candidates``, with 1-grams in the index)."""
         first = self.propose()
         if first is None:
-            return []
+            return frequent_candidates(self._index)
         toks = self._index.tokens
         levels = [(n, [toks[h] for h in reversed(self._index.continuations(tuple(toks[-n:]))[-MAX_TREE_HITS:])])
                   for n in self._index.sizes if len(toks) >= n]

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import AdaspecError
 from .index import NgramIndex
-from .indexed import CandidateKey, IndexedDrafter, level_candidates
+from .indexed import CandidateKey, IndexedDrafter, frequent_candidates, level_candidates
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class SuffixDrafter(IndexedDrafter):
         (1, 2, 1): 0.04, (1, 3, 0): 0.38, (2, 1, 0): 0.21, (2, 1, 1): 0.17, (2, 2, 0): 0.24,
         (2, 2, 1): 0.09, (2, 3, 0): 0.58, (2, 3, 1): 0.07, (3, 2, 0): 0.23, (3, 3, 0): 0.70,
         (3, 3, 1): 0.06, (5, 3, 0): 0.75, (8, 3, 0): 0.88, (16, 3, 0): 0.97,
+        (0, 0, 0): 0.025,  # the frequency level: 10% of next tokens among the 4 most frequent
     }
     CALIBRATION_DEFAULT = 0.05
 
@@ -189,8 +190,9 @@ class SuffixDrafter(IndexedDrafter):
         (longest first), its continuations ranked by their frequency among its matches; below
         ``min_match``, the continuations of the last token's recent occurrences in the request
         (the 1-gram level, as prompt lookup's shortest n-gram), so a tree has candidates where
-        the chain has no match (on the mixed suite 73% of suffix rounds had none). The chain's
-        proposal (``propose``) leads when there is one."""
+        the chain has no match (on the mixed suite 73% of suffix rounds had none); after a
+        token the request has not seen, its most frequent tokens (``frequent_candidates``). The
+        chain's proposal (``propose``) leads when there is one."""
         found = self._found()
         levels: list[tuple[int, list[int]]] = []
         first = None
@@ -203,8 +205,8 @@ class SuffixDrafter(IndexedDrafter):
         if self.min_match > 1 and seq:
             hits = self._index.continuations((seq[-1],))[-self.max_candidates:]
             levels.append((1, [seq[h] for h in reversed(hits)]))  # most recent first
-        if not any(lv for _, lv in levels):
-            return []
+        if not any(lv for _, lv in levels):  # a token the request has not seen: its most frequent
+            return frequent_candidates(self._index)
         return level_candidates(self._top(levels[0][1]) if first is None else first, levels)
 
     def end_request(self, output_ids: Sequence[int]) -> None:

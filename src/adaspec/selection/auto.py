@@ -63,8 +63,7 @@ that cannot be looked at (model drafters) are scored on the verified tokens by t
 probability gamma at every emitted position, ``counterfactual_alpha`` the acceptance of the
 realised token), every ``model_eval_every`` rounds (skipped evaluation, Not-a-Bandit B.5),
 an interval that doubles (up to 2^``MAX_EVAL_BACKOFF`` times) while their best plan keeps
-losing to the round's choice (a losing one is not priced in the rounds between: only decay
-moves its estimates there), and learn from their own rounds in between. A model drafter is
+losing to the round's choice, and learn from their own rounds in between. A model drafter is
 scored every round and not played until ``MODEL_WARMUP`` first tokens are scored
 (``trusted``): scoring costs its forward, playing it on the prior's optimism a wider verify.
 
@@ -493,12 +492,8 @@ class AutoController:
             else:
                 widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
             floor = verify_floor(widths)
-            # a model drafter whose plan lost at its last scoring is priced again at its next
-            # one (``evaluate``): until then only decay moved its estimates
-            losing = self.eval_losses
-            plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor)
-                     for d in range(len(self.names)) if not losing.get(d)]
-            best = max(plans, key=lambda p: (p.rate, p.k)) if plans else Plan(0, 0, 1.0 / max(overhead + widths[1], 1e-12))
+            plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))]
+            best = max(plans, key=lambda p: (p.rate, p.k))
         if best.k == 0:
             for d, name in enumerate(self.names):
                 if name in NONE_NAMES:
