@@ -140,8 +140,8 @@ MAX_LOOK_SKIP = 8
 #: scoring trusted model drafters on rounds they did not play may cost at most this share of
 #: the wall time (``CostModel.eval_share``; option ``eval_share``): past it their scores are
 #: skipped (Not-a-Bandit B.5). With the default SmolLM2 pool's six feature heads scoring
-#: took 6.2% of the wall time without a budget; 0.01 and 0.005 ran level (1.92x and 1.93x AR,
-#: docs/results/smollm2-pool-auto-overhead), 0.005 at 0.8% of the wall time instead of 1.0%
+#: took 6.2% of the wall time without a budget; 0.01 and 0.005 ran level (1.90x AR both,
+#: docs/results/smollm2-pool-auto-overhead), 0.005 at 0.9% of the wall time instead of 1.0%
 EVAL_SHARE = 0.005
 
 
