@@ -263,3 +263,66 @@ def test_the_shared_table_keeps_every_trial_of_the_request_level():
     d.catch_up(BRANCHY + [3])
     assert d.calibration.trials == d.request_calibration.trials
     assert d.calibration.hits == d.request_calibration.hits
+
+
+def test_calibrated_scores_scale_each_nodes_own_probability():
+    """c_i = c_parent min(1, q_i f), q_i = score_i / score_parent (EAGLE-2 scores are products)."""
+    from adaspec.trees import DraftTree, calibrated_scores, node_trials
+
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 2], [0.8, 0.1, 0.4, 0.3])
+    assert calibrated_scores(tree, 1.0) == pytest.approx(tree.scores)
+    assert calibrated_scores(tree, 0.5) == pytest.approx([0.4, 0.05, 0.4 * 0.25, 0.4 * 0.25 * 0.375])
+    assert calibrated_scores(tree, 2.0)[0] == 1.0  # a probability: at most 1
+    # the root's children and the children of accepted nodes are trials; node 0 then 2 accepted
+    hits, qs = node_trials(tree, [0, 2])
+    assert hits == [1.0, 0.0, 1.0, 0.0] and qs == pytest.approx([0.8, 0.1, 0.5, 0.75])
+    assert node_trials(tree, []) == ([0.0, 0.0], pytest.approx([0.8, 0.1]))
+
+
+def test_dynamic_tree_drafts_a_level_only_while_it_may_pay():
+    """``level_gain``: a level is drafted only while the frontier's scores sum to more (its
+    children's scores sum to at most that); one child per node (a chain) is never cut."""
+    import torch
+
+    from adaspec.trees import dynamic_tree
+
+    calls = []
+
+    def step(frontier, nodes):
+        calls.append(len(frontier))
+        return torch.full((len(frontier), 8), 1.0 / 8)  # every token at q = 1/8
+
+    root = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0])
+    deep = dynamic_tree(root, step, max_depth=4, max_nodes=40)
+    assert len(calls) == 3 and max(deep.depths) == 4
+    calls.clear()
+    cut = dynamic_tree(root, step, max_depth=4, max_nodes=40, level_gain=1.5)  # root level sums to 1.0
+    assert calls == [] and len(cut) == 4
+    calls.clear()
+    mid = dynamic_tree(root, step, max_depth=4, max_nodes=40, level_gain=0.3)  # level 2 sums to 0.5 (4 x 1/8)
+    assert len(calls) == 1 and max(mid.depths) == 2
+    calls.clear()
+    chain = dynamic_tree(root, step, max_depth=4, max_nodes=40, branch=1, level_gain=10.0)
+    assert len(calls) == 3 and chain.is_chain and len(chain) == 4
+
+
+def test_model_drafter_trees_keep_to_the_node_limit_whatever_the_cap():
+    """A length rule's cap is a bound (the cost-model rule's is 68): a model drafter's tree is
+    at most ``tree_nodes`` nodes and as deep, not as deep as the cap."""
+    from adaspec import SpeculativeEngine
+    from conftest import make_tiny_model
+
+    from test_trees import V, _engine_drafters
+
+    model = make_tiny_model(seed=0, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    for kind in ("early-exit", "feature-head"):
+        loaded, drafters = _engine_drafters(model, [kind])
+        eng = SpeculativeEngine(loaded, drafters, k=40, tree=True, tree_nodes=6)
+        depths = []
+        orig = drafters[0].draft_tree
+        drafters[0].draft_tree = lambda *a, **kw: depths.append(a[1]) or orig(*a, **kw)
+        res = eng.generate([1, 2, 3, 4, 1, 2, 5], max_new_tokens=30)
+        nodes = [r.tree_nodes for r in res.stats.rounds]
+        assert any(nodes) and max(nodes) <= 6, kind
+        assert depths and max(depths) <= 6, kind
+        assert eng.tree_calibration.sums.get(0), kind  # its nodes' probabilities learnt from the verdicts

@@ -30,13 +30,15 @@ from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
 from .length import LengthPolicy, StaticLength
+from .length.cost_rule import ConfidenceCalibration
 from .metrics import RequestStats, RoundRecord
 from .backends import DEFAULT_BACKEND, TargetBackend
 from .models import DEFAULT_MODEL, as_loaded, load_model
 from .pools import pool_drafters
 from .sampling import process_logits, verify_greedy, verify_sampling
 from .selection import DrafterPolicy, build_policies
-from .trees import DraftTree, nodes_worth_verifying, tree_gammas, verify_tree_greedy, verify_tree_sampling
+from .trees import (DraftTree, calibrated_scores, node_trials, nodes_worth_verifying, tree_gammas,
+                    verify_tree_greedy, verify_tree_sampling)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,9 @@ class SpeculativeEngine:
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
         #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
         self.cost_model = CostModel()
+        #: model drafters' tree-node probabilities, calibrated on the nodes the target saw
+        #: (``trees.calibrated_scores``; kept across requests, like the costs)
+        self.tree_calibration = ConfidenceCalibration()
         self._attach_costs()
 
     def _set_policies(self, selector: Any, length: Any, k: int) -> None:
@@ -499,7 +504,8 @@ class SpeculativeEngine:
             else:
                 k = len(tree)
                 draft, n, next_token, logits, hidden, gammas = self._verify_tree(
-                    cache, tokens, tree, sampling, generator, features is not None)
+                    cache, tokens, tree, sampling, generator, features is not None,
+                    calibrate=i if drafter.is_model else None)
             t4 = now()
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
@@ -578,7 +584,9 @@ class SpeculativeEngine:
         chain, which the engine then drafts exactly as without trees (the length policy's cap
         and ``decide``): a tree of one chain is the chain path.
 
-        Depth: a model drafter's tree is ``cap`` deep (every level costs a drafter forward). A
+        Depth: a model drafter's tree is ``cap`` deep (every level costs a drafter forward), at
+        most ``tree_nodes``, and a level is drafted only while the drafter's scores say it may
+        add more tokens than its forward's seconds yield at the running rate. A
         model-free drafter's is ``tree_nodes - 1`` deep, whatever the cap (at most ``room``,
         the tokens left): its nodes cost lookups, and the budget prices each by its calibrated
         score, so a cap chosen for a chain would only cut paths that pay; one less than the
@@ -591,36 +599,47 @@ class SpeculativeEngine:
         / (o + V(m + 1)) with E_m = 1 + its nodes' scores (``nodes_worth_verifying``), else the
         chain is drafted (None)."""
         drafter = self.drafters[index]
+        costs = self.cost_model
+        scores = None
         if drafter.is_model:
-            tree = drafter.draft_tree(tokens, cap, max(self.tree_nodes, cap), sampling)
+            # its q are calibrated on the tree nodes the target saw; a level is one drafter
+            # forward: worth it while it may add more expected tokens than its seconds yield
+            # at the running rate (the frontier's calibrated scores are about f times its raw)
+            f = self.tree_calibration.factor(index)
+            level_s = max(0.0, costs.draft_cost(index, 1) - costs.draft_cost(index, 0))
+            tree = drafter.draft_tree(tokens, min(cap, self.tree_nodes), self.tree_nodes, sampling,
+                                      level_gain=level_s * costs.running_rate() / max(f, 1e-6))
             if tree.is_chain:
                 return tree
+            if tree.scores is not None:
+                scores = calibrated_scores(tree, f)
         else:
             depth = min(max(self.tree_nodes - 1, 1), room)
             tree = drafter.draft_tree(tokens, depth, self.tree_nodes, sampling)
             if tree.is_chain:
                 return tree if not len(tree) else None
-        if tree.scores is None:
+            scores = tree.scores
+        if scores is None:
             return tree
-        costs = self.cost_model
         # the opportunity cost of a second is the generation's running rate, unless the length
         # policy planned the round on its own rate (auto): the tree then keeps that objective
         rate = None if self.length.plans_round_rate else costs.running_rate()
-        m = nodes_worth_verifying(tree.scores, costs.verify_cost, costs.round_overhead_s, rate)
+        m = nodes_worth_verifying(scores, costs.verify_cost, costs.round_overhead_s, rate)
         planned = None if drafter.is_model or rate is not None else self.length.planned_rate(index)
         if planned is not None:
             seconds = costs.round_overhead_s + costs.verify_cost(m + 1)
-            if seconds > 0.0 and (1.0 + sum(tree.scores[:m])) / seconds <= planned:
+            if seconds > 0.0 and (1.0 + sum(scores[:m])) / seconds <= planned:
                 return None
         return tree.prefix(m)
 
     def _verify_tree(self, cache: Any, tokens: list[int], tree: DraftTree, sampling: SamplingConfig,
-                     generator: torch.Generator | None, features: bool
+                     generator: torch.Generator | None, features: bool, calibrate: int | None = None
                      ) -> tuple[Draft, int, int, torch.Tensor, torch.Tensor | None, list[float]]:
         """One target forward over the tree, exact acceptance (``adaspec.trees``), the accepted
         path's KV kept. For the policies the round reads as a chain: the accepted path, then
         (if it has children) the first child of its end, which was rejected; logits (and
-        hidden states) of those positions; Not-a-Bandit Theorem 2 gammas at each of them."""
+        hidden states) of those positions; Not-a-Bandit Theorem 2 gammas at each of them.
+        ``calibrate``: the model drafter whose node probabilities learn from the verdict."""
         logits, hidden = self.target.forward_tree(cache, tokens[-1], tree, hidden=features)
         if sampling.greedy:
             verdict = verify_tree_greedy(logits, tree)
@@ -629,6 +648,8 @@ class SpeculativeEngine:
             verdict = verify_tree_sampling(probs, tree, generator)
         rows = verdict.rows
         self.target.keep_path(cache, len(tokens) - 1, rows)
+        if calibrate is not None and tree.scores is not None:  # a model drafter's nodes: calibration
+            self.tree_calibration.observe(calibrate, *node_trials(tree, verdict.path))
         n = len(verdict.path)
         kids = tree.children()[rows[-1]]
         chain = rows + [kids[0] + 1] if kids else rows

@@ -187,6 +187,37 @@ def tree_gammas(probs: torch.Tensor, tree: DraftTree, rows: Sequence[int]) -> li
     return out
 
 
+def calibrated_scores(tree: DraftTree, factor: float) -> list[float]:
+    """A model drafter's node scores with each node's own probability q_i (its score over its
+    parent's: EAGLE-2 scores are products of q) calibrated as a chain token's is
+    (``length.cost_rule.ConfidenceCalibration``): c_i = c_parent min(1, q_i f), f the
+    drafter's observed / predicted acceptance of tree nodes (``node_trials``)."""
+    assert tree.scores is not None
+    out: list[float] = []
+    for s, p in zip(tree.scores, tree.parents):
+        up = 1.0 if p < 0 else tree.scores[p]
+        q = s / up if up > 0.0 else 0.0
+        out.append((1.0 if p < 0 else out[p]) * min(1.0, q * factor))
+    return out
+
+
+def node_trials(tree: DraftTree, path: Sequence[int]) -> tuple[list[float], list[float]]:
+    """(hit, q) of every verified node whose parent was accepted (the root's children too):
+    the node's own probability q (score over its parent's) against whether the target took it
+    (under sampling the realised acceptance is unbiased for the one-hot acceptance
+    probability, as ``selection.auto.peek_chain``)."""
+    assert tree.scores is not None
+    accepted = {-1, *path}
+    hits: list[float] = []
+    qs: list[float] = []
+    for i, (s, p) in enumerate(zip(tree.scores, tree.parents)):
+        if p in accepted:
+            up = 1.0 if p < 0 else tree.scores[p]
+            qs.append(s / up if up > 0.0 else 0.0)
+            hits.append(1.0 if i in accepted else 0.0)
+    return hits, qs
+
+
 def nodes_worth_verifying(scores: Sequence[float], verify_cost: Callable[[int], float],
                           fixed_s: float = 0.0, rate: float | None = None) -> int:
     """How many of the first nodes (best-first) to verify; a node's score estimates its
@@ -231,14 +262,19 @@ LevelStep = Callable[[Sequence[int], Sequence[TreeNode]], torch.Tensor]
 
 
 def dynamic_tree(root_q: torch.Tensor, step: LevelStep, max_depth: int, max_nodes: int,
-                 branch: int = 4, width: int = 4) -> DraftTree:
+                 branch: int = 4, width: int = 4, level_gain: float = 0.0) -> DraftTree:
     """EAGLE-2 dynamic draft tree (Li et al. 2024, Sec. 4): every expanded node offers its
     ``branch`` most probable tokens (score = parent score x q); at each depth the ``width``
     best-scoring new nodes are expanded with one ``step`` (one drafter forward per level);
     finally all nodes are reranked by score and the best ``max_nodes`` kept (best-first, so
     every prefix is a tree). A frontier node is expanded only while it scores above the
     ``max_nodes``-th best score so far (its children score at most its own, so could not be
-    kept); expansion stops when none does."""
+    kept); expansion stops when none does, or when the frontier's scores sum to at most
+    ``level_gain`` (a node's children's scores sum to at most its own, so by the drafter's
+    estimates the level adds at most that many expected tokens: the engine passes what a
+    level's drafting seconds yield at the running rate, ``SpeculativeEngine._draft_tree``).
+    With one child per node (``branch`` 1) the tree is the drafter's chain, as deep as the
+    length policy's cap: ``level_gain`` does not cut it (a tree of one chain is the chain path)."""
     nodes: list[TreeNode] = []
 
     def offer(parents: Sequence[int], rows: torch.Tensor) -> list[int]:
@@ -259,7 +295,7 @@ def dynamic_tree(root_q: torch.Tensor, step: LevelStep, max_depth: int, max_node
         bar = ranked[max_nodes - 1] if len(ranked) >= max_nodes else 0.0  # the last kept score
         # a child scores at most its parent: expanding a node at or below the bar cannot pay
         frontier = [i for i in sorted(level, key=lambda i: -nodes[i].score)[:width] if nodes[i].score > bar]
-        if not frontier:
+        if not frontier or (branch > 1 and sum(nodes[i].score for i in frontier) <= level_gain):
             break
         level = offer(frontier, step(frontier, nodes))
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]

@@ -465,7 +465,7 @@ class FeatureHeadDrafter(Drafter):
 
     @torch.inference_mode()
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
         """EAGLE-2 dynamic tree (Li et al. 2024; ``trees.dynamic_tree``): children are the top
         tokens of each node's q (deterministic: verified by the one-hot rule), one head forward
         per depth over the level's frontier, each node fed its parent's predicted feature with
@@ -494,7 +494,7 @@ class FeatureHeadDrafter(Drafter):
             return self._tree_q(self.head.subset_logits(out).float(), sampling)
 
         root = self._tree_q(self.head.subset_logits(pred[-1]).float(), sampling)
-        return dynamic_tree(root, step, max_depth, max_nodes, self.tree_branch, self.tree_width)
+        return dynamic_tree(root, step, max_depth, max_nodes, self.tree_branch, self.tree_width, level_gain)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:

@@ -179,14 +179,15 @@ class IndexedDrafter(Drafter):
         return [] if tok is None else [(tok, candidate_key(max(self._match, 1), 1, 1, False))]
 
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
         """A best-first tree of up to ``max_nodes`` nodes, ``max_depth`` deep: a node's score is
         its parent's times its candidate probability (the estimated probability that its path
         is accepted), the highest-scoring open candidate is added next, so nodes come in
         best-first order (ties: the chain's proposals first). One candidate at every node gives
         ``peek``'s chain exactly. Candidate probabilities are calibrated
         (``CandidateCalibration``): every expanded node's candidates are kept and settled
-        against the emitted tokens at the next ``catch_up``."""
+        against the emitted tokens at the next ``catch_up``. Its levels cost lookups, not
+        forwards: ``level_gain`` does not apply."""
         self.catch_up(context)
         index = self._index
         base = len(index)

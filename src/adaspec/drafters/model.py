@@ -247,7 +247,7 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
         """EAGLE-2 dynamic tree (``trees.dynamic_tree``): the children of a node are the top
         ``tree_branch`` tokens of its q (deterministic, so the one-hot rule verifies them
         exactly), one drafter forward per depth over that level's frontier with a tree mask;
@@ -272,7 +272,7 @@ class ModelDrafter(Drafter):
 
         self._tree_kv = _TreeKV(base, slots)
         return dynamic_tree(tree_q(logits[-1], sampling), step, max_depth, max_nodes,
-                            self.tree_branch, self.tree_width)
+                            self.tree_branch, self.tree_width, level_gain)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
