@@ -325,4 +325,4 @@ def test_model_drafter_trees_keep_to_the_node_limit_whatever_the_cap():
         nodes = [r.tree_nodes for r in res.stats.rounds]
         assert any(nodes) and max(nodes) <= 6, kind
         assert depths and max(depths) <= 6, kind
-        assert eng.tree_calibration.sums.get(0), kind  # its nodes' probabilities learnt from the verdicts
+        assert eng.tree_calibration.sums.get(id(drafters[0])), kind  # its nodes' probabilities learnt

@@ -142,7 +142,8 @@ class SpeculativeEngine:
         #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
         self.cost_model = CostModel()
         #: model drafters' tree-node probabilities, calibrated on the nodes the target saw
-        #: (``trees.calibrated_scores``; kept across requests, like the costs)
+        #: (``trees.calibrated_scores``; kept across requests, like the costs), keyed by the
+        #: drafter instance (``id``), which views (``with_policies``) share whatever its index
         self.tree_calibration = ConfidenceCalibration()
         self._attach_costs()
 
@@ -505,7 +506,7 @@ class SpeculativeEngine:
                 k = len(tree)
                 draft, n, next_token, logits, hidden, gammas = self._verify_tree(
                     cache, tokens, tree, sampling, generator, features is not None,
-                    calibrate=i if drafter.is_model else None)
+                    calibrate=id(drafter) if drafter.is_model else None)
             t4 = now()
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
@@ -605,7 +606,7 @@ class SpeculativeEngine:
             # its q are calibrated on the tree nodes the target saw; a level is one drafter
             # forward: worth it while it may add more expected tokens than its seconds yield
             # at the running rate (the frontier's calibrated scores are about f times its raw)
-            f = self.tree_calibration.factor(index)
+            f = self.tree_calibration.factor(id(drafter))
             level_s = max(0.0, costs.draft_cost(index, 1) - costs.draft_cost(index, 0))
             tree = drafter.draft_tree(tokens, min(cap, self.tree_nodes), self.tree_nodes, sampling,
                                       level_gain=level_s * costs.running_rate() / max(f, 1e-6))
@@ -639,7 +640,8 @@ class SpeculativeEngine:
         path's KV kept. For the policies the round reads as a chain: the accepted path, then
         (if it has children) the first child of its end, which was rejected; logits (and
         hidden states) of those positions; Not-a-Bandit Theorem 2 gammas at each of them.
-        ``calibrate``: the model drafter whose node probabilities learn from the verdict."""
+        ``calibrate``: the key (``id``) of the model drafter whose node probabilities learn
+        from the verdict (``tree_calibration``)."""
         logits, hidden = self.target.forward_tree(cache, tokens[-1], tree, hidden=features)
         if sampling.greedy:
             verdict = verify_tree_greedy(logits, tree)
