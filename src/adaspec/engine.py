@@ -504,9 +504,8 @@ class SpeculativeEngine:
                     self.target.truncate(cache, len(tokens) + n)
             else:
                 k = len(tree)
-                draft, n, next_token, logits, hidden, gammas = self._verify_tree(
-                    cache, tokens, tree, sampling, generator, features is not None,
-                    calibrate=id(drafter) if drafter.is_model else None)
+                draft, n, next_token, logits, hidden, gammas, path = self._verify_tree(
+                    cache, tokens, tree, sampling, generator, features is not None)
             t4 = now()
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
@@ -532,6 +531,8 @@ class SpeculativeEngine:
                     seen[j] = len(tokens)
             t6 = now()
             cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
+            if tree is not None and drafter.is_model and tree.scores is not None:  # its node q's learn
+                self.tree_calibration.observe(id(drafter), *node_trials(tree, path))
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
@@ -634,14 +635,13 @@ class SpeculativeEngine:
         return tree.prefix(m)
 
     def _verify_tree(self, cache: Any, tokens: list[int], tree: DraftTree, sampling: SamplingConfig,
-                     generator: torch.Generator | None, features: bool, calibrate: int | None = None
-                     ) -> tuple[Draft, int, int, torch.Tensor, torch.Tensor | None, list[float]]:
+                     generator: torch.Generator | None, features: bool
+                     ) -> tuple[Draft, int, int, torch.Tensor, torch.Tensor | None, list[float], list[int]]:
         """One target forward over the tree, exact acceptance (``adaspec.trees``), the accepted
         path's KV kept. For the policies the round reads as a chain: the accepted path, then
         (if it has children) the first child of its end, which was rejected; logits (and
-        hidden states) of those positions; Not-a-Bandit Theorem 2 gammas at each of them.
-        ``calibrate``: the key (``id``) of the model drafter whose node probabilities learn
-        from the verdict (``tree_calibration``)."""
+        hidden states) of those positions; Not-a-Bandit Theorem 2 gammas at each of them; the
+        accepted nodes (``TreeVerdict.path``)."""
         logits, hidden = self.target.forward_tree(cache, tokens[-1], tree, hidden=features)
         if sampling.greedy:
             verdict = verify_tree_greedy(logits, tree)
@@ -650,8 +650,6 @@ class SpeculativeEngine:
             verdict = verify_tree_sampling(probs, tree, generator)
         rows = verdict.rows
         self.target.keep_path(cache, len(tokens) - 1, rows)
-        if calibrate is not None and tree.scores is not None:  # a model drafter's nodes: calibration
-            self.tree_calibration.observe(calibrate, *node_trials(tree, verdict.path))
         n = len(verdict.path)
         kids = tree.children()[rows[-1]]
         chain = rows + [kids[0] + 1] if kids else rows
@@ -661,7 +659,7 @@ class SpeculativeEngine:
         else:
             gammas = tree_gammas(probs, tree, chain[:-1])
         return (draft, n, verdict.next_token, logits[chain],
-                None if hidden is None else hidden[chain], gammas)
+                None if hidden is None else hidden[chain], gammas, verdict.path)
 
     def _peek(self, tokens: list[int], max_tokens: int, seen: list[int]) -> dict[int, Peek]:
         """Every drafter's proposal that costs no model call (``Drafter.peek``), by index; the

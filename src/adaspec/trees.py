@@ -187,16 +187,24 @@ def tree_gammas(probs: torch.Tensor, tree: DraftTree, rows: Sequence[int]) -> li
     return out
 
 
-def calibrated_scores(tree: DraftTree, factor: float) -> list[float]:
-    """A model drafter's node scores with each node's own probability q_i (its score over its
-    parent's: EAGLE-2 scores are products of q) calibrated as a chain token's is
-    (``length.cost_rule.ConfidenceCalibration``): c_i = c_parent min(1, q_i f), f the
-    drafter's observed / predicted acceptance of tree nodes (``node_trials``)."""
+def node_probabilities(tree: DraftTree) -> list[float]:
+    """Each node's own probability q_i: its score over its parent's (EAGLE-2 scores are
+    products of q along the path)."""
     assert tree.scores is not None
     out: list[float] = []
     for s, p in zip(tree.scores, tree.parents):
         up = 1.0 if p < 0 else tree.scores[p]
-        q = s / up if up > 0.0 else 0.0
+        out.append(s / up if up > 0.0 else 0.0)
+    return out
+
+
+def calibrated_scores(tree: DraftTree, factor: float) -> list[float]:
+    """A model drafter's node scores with each node's own probability q_i
+    (``node_probabilities``) calibrated as a chain token's is
+    (``length.cost_rule.ConfidenceCalibration``): c_i = c_parent min(1, q_i f), f the
+    drafter's observed / predicted acceptance of tree nodes (``node_trials``)."""
+    out: list[float] = []
+    for q, p in zip(node_probabilities(tree), tree.parents):
         out.append((1.0 if p < 0 else out[p]) * min(1.0, q * factor))
     return out
 
@@ -206,14 +214,12 @@ def node_trials(tree: DraftTree, path: Sequence[int]) -> tuple[list[float], list
     the node's own probability q (score over its parent's) against whether the target took it
     (under sampling the realised acceptance is unbiased for the one-hot acceptance
     probability, as ``selection.auto.peek_chain``)."""
-    assert tree.scores is not None
     accepted = {-1, *path}
     hits: list[float] = []
     qs: list[float] = []
-    for i, (s, p) in enumerate(zip(tree.scores, tree.parents)):
+    for i, (q, p) in enumerate(zip(node_probabilities(tree), tree.parents)):
         if p in accepted:
-            up = 1.0 if p < 0 else tree.scores[p]
-            qs.append(s / up if up > 0.0 else 0.0)
+            qs.append(q)
             hits.append(1.0 if i in accepted else 0.0)
     return hits, qs
 

@@ -361,35 +361,24 @@ class AutoController:
         posterior ``shrink``-sigma lower bound."""
         w = self.prior_weight
         glob_c, req_c = self.global_counts[d], self.request_counts[d]
-        glob_c._sync()
-        req_c._sync()
-        gs, gt, rs, rt = glob_c._s, glob_c._t, req_c._s, req_c._t
-        # the request's counts on the global estimate on DEFAULT_PRIOR, each worth w trials
-        est = [(rs[i] + w * (gs[i] + w * DEFAULT_PRIOR[i]) / (gt[i] + w)) / (rt[i] + w) for i in (0, 1, 2)]
-        n = rt  # this request's evidence (+ w below)
+        est = req_c.estimate(glob_c.estimate(DEFAULT_PRIOR, w), w)
+        gt, n = glob_c._t, req_c._t  # synced by estimate; n: this request's evidence (+ w below)
         if context is not None:
             g = self.global_ctx[d].get(context)
             if g is not None:
-                g._sync()
-                est = [(g._s[i] + w * est[i]) / (g._t[i] + w) for i in (0, 1, 2)]
+                est = g.estimate(est, w)
             r = self.request_ctx[d].get(context)
             if r is not None:
-                r._sync()
-                est = [(r._s[i] + w * est[i]) / (r._t[i] + w) for i in (0, 1, 2)]
-                n = r._t
-            else:
-                n = (0.0, 0.0, 0.0)
+                est = r.estimate(est, w)
+            n = r._t if r is not None else (0.0, 0.0, 0.0)
         if self.shrink <= 0.0:
-            return est[0], est[1], est[2]
+            return est
         # the curse is of estimates from data: a cold start (no trials yet) plans on the prior's
-        # mean, and the bound comes in as trials do (z e / (e + w), e = trials behind it):
-        # lower_bound(p, w + n, z e / (e + w)), inlined (this runs for every drafter every round)
-        z = self.shrink
-        out = []
-        for i in (0, 1, 2):
-            p, e = est[i], gt[i] + rt[i]
-            out.append(max(0.0, p - z * e / (e + w) * (p * (1.0 - p) / (w + n[i] + 1.0)) ** 0.5))
-        return out[0], out[1], out[2]
+        # mean, and the bound comes in as trials do (z e / (e + w), e = trials behind it)
+        z, rt = self.shrink, req_c._t
+        return (lower_bound(est[0], w + n[0], z * (gt[0] + rt[0]) / (gt[0] + rt[0] + w)),
+                lower_bound(est[1], w + n[1], z * (gt[1] + rt[1]) / (gt[1] + rt[1] + w)),
+                lower_bound(est[2], w + n[2], z * (gt[2] + rt[2]) / (gt[2] + rt[2] + w)))
 
     def _cost_fns(self) -> tuple[Callable[[int], float], Callable[[int, int], float], float]:
         c = self.costs
