@@ -398,3 +398,46 @@ def test_surface_row_equals_cost_at_every_width_and_context():
     for ctx in (0, 32, 100, 256, 700, 1024, 5000):
         for max_k in (1, 5, 8, 12):
             assert s.row(ctx, max_k) == pytest.approx([0.0] + [s.cost(k, ctx) for k in range(1, max_k + 1)])
+
+
+def test_a_views_drafters_keep_their_own_seconds_in_the_shared_cost_model():
+    """An engine view drafting with a subset of the drafters (a server request, a batch row)
+    shares the cost model through ``for_drafters``: its drafter i is the engine's drafter
+    keys[i], so suffix's seconds are never written under prompt lookup's index; the scalars
+    (context, overheads) are the shared model's, and a copy keeps the mapping."""
+    import copy
+
+    base = CostModel(surface())
+    view = base.for_drafters([2, 0])
+    view.observe(0, 4, 0.4, 1.0, 0, 0.0)  # view drafter 0 = engine drafter 2
+    assert set(base.draft_token_s) == {2} and base.draft_token_s[2] == pytest.approx(0.1)
+    assert view.draft_cost(0, 3) == pytest.approx(base.draft_cost(2, 3)) == pytest.approx(0.3)
+    assert view.draft_cost(1, 3) == base.draft_cost(0, 3) == 0.0
+    assert view.knows(0) and not view.knows(1) and base.knows(2) and not base.knows(0)
+    view.context = 1000  # written through
+    assert base.context == 1000 and view.verify_cost(1) == base.verify_cost(1) == 2.0
+    nested = view.for_drafters([1])  # a view of a view maps through both
+    nested.observe(0, 2, 0.1, 1.0, 0, 0.0)
+    assert base.draft_token_s[0] == pytest.approx(0.05)
+    twin = copy.copy(view)  # BatchEngine's copy: its own scalars, the same mapping and tables
+    twin.context = 100
+    assert base.context == 1000 and twin.keys == view.keys
+    assert twin.draft_cost(0, 1) == pytest.approx(0.1)
+
+
+def test_engine_views_and_batch_rows_price_each_drafter_by_its_own_seconds():
+    """Drafting through ``with_policies([1])`` (suffix alone) and through a batch row with the
+    same subset records suffix's drafting seconds under the engine's index 1, never under 0."""
+    from adaspec import SpeculativeEngine
+    from adaspec.batch import BatchEngine
+
+    eng = SpeculativeEngine(make_tiny_model(seed=3), ["prompt-lookup", "suffix"], selector="static",
+                            length="cost-model")
+    eng.cost_model.surface = surface()
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    eng.with_policies([1], length="cost-model").generate(prompt, max_new_tokens=12)
+    assert 0 not in eng.cost_model.draft_token_s and 1 in eng.cost_model.draft_token_s
+    batch = BatchEngine(eng, max_batch=2)
+    batch.add(prompt, max_new_tokens=12, drafters=[1], length="cost-model")
+    batch.run()
+    assert 0 not in batch.cost_model.draft_token_s and 0 not in eng.cost_model.draft_token_s

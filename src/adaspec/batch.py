@@ -222,11 +222,14 @@ class BatchEngine:
         if drafters is None and selector is None and length is None:
             view = copy.copy(engine)
             view.selector, view.length = self._fork_policies()
+            view.cost_model = self.cost_model
         else:
             view = engine.with_policies(drafters, selector=selector, length=length, k=k)
+            # the batch's cost model, seen through the row's drafters (their own seconds)
+            view.cost_model = self.cost_model if drafters is None else self.cost_model.for_drafters(drafters)
             for p in (view.selector, view.length):
                 if getattr(p, "wants_costs", False):
-                    p.costs = self.cost_model
+                    p.costs = view.cost_model
                     self._wants_costs = True
         try:
             view.drafters = [d.fork() for d in view.drafters]
@@ -588,7 +591,7 @@ class BatchEngine:
             for j in fb.counterfactual:
                 req.seen[j] = len(req.tokens)
         t6 = now()
-        self.cost_model.observe(i, len(draft.tokens), draft_s, share, plan.catch_up_tokens, catch_up_s)
+        view.cost_model.observe(i, len(draft.tokens), draft_s, share, plan.catch_up_tokens, catch_up_s)
         selector.update(fb)
         length.update(fb)
         t7 = now()

@@ -13,6 +13,7 @@ what drives them (``LinearCost``: tokens and context length), fitted from live r
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -715,3 +716,59 @@ class CostModel:
         if f is not None:
             return f.catch_up(n_tokens, self.context if context is None else context)
         return self.catch_up_token_s.get(drafter, 0.0) * n_tokens
+
+    def knows(self, drafter: int) -> bool:
+        """Has ``drafter`` a measured cost function or an observed drafting time?"""
+        return drafter in self.drafters or drafter in self.draft_token_s
+
+    def for_drafters(self, keys: Sequence[int]) -> DrafterCostView:
+        """This model as seen by an engine view drafting with the drafters at ``keys``
+        (``SpeculativeEngine.with_policies``): its drafter i is drafter ``keys[i]`` here."""
+        return DrafterCostView(self, keys)
+
+
+class DrafterCostView:
+    """A ``CostModel`` seen by an engine view that drafts with a subset of the engine's drafters
+    (``SpeculativeEngine.with_policies``; a server request or a batch row with its own
+    drafters): the view's drafter i is the shared model's drafter ``keys[i]``, so a drafter's
+    learnt seconds stay its own whatever its index in a view (before, a request drafting with
+    suffix alone wrote suffix's seconds under index 0, prompt lookup's in the engine, and a batch
+    without the pool's heads wrote the datastore's under a head's). Every other attribute (the
+    surface, the overheads, the running rate, the round's context) is the shared model's, read and
+    written through; a copy (``copy.copy``, as ``BatchEngine`` takes) copies the shared model
+    and keeps the mapping."""
+
+    def __init__(self, base: CostModel, keys: Sequence[int]):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_keys", tuple(int(k) for k in keys))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_base", "_keys"):
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._base, name, value)
+
+    def __copy__(self) -> DrafterCostView:
+        return DrafterCostView(copy.copy(self._base), self._keys)
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        return self._keys
+
+    def for_drafters(self, keys: Sequence[int]) -> DrafterCostView:
+        return DrafterCostView(self._base, [self._keys[k] for k in keys])
+
+    def knows(self, drafter: int) -> bool:
+        return self._base.knows(self._keys[drafter])
+
+    def observe(self, drafter: int, drafted: int, draft_s: float, verify_s: float,
+                catch_up_tokens: int, catch_up_s: float) -> None:
+        self._base.observe(self._keys[drafter], drafted, draft_s, verify_s, catch_up_tokens, catch_up_s)
+
+    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        return self._base.draft_cost(self._keys[drafter], n_tokens, context)
+
+    def catch_up_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+        return self._base.catch_up_cost(self._keys[drafter], n_tokens, context)

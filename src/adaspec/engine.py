@@ -181,13 +181,16 @@ class SpeculativeEngine:
                       length: str | int | LengthPolicy | None = None, k: int = 5) -> SpeculativeEngine:
         """A view that shares this engine's target, drafter instances and cost model but drafts
         with the drafters at indices ``drafters`` (default: all) and its own policies (None: as
-        in the constructor): per-request configurations in a server."""
+        in the constructor): per-request configurations in a server. The view reads and feeds
+        the cost model through ``CostModel.for_drafters``, so a drafter's seconds are its own
+        whatever its index in the view."""
         view = copy.copy(self)
         if drafters is not None:
             if not drafters or any(not 0 <= i < len(self.drafters) for i in drafters):
                 raise ConfigError(f"drafter indices {list(drafters)} do not select from the "
                                   f"{len(self.drafters)} loaded drafter(s)")
             view.drafters = [self.drafters[i] for i in drafters]
+            view.cost_model = self.cost_model.for_drafters(drafters)  # each drafter's own seconds
         view._set_policies(selector, length, k)
         view._attach_costs()
         return view

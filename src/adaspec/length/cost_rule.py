@@ -103,7 +103,7 @@ class CostModelRule(LengthPolicy):
             verify = _linear_fit(c.verify_width_s)
         else:
             return self.draft_prior, lambda w: 1.0
-        if drafter in c.drafters or drafter in c.draft_token_s:  # marginal seconds of one more token
+        if c.knows(drafter):  # marginal seconds of one more token
             return c.draft_cost(drafter, 1) - c.draft_cost(drafter, 0), verify
         return self.draft_prior * verify(1), verify
 
@@ -189,6 +189,7 @@ class ConfidenceCalibration:
         n = min(len(gammas), len(confs))
         g, c = self.sums.get(drafter, (0.0, 0.0))
         self.sums[drafter] = [self.decay * g + sum(gammas[:n]), self.decay * c + sum(confs[:n])]
+
 
 
 class BlockRate:
