@@ -29,6 +29,7 @@ from .drafters.base import Peek, apply_decisions
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
+from .kernels import release_own_openmp_threads
 from .length import LengthPolicy, StaticLength
 from .length.cost_rule import BinnedCalibration
 from .metrics import RequestStats, RoundRecord
@@ -146,6 +147,8 @@ class SpeculativeEngine:
         #: drafter instance (``id``), which views (``with_policies``) share whatever its index
         self.tree_calibration = BinnedCalibration()
         self._attach_costs()
+        if self.target.device.type == "cpu":  # loading computed here: whichever thread generates
+            release_own_openmp_threads()    # first must not share the CPUs with this one's pool
 
     def _set_policies(self, selector: Any, length: Any, k: int) -> None:
         """Build the drafter and length policies (paired when the selector sets the length too)

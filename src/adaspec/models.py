@@ -26,7 +26,8 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .kernels import (GQA_ATTENTION, auto_linear, linear_mode, small_rows_mode, tune_small_rows, use_gqa_attention,
+from .kernels import (GQA_ATTENTION, auto_linear, linear_mode, release_own_openmp_threads, small_rows_mode,
+                      tune_small_rows, use_gqa_attention,
                       use_small_batch_linear)
 from .trees import DraftTree, tree_attention_mask
 
@@ -87,6 +88,17 @@ class LoadedModel(TargetBackend):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    @contextmanager
+    def request_scope(self) -> Iterator[None]:
+        """After each request on a CPU, the thread's OpenMP workers are freed
+        (``kernels.release_own_openmp_threads``): whichever thread generates next then
+        computes at full speed, not at about half beside this thread's idle pool."""
+        try:
+            yield
+        finally:
+            if self.device.type == "cpu":
+                release_own_openmp_threads()
 
     @torch.inference_mode()
     def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
