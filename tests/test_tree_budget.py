@@ -266,40 +266,17 @@ def test_the_shared_table_keeps_every_trial_of_the_request_level():
 
 
 def test_calibrated_scores_scale_each_nodes_own_probability():
-    """c_i = c_parent a(q_i), q_i = score_i / score_parent (EAGLE-2 scores are products)."""
+    """c_i = c_parent min(1, q_i f), q_i = score_i / score_parent (EAGLE-2 scores are products)."""
     from adaspec.trees import DraftTree, calibrated_scores, node_trials
 
     tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 2], [0.8, 0.1, 0.4, 0.3])
-    assert calibrated_scores(tree, lambda q: q) == pytest.approx(tree.scores)
-    half = calibrated_scores(tree, lambda q: 0.5 * q)
-    assert half == pytest.approx([0.4, 0.05, 0.4 * 0.25, 0.4 * 0.25 * 0.375])
+    assert calibrated_scores(tree, 1.0) == pytest.approx(tree.scores)
+    assert calibrated_scores(tree, 0.5) == pytest.approx([0.4, 0.05, 0.4 * 0.25, 0.4 * 0.25 * 0.375])
+    assert calibrated_scores(tree, 2.0)[0] == 1.0  # a probability: at most 1
     # the root's children and the children of accepted nodes are trials; node 0 then 2 accepted
     hits, qs = node_trials(tree, [0, 2])
     assert hits == [1.0, 0.0, 1.0, 0.0] and qs == pytest.approx([0.8, 0.1, 0.5, 0.75])
     assert node_trials(tree, []) == ([0.0, 0.0], pytest.approx([0.8, 0.1]))
-
-
-def test_binned_calibration_learns_a_curve_one_factor_cannot_fit():
-    """A drafter whose nodes at q = 0.04 are accepted 8% of the time and those at q = 0.8 60%
-    (observed / predicted 2.0 and 0.75): one factor fits neither end, the bins fit both; before
-    any evidence, and for a bin without any, the estimate is the one factor's."""
-    import random
-
-    from adaspec.length.cost_rule import BinnedCalibration, ConfidenceCalibration
-
-    rng = random.Random(0)
-    one, binned = ConfidenceCalibration(), BinnedCalibration()
-    assert binned.acceptance(7, 0.3) == one.acceptance(7, 0.3) == 0.3
-    for _ in range(400):
-        hits = [float(rng.random() < 0.08) for _ in range(6)] + [float(rng.random() < 0.6)]
-        qs = [0.04] * 6 + [0.8]
-        one.observe(7, hits, qs)
-        binned.observe(7, hits, qs)
-    assert binned.acceptance(7, 0.04) == pytest.approx(0.08, abs=0.015)
-    assert binned.acceptance(7, 0.8) == pytest.approx(0.6, abs=0.1)
-    assert abs(one.acceptance(7, 0.04) - 0.08) > 0.015 or abs(one.acceptance(7, 0.8) - 0.6) > 0.1
-    # an empty bin (q = 0.3) gets the drafter's one factor, shrunk to by every bin
-    assert binned.acceptance(7, 0.3) == pytest.approx(min(1.0, 0.3 * binned.factor(7)))
 
 
 def test_dynamic_tree_drafts_a_level_only_while_it_may_pay():

@@ -31,7 +31,7 @@ from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
 from .kernels import release_own_openmp_threads
 from .length import LengthPolicy, StaticLength
-from .length.cost_rule import BinnedCalibration
+from .length.cost_rule import ConfidenceCalibration
 from .metrics import RequestStats, RoundRecord
 from .backends import DEFAULT_BACKEND, TargetBackend
 from .models import DEFAULT_MODEL, as_loaded, load_model
@@ -145,7 +145,7 @@ class SpeculativeEngine:
         #: model drafters' tree-node probabilities, calibrated on the nodes the target saw
         #: (``trees.calibrated_scores``; kept across requests, like the costs), keyed by the
         #: drafter instance (``id``), which views (``with_policies``) share whatever its index
-        self.tree_calibration = BinnedCalibration()
+        self.tree_calibration = ConfidenceCalibration()
         self._attach_costs()
         if self.target.device.type == "cpu":  # loading computed here: whichever thread generates
             release_own_openmp_threads()    # first must not share the CPUs with this one's pool
@@ -613,15 +613,14 @@ class SpeculativeEngine:
             # its q are calibrated on the tree nodes the target saw; a level is one drafter
             # forward: worth it while it may add more expected tokens than its seconds yield
             # at the running rate (the frontier's calibrated scores are about f times its raw)
-            cal, key = self.tree_calibration, id(drafter)
-            f = cal.factor(key)
+            f = self.tree_calibration.factor(id(drafter))
             level_s = max(0.0, costs.draft_cost(index, 1) - costs.draft_cost(index, 0))
             tree = drafter.draft_tree(tokens, min(cap, self.tree_nodes), self.tree_nodes, sampling,
                                       level_gain=level_s * costs.running_rate() / max(f, 1e-6))
             if tree.is_chain:
                 return tree
             if tree.scores is not None:
-                scores = calibrated_scores(tree, lambda q: cal.acceptance(key, q))
+                scores = calibrated_scores(tree, f)
         else:
             depth = min(max(self.tree_nodes - 1, 1), room)
             tree = drafter.draft_tree(tokens, depth, self.tree_nodes, sampling)

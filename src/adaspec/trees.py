@@ -198,14 +198,14 @@ def node_probabilities(tree: DraftTree) -> list[float]:
     return out
 
 
-def calibrated_scores(tree: DraftTree, acceptance: Callable[[float], float]) -> list[float]:
+def calibrated_scores(tree: DraftTree, factor: float) -> list[float]:
     """A model drafter's node scores with each node's own probability q_i
-    (``node_probabilities``) calibrated as a chain token's is: c_i = c_parent a(q_i), a the
-    drafter's acceptance given q (``length.cost_rule.BinnedCalibration``, learnt on the nodes
-    the target saw, ``node_trials``)."""
+    (``node_probabilities``) calibrated as a chain token's is
+    (``length.cost_rule.ConfidenceCalibration``): c_i = c_parent min(1, q_i f), f the
+    drafter's observed / predicted acceptance of tree nodes (``node_trials``)."""
     out: list[float] = []
     for q, p in zip(node_probabilities(tree), tree.parents):
-        out.append((1.0 if p < 0 else out[p]) * acceptance(q))
+        out.append((1.0 if p < 0 else out[p]) * min(1.0, q * factor))
     return out
 
 

@@ -4,7 +4,6 @@ this machine's measured costs (SpecDec++ Theorem 4.3 with a non-flat verify cost
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 from ..drafters.base import Decision, DraftStep
@@ -190,51 +189,6 @@ class ConfidenceCalibration:
         n = min(len(gammas), len(confs))
         g, c = self.sums.get(drafter, (0.0, 0.0))
         self.sums[drafter] = [self.decay * g + sum(gammas[:n]), self.decay * c + sum(confs[:n])]
-
-
-#: lower edges of ``BinnedCalibration``'s probability bins
-CALIBRATION_BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
-
-
-class BinnedCalibration(ConfidenceCalibration):
-    """``ConfidenceCalibration`` with its factor learnt per probability bin b (histogram
-    binning, Zadrozny & Elkan 2001), shrunk to the drafter's one factor f_d:
-
-        a(q) = min(1, q g_b),   g_b = (H_b + w f_d) / (Q_b + w)
-
-    H_b and Q_b the bin's discounted sums of outcomes and of predicted q (multiplied by
-    ``bin_decay`` at each ``observe``), w = ``bin_weight`` expected hits. One factor cannot
-    bend: on the pool's generalist head (SmolLM2, mixed suite, its tree nodes) it gave nodes
-    drafted at q ~ 0.05 an acceptance of 0.044 against 0.068 measured, and nodes at q ~ 0.65
-    0.58 against 0.43, so a node budget priced on it cut cheap alternatives and kept
-    overconfident deep paths. The engine calibrates tree nodes with it."""
-
-    def __init__(self, prior_weight: float = 4.0, decay: float = 0.95, bin_weight: float = 1.0,
-                 bin_decay: float = 0.99):
-        super().__init__(prior_weight, decay)
-        self.bin_weight, self.bin_decay = bin_weight, bin_decay
-        #: drafter -> [discounted outcomes H_b, discounted predictions Q_b] per bin
-        self.bins: dict[int, list[list[float]]] = {}
-
-    def acceptance(self, drafter: int, conf: float) -> float:
-        f = self.factor(drafter)
-        bins = self.bins.get(drafter)
-        if bins is None:
-            return min(1.0, conf * f)
-        h, q = bins[bisect_right(CALIBRATION_BINS, conf) - 1]
-        return min(1.0, conf * (h + self.bin_weight * f) / (q + self.bin_weight))
-
-    def observe(self, drafter: int, gammas: Sequence[float], confs: Sequence[float]) -> None:
-        super().observe(drafter, gammas, confs)
-        bins = self.bins.setdefault(drafter, [[0.0, 0.0] for _ in CALIBRATION_BINS])
-        d = self.bin_decay
-        for b in bins:
-            b[0] *= d
-            b[1] *= d
-        for g, c in zip(gammas, confs):
-            b = bins[bisect_right(CALIBRATION_BINS, c) - 1]
-            b[0] += g
-            b[1] += c
 
 
 class BlockRate:
