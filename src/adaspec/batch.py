@@ -219,18 +219,13 @@ class BatchEngine:
         cfg = engine._config(config, overrides)
         prompt_ids = engine.encode_prompt(prompt, cfg.chat_template)
         engine._check_fits(len(prompt_ids), cfg.max_new_tokens)
+        view = copy.copy(engine)
+        view.cost_model = self.cost_model  # the batch's; a row with its own drafters sees it through them
         if drafters is None and selector is None and length is None:
-            view = copy.copy(engine)
             view.selector, view.length = self._fork_policies()
-            view.cost_model = self.cost_model
         else:
-            view = engine.with_policies(drafters, selector=selector, length=length, k=k)
-            # the batch's cost model, seen through the row's drafters (their own seconds)
-            view.cost_model = self.cost_model if drafters is None else self.cost_model.for_drafters(drafters)
-            for p in (view.selector, view.length):
-                if getattr(p, "wants_costs", False):
-                    p.costs = view.cost_model
-                    self._wants_costs = True
+            view = view.with_policies(drafters, selector=selector, length=length, k=k)
+            self._wants_costs |= any(getattr(p, "wants_costs", False) for p in (view.selector, view.length))
         try:
             view.drafters = [d.fork() for d in view.drafters]
         except AdaspecError as exc:
