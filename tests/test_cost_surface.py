@@ -396,8 +396,16 @@ def test_surface_row_equals_cost_at_every_width_and_context():
     s = VerifyCostSurface([32, 256, 1024], [1, 2, 4, 8], [[1.0, 1.5, 1.3, 2.0], [1.2, 1.9, 1.6, 2.4],
                                                           [1.5, 2.5, 2.0, 3.0]])
     for ctx in (0, 32, 100, 256, 700, 1024, 5000):
-        for max_k in (1, 5, 8, 12):
-            assert s.row(ctx, max_k) == pytest.approx([0.0] + [s.cost(k, ctx) for k in range(1, max_k + 1)])
+        for max_k in (1, 5, 8, 12, 17, 65, 70):
+            assert s.row(ctx, max_k) == [0.0] + [s.cost(k, ctx) for k in range(1, max_k + 1)]
+
+
+def test_surface_rows_past_the_grid_are_precomputed(monkeypatch):
+    """auto prices up to max_k + 1 = 65 widths every round: a grid measured up to k=16 still
+    answers ``row`` from its precomputed widths, not one interpolation per width."""
+    s = VerifyCostSurface([32, 256], [1, 2, 4, 16], [[1.0, 1.5, 1.3, 2.0], [1.2, 1.9, 1.6, 2.4]])
+    monkeypatch.setattr(s, "cost", lambda *a: pytest.fail("row fell back to cost per width"))
+    assert len(s.row(100, 65)) == 66 and s.row(100, 17)[17] > s.row(100, 16)[16]
 
 
 def test_a_views_drafters_keep_their_own_seconds_in_the_shared_cost_model():

@@ -92,6 +92,11 @@ class VerifyCostCurve:
         return "\n".join(rows)
 
 
+#: widths every surface row is precomputed for: auto prices blocks of up to max_k + 1 = 65
+#: tokens every round (a row past the grid's widest k was 17 interpolations, 50 us a round)
+DENSE_WIDTHS = 65
+
+
 @dataclass
 class VerifyCostSurface:
     """Median seconds V(k, L) of a target forward over k new tokens on an L-token cache, on a
@@ -101,8 +106,9 @@ class VerifyCostSurface:
     Between grid points V is interpolated linearly, first along k within each context (as
     ``VerifyCostCurve.cost``), then along L; below the first context the first row is used,
     past the last one the last two rows are extrapolated (never below the last row). Every
-    width up to ``ks[-1]`` is precomputed per context, so ``cost`` is one bisection and two
-    list reads (policies call it inside the draft loop).
+    width up to ``max(ks[-1], DENSE_WIDTHS)`` is precomputed per context, so ``cost`` is one
+    bisection and two list reads (policies call it inside the draft loop), and ``row`` one
+    interpolation of two lists.
     """
 
     contexts: list[int]
@@ -122,7 +128,8 @@ class VerifyCostSurface:
         if self.prefill_seconds and len(self.prefill_seconds) != len(self.contexts):
             raise ConfigError(f"surface prefill_seconds must have {len(self.contexts)} values, one per context")
         self._rows = [VerifyCostCurve(list(self.ks), list(r), c) for c, r in zip(self.contexts, self.seconds)]
-        self._dense = [[0.0] + [row.cost(w) for w in range(1, self.ks[-1] + 1)] for row in self._rows]
+        top = max(self.ks[-1], DENSE_WIDTHS)
+        self._dense = [[0.0] + [row.cost(w) for w in range(1, top + 1)] for row in self._rows]
 
     @classmethod
     def of(cls, costs: VerifyCostSurface | VerifyCostCurve | None) -> VerifyCostSurface | None:
@@ -151,7 +158,7 @@ class VerifyCostSurface:
             return self._row(0, k)
         i = min(bisect_right(cs, context) - 1, len(cs) - 2)
         a, b = self._row(i, k), self._row(i + 1, k)
-        v = a + (b - a) * (context - cs[i]) / (cs[i + 1] - cs[i])
+        v = a + (b - a) * ((context - cs[i]) / (cs[i + 1] - cs[i]))  # as ``row``: the same float
         return max(v, b) if context > cs[-1] else v
 
     def row(self, context: int, max_k: int) -> list[float]:
