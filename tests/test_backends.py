@@ -180,6 +180,36 @@ def test_llamacpp_near_tie_bound_by_length(llama):
     assert llama.near_tie_nats_at(257) == NEAR_TIE_NATS_LLAMACPP
 
 
+def test_llamacpp_short_sequence_bound_is_probed_per_model(llama, monkeypatch):
+    """The float-rounding bound up to 256 tokens holds only for a file whose short blocks
+    equal one-token forwards (SmolLM2's Q4_1: probed, true). A file whose kernels differ there
+    (Qwen2.5-Coder's Q4_K_M) gets the kernel-noise bound at every length; the probe holds no
+    sequence afterwards."""
+    free = llama.free_states()
+    assert llama.short_blocks_invariant() and llama.free_states() == free
+    monkeypatch.setattr(llama, "_short_invariant", False)
+    assert llama.near_tie_nats_at(100) == NEAR_TIE_NATS_LLAMACPP
+
+
+@pytest.mark.slow
+def test_llamacpp_qwen_q4_k_m_blocks_are_not_invariant_at_short_lengths():
+    """Measured (``scripts/llamacpp_numerics.py --model qwen2.5-coder-1.5b``): on the fetched
+    Q4_K_M file a verify block moves logits under 256 tokens, and the probe sees it."""
+    if not HAVE_LLAMA:
+        pytest.skip("llama-cpp-python is not installed")
+    from adaspec.artifacts import fetched_gguf
+    from adaspec.errors import ModelLoadError
+
+    try:
+        path = fetched_gguf("qwen2.5-coder-0.5b")
+    except ModelLoadError:
+        pytest.skip("qwen2.5-coder-0.5b is not fetched (adaspec fetch qwen2.5-coder-0.5b)")
+    from adaspec.backends.llamacpp import LlamaCppTarget
+
+    target = LlamaCppTarget(path, threads=2, n_ctx=512, n_seq_max=2)
+    assert not target.short_blocks_invariant() and target.near_tie_nats_at(50) == NEAR_TIE_NATS_LLAMACPP
+
+
 def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells(llama):
     """Pins llama.cpp's numerics behind ``batch_invariant = False``: a verify block gives the rows
     of one-token forwards bit for bit while the KV cache holds at most 256 cells, and other

@@ -329,8 +329,8 @@ class TickClock:
 class _SlowPrefillLookup(PromptLookupDrafter):
     """Prompt lookup whose first catch-up in a request (the drafter prefill) costs 1000 ticks."""
 
-    def __init__(self, clock: TickClock):
-        super().__init__()
+    def __init__(self, clock: TickClock, name: str | None = None):
+        super().__init__(name=name)
         self.clock = clock
 
     def begin_request(self, prompt_ids):
@@ -354,6 +354,29 @@ def test_drafter_prefill_is_not_counted_twice(model, monkeypatch):
     assert s.rounds[0].policy_s < 100.0 and s.rounds[0].catch_up_s < 100.0
     assert sum(s.time_split.values()) == pytest.approx(s.total_s)
     assert 1000.0 <= s.total_s < 2000.0
+
+
+class _SlowPrefillScored(_SlowPrefillLookup):
+    """As ``_SlowPrefillLookup``, but never looked at: the engine scores it (full information)."""
+
+    is_model = True
+
+
+def test_first_use_prompt_ingestion_is_not_per_round_overhead(model, monkeypatch):
+    """A drafter's prompt ingestion at its first use in a request, looked at (auto's peeks) or
+    scored (full information), is paid once: it is recorded as drafter prefill, and the
+    per-round overhead the plans price stays the rounds' own work (a 0.5B draft model's prompt
+    prefill there once made every plain step look ~10x dearer on llama.cpp, so auto drafted
+    with it where it did not pay)."""
+    clock = TickClock()
+    monkeypatch.setattr("adaspec.engine.time", clock)
+    engine = SpeculativeEngine(model, [_SlowPrefillLookup(clock, "looked"), _SlowPrefillScored(clock, "scored"),
+                                       "none"], selector="auto")
+    s = engine.generate(PROMPT, max_new_tokens=10).stats
+    assert s.drafter_prefill_s >= 2000.0  # both drafters' first uses, each once
+    assert engine.cost_model.round_overhead_s < 100.0
+    assert all(r.policy_s < 100.0 and r.eval_s < 100.0 for r in s.rounds)
+    assert sum(s.time_split.values()) == pytest.approx(s.total_s)
 
 
 # -- verify costs -------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class _Look:
     looked: bool
     timed: bool  # the selector may skip looks: their seconds feed ``CostModel.observe_look``
     seconds: float
+    ingest: float = 0.0  # prompt ingestion by drafters looked at for the first time this request
 
 
 @dataclass
@@ -112,6 +113,7 @@ class _RowPlan:
     catch_up_tokens: int
     t: tuple[float, float, float, float, float]  # round start, selected, prefill done, caught up, drafted
     policy_in_draft: float
+    ingest: float = 0.0  # the look's prompt ingestion (``_Look.ingest``)
 
 
 def batching_problem(engine: Any, drafters: bool = True) -> str | None:
@@ -415,11 +417,12 @@ class BatchEngine:
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
         looks = getattr(selector, "looks", None)
         peeked = {}
+        ingest = 0.0
         looked = bool(peek_k) and (looks is None or looks())
         if looked:
-            peeked = view._peek(tokens, min(peek_k, req.remaining - 1), req.seen)
+            peeked, ingest = view._peek(tokens, min(peek_k, req.remaining - 1), req.seen, len(req.prompt_ids))
             selector.observe_proposals(peeked)
-        return _Look(peeked, looked, looks is not None, time.perf_counter() - t0)
+        return _Look(peeked, looked, looks is not None, time.perf_counter() - t0, ingest)
 
     def _plan(self, req: _Request, look: _Look | None = None) -> _RowPlan:
         """The row's drafter choice, catch-up and draft (as in ``SpeculativeEngine._rounds``),
@@ -457,7 +460,7 @@ class BatchEngine:
             return verdict
 
         draft = view._draft_chain(i, tokens, cap, peeked, req.cfg.sampling, req.generator, decide)
-        return _RowPlan(i, cap, draft, catch_up_tokens, (t0, t1, t_pre, t2, now()), spent[0])
+        return _RowPlan(i, cap, draft, catch_up_tokens, (t0, t1, t_pre, t2, now()), spent[0], look.ingest)
 
     def _joint_plans(self) -> list[_RowPlan]:
         """Every row's plan, the batch's width chosen jointly for the rows that can (``auto``
@@ -580,9 +583,11 @@ class BatchEngine:
                            catch_up_tokens=plan.catch_up_tokens)
         t5 = now()
         selector, length = view.selector, view.length
+        eval_ingest = 0.0
         if selector.full_information and (len(view.drafters) > 1 or plan.cap == 0):
-            fb.counterfactual = view._evaluate_others(i, req.tokens[:context_len], emitted, logits, fb,
-                                                      req.cfg.sampling, score_chosen=plan.cap == 0)
+            fb.counterfactual, eval_ingest = view._evaluate_others(
+                i, req.tokens[:context_len], emitted, logits, fb, req.cfg.sampling, score_chosen=plan.cap == 0,
+                seen=req.seen, n_prompt=len(req.prompt_ids))
             for j in fb.counterfactual:
                 req.seen[j] = len(req.tokens)
         t6 = now()
@@ -591,12 +596,13 @@ class BatchEngine:
         length.update(fb)
         t7 = now()
         own = (t_drafted - t0) + (t7 - t5)
-        self.cost_model.observe_overhead(own - draft_s - catch_up_s - (t_pre - t_sel))
+        prefill = (t_pre - t_sel) + plan.ingest + eval_ingest  # once per request: not per-round overhead
+        self.cost_model.observe_overhead(own - draft_s - catch_up_s - prefill)
         record = RoundRecord(drafter=view.drafters[i].name, k_cap=plan.cap, drafted=len(draft.tokens),
                              accepted=n, emitted=len(emitted), draft_s=draft_s, verify_s=verify_s,
                              catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,
-                             policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6), eval_s=t6 - t5,
-                             total_s=own + verify_s, drafter_prefill_s=t_pre - t_sel)
+                             policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6) - plan.ingest,
+                             eval_s=t6 - t5 - eval_ingest, total_s=own + verify_s, drafter_prefill_s=prefill)
         return self._event(req, record, emitted, reason)
 
     def _event(self, req: _Request, record: RoundRecord, emitted: list[int], reason: str) -> BatchEvent:

@@ -457,8 +457,9 @@ class SpeculativeEngine:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
             looked = bool(peek_k) and (looks is None or looks())
+            ingest = 0.0  # prompt ingestion by drafters used for the first time this request
             if looked:
-                peeked = self._peek(tokens, min(peek_k, remaining - 1), seen)
+                peeked, ingest = self._peek(tokens, min(peek_k, remaining - 1), seen, n_prompt)
                 selector.observe_proposals(peeked)
             elif peeked:
                 peeked = {}
@@ -530,9 +531,12 @@ class SpeculativeEngine:
                 verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=catch_up_tokens, gammas=gammas,
                 tree_nodes=0 if tree is None else k)
             t5 = now()
+            eval_ingest = 0.0
             if selector.full_information and (len(drafters) > 1 or wanted == 0):
-                feedback.counterfactual = self._evaluate_others(
-                    i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=wanted == 0)
+                feedback.counterfactual, eval_ingest = self._evaluate_others(
+                    i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=wanted == 0,
+                    seen=seen, n_prompt=n_prompt)
+                ingest += eval_ingest
                 for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
@@ -542,15 +546,19 @@ class SpeculativeEngine:
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
-            cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s)
+            # a drafter's prompt ingestion at its first use (chosen, looked at or scored) is paid
+            # once per request, not every round: out of the per-round overhead the plans price
+            # (a 0.5B draft model's prefill there made every plain step look ~10x dearer)
+            cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s - drafter_prefill - ingest)
             cost_model.observe_eval(t6 - t5, t7 - t0)
             if self.tree:  # the running rate prices tree nodes only (``_draft_tree``)
-                cost_model.observe_round(len(emitted), k + 1, (t7 - t0) - verify_s)
+                cost_model.observe_round(len(emitted), k + 1, (t7 - t0) - verify_s - drafter_prefill - ingest)
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
-                catch_up_tokens=catch_up_tokens, policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6),
-                eval_s=t6 - t5, total_s=t7 - t0, drafter_prefill_s=drafter_prefill,
+                catch_up_tokens=catch_up_tokens,
+                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6) - (ingest - eval_ingest),
+                eval_s=t6 - t5 - eval_ingest, total_s=t7 - t0, drafter_prefill_s=drafter_prefill + ingest,
                 tree_nodes=0 if tree is None else k))
             yield emitted
             if reason:
@@ -667,18 +675,27 @@ class SpeculativeEngine:
         return (draft, n, verdict.next_token, logits[chain],
                 None if hidden is None else hidden[chain], gammas, verdict.path)
 
-    def _peek(self, tokens: list[int], max_tokens: int, seen: list[int]) -> dict[int, Peek]:
-        """Every drafter's proposal that costs no model call (``Drafter.peek``), by index; the
-        time counts as the round's policy overhead, which the cost model prices."""
+    def _peek(self, tokens: list[int], max_tokens: int, seen: list[int],
+              n_prompt: int) -> tuple[dict[int, Peek], float]:
+        """Every drafter's proposal that costs no model call (``Drafter.peek``), by index, and
+        the seconds of the prompt's ingestion by drafters looked at for the first time this
+        request (once per request, not priced per round); the rest of the time counts as the
+        round's policy overhead, which the cost model prices."""
         out: dict[int, Peek] = {}
+        ingest = 0.0
         for j, d in enumerate(self.drafters):
             if d.is_model:
                 continue
+            if seen[j] == 0:
+                t = time.perf_counter()
+                d.catch_up(tokens[:n_prompt])
+                seen[j] = n_prompt
+                ingest += time.perf_counter() - t
             props = d.peek(tokens, max_tokens)
             if props is not None:
                 out[j] = props
                 seen[j] = len(tokens)
-        return out
+        return out, ingest
 
     def _apply_stops(self, emitted: list[int], tokens: list[int], n_prompt: int, remaining: int,
                      cfg: GenerationConfig, stop_max: int, eos: set[int]) -> tuple[list[int], str]:
@@ -698,25 +715,34 @@ class SpeculativeEngine:
 
     def _evaluate_others(self, chosen: int, context: list[int], emitted: list[int],
                          logits: torch.Tensor, feedback: RoundFeedback,
-                         sampling: SamplingConfig, score_chosen: bool = False) -> dict[int, list[float]]:
+                         sampling: SamplingConfig, score_chosen: bool = False, seen: list[int] | None = None,
+                         n_prompt: int = 0) -> tuple[dict[int, list[float]], float]:
         """Full-information hook (Not-a-Bandit 3.2): prefill the verified tokens into every other
         drafter and compute its acceptance probability at each of them, without target calls.
         ``score_chosen``: the chosen drafter had a zero cap, so it is scored like the others.
-        A selector may skip drafters (``selector.evaluate(j)`` False: skipped evaluation, B.5)."""
+        A selector may skip drafters (``selector.evaluate(j)`` False: skipped evaluation, B.5).
+        Also returns the seconds a drafter scored for the first time this request (``seen[j]``
+        0) spent ingesting the prompt's ``n_prompt`` tokens: paid once, not per round."""
         m = len(emitted)
         target_logits = logits[:m]
         target_probs = feedback.target_probs[:m]
         out: dict[int, list[float]] = {} if score_chosen else {chosen: feedback.chosen_gammas()}
         alphas: dict[int, list[float]] = {}
         proposed: dict[int, list[bool]] = {}
+        ingest = 0.0
         evaluate = getattr(self.selector, "evaluate", None)
         for j, d in enumerate(self.drafters):
             if (j == chosen and not score_chosen) or (evaluate is not None and not evaluate(j)):
                 continue
+            if seen is not None and seen[j] == 0 and n_prompt:
+                t = time.perf_counter()
+                d.catch_up(context[:n_prompt])
+                seen[j] = n_prompt
+                ingest += time.perf_counter() - t
             props = d.score(context, emitted, sampling)
             out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
             alphas[j] = alphas_from_proposals(target_probs, props, emitted, sampling)
             proposed[j] = [t >= 0 for t in props.tokens] if props.tokens is not None else [True] * m
         feedback.counterfactual_alpha = alphas
         feedback.counterfactual_proposed = proposed
-        return out
+        return out, ingest

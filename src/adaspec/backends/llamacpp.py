@@ -13,7 +13,9 @@ to k one-token forwards. Measured on SmolLM2 Q4_1 with 2 threads: with flash att
 here) they are bit-identical for k = 2..16 while the KV cache holds at most 256 cells (without
 it the logits differ by up to 0.55); past 256, one query takes flash attention's split-KV path
 and a verify block does not: the margin between the two best tokens moves by up to 1.2 nats
-(p99 0.42) over the built-in prompts.
+(p99 0.42) over the built-in prompts. Other quantizations take other matrix kernels: on
+Qwen2.5-Coder's Q4_K_M files a block differs from one-token forwards at every length, so the
+short-sequence bound is probed per model (``short_blocks_invariant``).
 The prompt is fed in one batch as llama.cpp feeds it (``prefill``). Greedy speculative output
 therefore equals llama.cpp's own greedy decoding except where its margin between the two best
 tokens is within that noise (``near_tie_nats``; docs/llamacpp.md has the measurement).
@@ -80,14 +82,41 @@ class LlamaCppTarget(TargetBackend):
 
     backend = "llama.cpp"
     has_hidden_states = False
-    batch_invariant = False  # past 256 cached tokens (see the module docstring)
+    batch_invariant = False  # past 256 cached tokens, or at any length (``short_blocks_invariant``)
     near_tie_nats = NEAR_TIE_NATS_LLAMACPP
     #: up to this many tokens in a sequence, a verify block's rows equal one-token forwards bit
     #: for bit (flash attention's split-KV path for one query starts at 512 padded KV cells)
     BATCH_INVARIANT_TOKENS = 256
 
+    #: the probe of ``short_blocks_invariant``: a prefix this long, then this many tokens
+    PROBE_PREFIX, PROBE_BLOCK = 40, 4
+
     def near_tie_nats_at(self, length: int) -> float:
-        return NEAR_TIE_NATS if length <= self.BATCH_INVARIANT_TOKENS else self.near_tie_nats
+        if length <= self.BATCH_INVARIANT_TOKENS and self.short_blocks_invariant():
+            return NEAR_TIE_NATS
+        return self.near_tie_nats
+
+    def short_blocks_invariant(self) -> bool:
+        """Does a verify block on a short sequence give this file's one-token logits bit for
+        bit? Yes on SmolLM2's Q4_1 and Q4_0 files; no on Qwen2.5-Coder-1.5B's Q4_K_M, where a
+        block of 5 moved the margin between the two best tokens at 98% of positions under 256
+        tokens (max 0.45 nats, 5 argmax flips in 432). The matrix kernels a block takes depend
+        on the quantization, so this is probed once per loaded model, never assumed: a
+        ``PROBE_PREFIX``-token prefix, then ``PROBE_BLOCK`` tokens one at a time and as one block."""
+        if self._short_invariant is None:
+            n = self._n_vocab
+            ids = [(i * 7919 + 13) % n for i in range(self.PROBE_PREFIX + self.PROBE_BLOCK)]
+            prefix, tail = ids[:self.PROBE_PREFIX], ids[self.PROBE_PREFIX:]
+            rows = []
+            for blocks in ([[t] for t in tail], [tail]):
+                state = self.new_state()
+                try:
+                    self.forward(state, prefix, keep=1)
+                    rows.append(torch.cat([self.forward(state, b, keep=len(b))[0] for b in blocks]))
+                finally:
+                    self.release(state)
+            self._short_invariant = bool(torch.equal(rows[0], rows[1]))
+        return self._short_invariant
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
@@ -134,6 +163,7 @@ class LlamaCppTarget(TargetBackend):
         self._batch = L.llama_batch_init(self._n_batch, 0, 1)
         self._free_ids = list(range(int(n_seq_max)))[::-1]
         self._scopes, self._torch_threads = 0, torch.get_num_threads()  # see request_scope
+        self._short_invariant: bool | None = None  # see short_blocks_invariant
         self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
 
     # -- TargetBackend ------------------------------------------------------------------

@@ -447,7 +447,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
     peekers = _peekers(trace, pool, cheap, pt.prompt) if peek_k else {}
     while True:
         cost_model.context = t - 1  # the target's cache length, as in the engine
-        peek_s, peeked = 0.0, set()
+        peek_s, ingest_s, peeked = 0.0, 0.0, set()
         looked = bool(peek_k) and (looks is None or looks())
         if looked:  # as SpeculativeEngine._peek: every model-free drafter's block, from the trace
             x0, top = t - n_prompt, min(peek_k, remaining - 1)
@@ -457,7 +457,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
                 look = peekers[j].peek(path[:t], top) if j in peekers else None
                 blocks[j] = look if look is not None and look.tokens == chain else Peek(chain)
                 peek_s += price.catch_up(j, t - seen[j], t) if 0 < seen[j] < t else 0.0
-                peek_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
+                ingest_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
                 peek_s += price.draft(j, len(blocks[j].tokens), t)
                 seen[j] = t
             peeked = set(blocks)
@@ -475,7 +475,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         if looked and looks is not None and rounds:
             cost_model.observe_look(peek_s)
         src = pool.src[i]
-        seconds = price.round_overhead() + peek_s
+        seconds = price.round_overhead() + peek_s + ingest_s
         if seen[i] == 0:  # first use in this request: drafter prefill of the prompt
             seen[i] = n_prompt
             seconds += price.drafter_prefill(i, n_prompt)
