@@ -597,7 +597,8 @@ class BatchEngine:
         t7 = now()
         own = (t_drafted - t0) + (t7 - t5)
         prefill = (t_pre - t_sel) + plan.ingest + eval_ingest  # once per request: not per-round overhead
-        self.cost_model.observe_overhead(own - draft_s - catch_up_s - prefill)
+        # as the engine's: neither prompt ingestion nor scoring is the rounds' own overhead
+        self.cost_model.observe_overhead(own - draft_s - catch_up_s - (t_pre - t_sel) - plan.ingest - (t6 - t5))
         record = RoundRecord(drafter=view.drafters[i].name, k_cap=plan.cap, drafted=len(draft.tokens),
                              accepted=n, emitted=len(emitted), draft_s=draft_s, verify_s=verify_s,
                              catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,

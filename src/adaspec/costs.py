@@ -603,7 +603,8 @@ class CostModel:
         self.catch_up_token_s: dict[int, float] = {}
         self.verify_width_s: dict[int, float] = {}
         #: running mean of a round's seconds outside drafting, verification and catch-up
-        #: (policies, full-information scoring, bookkeeping): paid by every round alike
+        #: (looks, policies, bookkeeping): paid by every round alike. Not scoring (budgeted on
+        #: its own, ``eval_share``) nor a drafter's first-use prompt ingestion (once a request)
         self.round_overhead_s = 0.0
         self._overhead_seen = False
         #: running mean of a looking round's peeks and planning (``observe_look``; ``auto``)

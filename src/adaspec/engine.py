@@ -546,10 +546,13 @@ class SpeculativeEngine:
             selector.update(feedback)
             length.update(feedback)
             t7 = now()
-            # a drafter's prompt ingestion at its first use (chosen, looked at or scored) is paid
-            # once per request, not every round: out of the per-round overhead the plans price
-            # (a 0.5B draft model's prefill there made every plain step look ~10x dearer)
-            cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s - drafter_prefill - ingest)
+            # the per-round overhead the plans price is the rounds' own work (looks, planning,
+            # bookkeeping): not a drafter's prompt ingestion at its first use (chosen, looked at
+            # or scored), paid once per request, nor scoring (``eval_share`` budgets it; a model
+            # drafter is scored every round while it warms up). Both in it made every plain step
+            # of a fresh engine look up to ~10x dearer, and auto drafted where it did not pay
+            cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s - drafter_prefill
+                                        - (ingest - eval_ingest) - (t6 - t5))
             cost_model.observe_eval(t6 - t5, t7 - t0)
             if self.tree:  # the running rate prices tree nodes only (``_draft_tree``)
                 cost_model.observe_round(len(emitted), k + 1, (t7 - t0) - verify_s - drafter_prefill - ingest)

@@ -536,7 +536,8 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         remaining -= m
         seen[i] = t
         cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
-        cost_model.observe_overhead(price.round_overhead() + peek_s + eval_s)  # as the engine's: outside draft/verify/catch-up
+        # as the engine's: outside draft/verify/catch-up, prompt ingestion and scoring
+        cost_model.observe_overhead(price.round_overhead() + peek_s)
         c = clock()
         sel.update(fb)
         ln.update(fb)
