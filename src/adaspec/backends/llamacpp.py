@@ -104,6 +104,8 @@ class LlamaCppTarget(TargetBackend):
         on the quantization, so this is probed once per loaded model, never assumed: a
         ``PROBE_PREFIX``-token prefix, then ``PROBE_BLOCK`` tokens one at a time and as one block."""
         if self._short_invariant is None:
+            if not self._free_ids:  # every sequence in use: the wider bound, probed next time
+                return False
             n = self._n_vocab
             ids = [(i * 7919 + 13) % n for i in range(self.PROBE_PREFIX + self.PROBE_BLOCK)]
             prefix, tail = ids[:self.PROBE_PREFIX], ids[self.PROBE_PREFIX:]
