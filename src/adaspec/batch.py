@@ -443,9 +443,7 @@ class BatchEngine:
         if looked and look.timed and req.stats.rounds:  # the first look also ingests the prompt
             self.cost_model.observe_look(t1 - t0)
         drafter: Drafter = drafters[i]
-        if req.seen[i] == 0:
-            drafter.catch_up(tokens[: len(req.prompt_ids)])
-            req.seen[i] = len(req.prompt_ids)
+        view._ingest_prompt(i, tokens, len(req.prompt_ids), req.seen)
         t_pre = now()
         catch_up_tokens = len(tokens) - req.seen[i]
         if catch_up_tokens:
@@ -596,14 +594,14 @@ class BatchEngine:
         length.update(fb)
         t7 = now()
         own = (t_drafted - t0) + (t7 - t5)
-        prefill = (t_pre - t_sel) + plan.ingest + eval_ingest  # once per request: not per-round overhead
-        # as the engine's: neither prompt ingestion nor scoring is the rounds' own overhead
+        # as the engine's: neither prompt ingestion (once per request) nor scoring is the rounds' own overhead
         self.cost_model.observe_overhead(own - draft_s - catch_up_s - (t_pre - t_sel) - plan.ingest - (t6 - t5))
         record = RoundRecord(drafter=view.drafters[i].name, k_cap=plan.cap, drafted=len(draft.tokens),
                              accepted=n, emitted=len(emitted), draft_s=draft_s, verify_s=verify_s,
                              catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,
                              policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6) - plan.ingest,
-                             eval_s=t6 - t5 - eval_ingest, total_s=own + verify_s, drafter_prefill_s=prefill)
+                             eval_s=t6 - t5 - eval_ingest, total_s=own + verify_s,
+                             drafter_prefill_s=(t_pre - t_sel) + plan.ingest + eval_ingest)
         return self._event(req, record, emitted, reason)
 
     def _event(self, req: _Request, record: RoundRecord, emitted: list[int], reason: str) -> BatchEvent:

@@ -457,9 +457,9 @@ class SpeculativeEngine:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
             looked = bool(peek_k) and (looks is None or looks())
-            ingest = 0.0  # prompt ingestion by drafters used for the first time this request
+            look_ingest = 0.0  # prompt ingestion by drafters looked at for the first time this request
             if looked:
-                peeked, ingest = self._peek(tokens, min(peek_k, remaining - 1), seen, n_prompt)
+                peeked, look_ingest = self._peek(tokens, min(peek_k, remaining - 1), seen, n_prompt)
                 selector.observe_proposals(peeked)
             elif peeked:
                 peeked = {}
@@ -473,13 +473,9 @@ class SpeculativeEngine:
                 cost_model.observe_look(t_selected - t0)
             drafter = drafters[i]
             catch_up_tokens = 0
-            drafter_prefill = 0.0
-            if seen[i] == 0:  # first use in this request: ingest the prompt (drafter prefill)
-                drafter.catch_up(tokens[:n_prompt])
-                seen[i] = n_prompt
-                t_pre = now()
-                drafter_prefill = t_pre - t1
-                t1 = t_pre
+            drafter_prefill = self._ingest_prompt(i, tokens, n_prompt, seen)
+            if drafter_prefill:
+                t1 = now()
             if seen[i] < len(tokens):
                 catch_up_tokens = len(tokens) - seen[i]  # produced while it was not used
                 drafter.catch_up(tokens)
@@ -536,7 +532,6 @@ class SpeculativeEngine:
                 feedback.counterfactual, eval_ingest = self._evaluate_others(
                     i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=wanted == 0,
                     seen=seen, n_prompt=n_prompt)
-                ingest += eval_ingest
                 for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
@@ -552,16 +547,17 @@ class SpeculativeEngine:
             # drafter is scored every round while it warms up). Both in it made every plain step
             # of a fresh engine look up to ~10x dearer, and auto drafted where it did not pay
             cost_model.observe_overhead((t7 - t0) - draft_s - verify_s - catch_up_s - drafter_prefill
-                                        - (ingest - eval_ingest) - (t6 - t5))
+                                        - look_ingest - (t6 - t5))
             cost_model.observe_eval(t6 - t5, t7 - t0)
             if self.tree:  # the running rate prices tree nodes only (``_draft_tree``)
-                cost_model.observe_round(len(emitted), k + 1, (t7 - t0) - verify_s - drafter_prefill - ingest)
+                cost_model.observe_round(len(emitted), k + 1,
+                                         (t7 - t0) - verify_s - drafter_prefill - look_ingest - eval_ingest)
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
                 catch_up_tokens=catch_up_tokens,
-                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6) - (ingest - eval_ingest),
-                eval_s=t6 - t5 - eval_ingest, total_s=t7 - t0, drafter_prefill_s=drafter_prefill + ingest,
+                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6) - look_ingest, eval_s=t6 - t5 - eval_ingest,
+                total_s=t7 - t0, drafter_prefill_s=drafter_prefill + look_ingest + eval_ingest,
                 tree_nodes=0 if tree is None else k))
             yield emitted
             if reason:
@@ -689,16 +685,23 @@ class SpeculativeEngine:
         for j, d in enumerate(self.drafters):
             if d.is_model:
                 continue
-            if seen[j] == 0:
-                t = time.perf_counter()
-                d.catch_up(tokens[:n_prompt])
-                seen[j] = n_prompt
-                ingest += time.perf_counter() - t
+            ingest += self._ingest_prompt(j, tokens, n_prompt, seen)
             props = d.peek(tokens, max_tokens)
             if props is not None:
                 out[j] = props
                 seen[j] = len(tokens)
         return out, ingest
+
+    def _ingest_prompt(self, j: int, tokens: Sequence[int], n_prompt: int, seen: list[int]) -> float:
+        """Drafter ``j``'s first use in a request (``seen[j]`` 0), chosen, looked at or scored:
+        it reads the prompt (its prefill), once. Returns the seconds (0 if already seen): the
+        engines record them as drafter prefill, never as a round's overhead."""
+        if seen[j] != 0 or not n_prompt:
+            return 0.0
+        t = self._timer()
+        self.drafters[j].catch_up(tokens[:n_prompt])
+        seen[j] = n_prompt
+        return self._timer() - t
 
     def _apply_stops(self, emitted: list[int], tokens: list[int], n_prompt: int, remaining: int,
                      cfg: GenerationConfig, stop_max: int, eos: set[int]) -> tuple[list[int], str]:
@@ -737,11 +740,8 @@ class SpeculativeEngine:
         for j, d in enumerate(self.drafters):
             if (j == chosen and not score_chosen) or (evaluate is not None and not evaluate(j)):
                 continue
-            if seen is not None and seen[j] == 0 and n_prompt:
-                t = time.perf_counter()
-                d.catch_up(context[:n_prompt])
-                seen[j] = n_prompt
-                ingest += time.perf_counter() - t
+            if seen is not None:
+                ingest += self._ingest_prompt(j, context, n_prompt, seen)
             props = d.score(context, emitted, sampling)
             out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
             alphas[j] = alphas_from_proposals(target_probs, props, emitted, sampling)
