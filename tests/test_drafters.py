@@ -238,6 +238,37 @@ def test_suffix_uses_datastore_longest_match_and_ties_prefer_context():
     assert _propose(d, [4, 0]) is None
 
 
+def _reference_proposal(d: SuffixDrafter) -> int | None:
+    """The definition ``propose`` implements: the most frequent continuation among the longest
+    of ``_found``'s matches, ties to the first listed."""
+    found = d._found()
+    if not found:
+        return None
+    best = max(ln for ln, _ in found)
+    return SuffixDrafter._top([t for ln, t in found if ln == best])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_suffix_fast_proposal_equals_the_definition(seed):
+    """``propose`` reads the datastore's cached hits and extends only those with the
+    context's token before the key: on random text over a small vocabulary (many ties, long
+    and short matches, document ends, few candidates kept), it proposes what the plain scan
+    of every match does, at every position, and after the datastore changes."""
+    rng = random.Random(seed)
+    store = SuffixDatastore(min_match=2)
+    for _ in range(20):
+        store.add([rng.randrange(6) for _ in range(rng.randrange(3, 40))])
+    for d in (SuffixDrafter(min_match=2, datastore=store), SuffixDrafter(min_match=2, max_match=4, datastore=store),
+              SuffixDrafter(min_match=2, max_candidates=5, datastore=store), SuffixDrafter(min_match=2)):
+        for _ in range(2):
+            ctx = [rng.randrange(6) for _ in range(120)]
+            d.begin_request(ctx[:1])
+            for n in range(1, len(ctx)):
+                d.catch_up(ctx[:n])
+                assert d.propose() == _reference_proposal(d), (n, d.describe())
+            store.add(ctx[:30])  # the cache starts over
+
+
 def test_suffix_bad_parameters():
     with pytest.raises(AdaspecError, match="min_match <= max_match"):
         SuffixDrafter(min_match=3, max_match=2)

@@ -242,6 +242,24 @@ def test_full_information_counterfactuals(target, other, reference, prompt_name)
     assert result.stats.time_split["evaluation"] > 0
 
 
+def test_greedy_scoring_never_computes_the_target_softmax(target, other, reference, monkeypatch):
+    """Greedy scores compare argmaxes: scoring every drafter (model-free and a model) on every
+    round never reads the target's softmax over the vocabulary (``RoundFeedback.target_probs``,
+    ~70 us a round on SmolLM2), and gives the same gammas as above."""
+    from adaspec.feedback import RoundFeedback
+
+    def no_softmax(self):
+        raise AssertionError("greedy scoring computed the target's softmax")
+
+    monkeypatch.setattr(RoundFeedback, "target_probs", property(no_softmax))
+    policy = FullInfoRecorder()
+    specs = ["prompt-lookup", "suffix", "model-other"]
+    engine = SpeculativeEngine(target, [_drafter(s, other) for s in specs], selector=policy, k=4)
+    result = engine.generate(PROMPTS["repetitive"], max_new_tokens=MAX_NEW)
+    assert result.token_ids == reference("repetitive")
+    assert all(cf is not None and set(cf) == {0, 1, 2} for _, _, cf in policy.log)
+
+
 def test_full_information_single_drafter_gets_no_counterfactual(target, reference):
     policy = FullInfoRecorder()
     engine = SpeculativeEngine(target, ["prompt-lookup"], selector=policy, k=4)

@@ -394,3 +394,24 @@ def test_cost_rule_plans_a_plain_step_for_a_model_free_drafter_that_cannot_pay()
         assert rule.begin_round(1) == rule.max_len  # a model drafter: q decides per token
         if not drops:  # the cap path still drafts as before
             assert run_round(rule, None) == run_round(cost_rule(seconds, 0.01, prior_acceptance=a), None)
+
+
+def test_statistics_of_a_drafter_over_a_vocabulary_subset_are_computed_on_it():
+    """A feature head drafts over a subset of the vocabulary (q is 0 elsewhere) and gives q on
+    it too (``support_logits`` / ``support_probs``): q's statistics are computed there, the
+    same top-1, top-2 and entropy as on the full-width q, which is never softmaxed."""
+    from adaspec.length.rules import stats_of, stats_probs, step_stats
+
+    g = torch.Generator().manual_seed(0)
+    vocab = torch.randperm(1000, generator=g)[:100]
+    sub = torch.randn(100, generator=g) * 3
+    full = torch.full((1000,), float("-inf")).index_put_((vocab,), sub)
+    want = stats_of(torch.softmax(full, -1))
+    greedy = DraftStep(0, 7, logits=full, support_logits=sub)
+    sampled = DraftStep(0, 7, probs=torch.softmax(full, -1), support_probs=torch.softmax(sub, -1))
+    for step in (greedy, sampled):
+        assert stats_probs(step).shape == (100,)
+        s = step_stats(step)
+        for name in ("top1", "top2", "entropy"):
+            assert getattr(s, name) == pytest.approx(getattr(want, name), rel=1e-5, abs=1e-7)
+    assert stats_probs(DraftStep(0, 7, logits=full)).shape == (1000,)  # no subset: the full q

@@ -234,7 +234,7 @@ def test_peeked_proposals_decide_among_model_free_drafters():
 
 
 def test_peek_option_is_validated_and_off_means_no_looking():
-    assert AutoSelector(peek=1).peek_tokens == 4 == AutoSelector().peek_tokens  # on by default
+    assert AutoSelector(peek=1).peek_tokens == 3 == AutoSelector().peek_tokens  # on by default
     assert AutoSelector(peek=0).peek_tokens == 0 and AutoSelector(peek_depth=16).peek_tokens == 16
     with pytest.raises(ConfigError, match="peek_depth must be"):
         AutoSelector(peek_depth=0)
@@ -751,6 +751,41 @@ def test_model_drafters_whose_plan_keeps_losing_are_scored_ever_more_rarely():
     assert c.evaluate(0) and c.eval_losses[0] == 0
     c.rounds = 516
     assert c.evaluate(0)
+
+
+def test_model_drafters_whose_plan_keeps_losing_rest_from_planning():
+    """A model drafter whose plan loses is priced ever more rarely (after j losses in a row,
+    it rests min(2^(j-1), MAX_PLAN_REST + 1) - 1 rounds), until new evidence about it comes
+    (scored or played): then it is priced the next round; a looked-at drafter and a winning
+    one are priced every round."""
+    from adaspec.selection.auto import MAX_PLAN_REST
+
+    def round_fb(r: int, scored: bool = False) -> RoundFeedback:
+        fb = RoundFeedback(round=r, drafter=2, draft=Draft(), n_accepted=0, emitted=[5], k_cap=0,
+                           target_logits=None, sampling=GREEDY)
+        if scored:
+            fb.counterfactual, fb.counterfactual_alpha = {0: [0.0]}, {0: [0.0]}
+            fb.counterfactual_proposed = {0: [True]}
+        return fb
+
+    c = AutoController(shrink=0.0)
+    c.costs = FixedCosts(flat(1.0, 0.05), {0: 0.2, 1: 0.0})
+    c.begin_request(["head", "lookup", "none"], is_model=[True, False, False])
+    c.global_counts[0].s, c.global_counts[0].t = [1.0, 1.0, 1.0], [1e4, 1e4, 1e4]  # never pays
+    priced: list[list[int]] = []
+    best_k = c.best_k
+    c.best_k = lambda d, *a, **k: (priced[-1].append(d), best_k(d, *a, **k))[1]  # type: ignore[method-assign]
+    for r in range(40):
+        priced.append([])
+        c.observe_proposals({1: Peek([], 0)})  # the lookup is looked at (and has nothing)
+        c.choose()
+        c.observe(round_fb(r, scored=r == 26))
+    head = [r for r, ds in enumerate(priced) if 0 in ds]
+    assert head == [0, 1, 3, 7, 15, 23, 27, 35], head  # the score at round 26 ends a rest
+    assert all(1 in ds and 2 in ds for ds in priced)  # looked-at and `none`: every round
+    assert MAX_PLAN_REST == 7
+    c.begin_request(["head", "lookup", "none"], is_model=[True, False, False])
+    assert not c.rest_until and not c.plan_losses  # a request starts with everyone priced
 
 
 def test_a_model_drafter_is_scored_before_it_is_played():

@@ -28,7 +28,7 @@ from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_draf
 from .drafters.base import Peek, apply_decisions
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
-from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
+from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals, needs_target_probs
 from .kernels import release_own_openmp_threads
 from .length import LengthPolicy, StaticLength
 from .length.cost_rule import ConfidenceCalibration
@@ -36,7 +36,7 @@ from .metrics import RequestStats, RoundRecord
 from .backends import DEFAULT_BACKEND, TargetBackend
 from .models import DEFAULT_MODEL, as_loaded, load_model
 from .pools import pool_drafters
-from .sampling import process_logits, verify_greedy, verify_sampling
+from .sampling import process_logits, row_argmax, verify_greedy, verify_sampling
 from .selection import DrafterPolicy, build_policies
 from .trees import (DraftTree, calibrated_scores, node_trials, nodes_worth_verifying, tree_gammas,
                     verify_tree_greedy, verify_tree_sampling)
@@ -731,7 +731,8 @@ class SpeculativeEngine:
         0) spent ingesting the prompt's ``n_prompt`` tokens: paid once, not per round."""
         m = len(emitted)
         target_logits = logits[:m]
-        target_probs = feedback.target_probs[:m]
+        target_probs: torch.Tensor | None = None  # the softmax only if a proposal needs it
+        argmax: list[int] | None = None  # greedy: the rows' argmax, once
         out: dict[int, list[float]] = {} if score_chosen else {chosen: feedback.chosen_gammas()}
         alphas: dict[int, list[float]] = {}
         proposed: dict[int, list[bool]] = {}
@@ -743,7 +744,11 @@ class SpeculativeEngine:
             if seen is not None:
                 ingest += self._ingest_prompt(j, context, n_prompt, seen)
             props = d.score(context, emitted, sampling)
-            out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling)
+            if target_probs is None and needs_target_probs(sampling):
+                target_probs = feedback.target_probs[:m]
+            if argmax is None and sampling.greedy:
+                argmax = row_argmax(target_logits)
+            out[j] = gammas_from_proposals(target_logits, target_probs, props, sampling, argmax)
             alphas[j] = alphas_from_proposals(target_probs, props, emitted, sampling)
             proposed[j] = [t >= 0 for t in props.tokens] if props.tokens is not None else [True] * m
         feedback.counterfactual_alpha = alphas

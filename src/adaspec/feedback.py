@@ -9,6 +9,7 @@ them cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -20,30 +21,41 @@ from .sampling import row_argmax
 
 
 def gammas_from_proposals(
-    target_logits: torch.Tensor, target_probs: torch.Tensor, proposals: Proposals,
-    sampling: SamplingConfig,
+    target_logits: torch.Tensor, target_probs: torch.Tensor | None, proposals: Proposals,
+    sampling: SamplingConfig, argmax: Sequence[int] | None = None,
 ) -> list[float]:
     """Per-position acceptance probability of a drafter's teacher-forced proposals.
 
     Sampling: 1 - TV(p, q) for dense q, p(y) for a one-hot proposal y (Not-a-Bandit Thm 1).
-    Greedy: 1 if the proposal equals the target's argmax, else 0.
+    Greedy: 1 if the proposal (a dense q's argmax) equals the target's argmax (``argmax``: the
+    rows' argmax, when the caller has it), else 0. ``target_probs`` is read only when
+    sampling (``needs_target_probs``): None is fine for greedy.
     """
     m = target_logits.shape[0]
-    if proposals.tokens is not None:
-        toks = proposals.tokens[:m]
-        if sampling.greedy:
-            am = row_argmax(target_logits)
-            return [1.0 if t == a else 0.0 for t, a in zip(toks, am)]
-        return [float(target_probs[j, t]) if t >= 0 else 0.0 for j, t in enumerate(toks)]
-    q = proposals.probs
-    assert q is not None
-    q = q[:m].to(target_probs.device)
     if sampling.greedy:
-        return (q.argmax(-1) == target_logits[: q.shape[0]].argmax(-1)).float().tolist()
+        toks = proposals.tokens[:m] if proposals.tokens is not None else row_argmax(_dense(proposals)[:m])
+        am = row_argmax(target_logits) if argmax is None else argmax
+        return [1.0 if t == a else 0.0 for t, a in zip(toks, am)]
+    assert target_probs is not None
+    if proposals.tokens is not None:
+        return [float(target_probs[j, t]) if t >= 0 else 0.0 for j, t in enumerate(proposals.tokens[:m])]
+    q = _dense(proposals)[:m].to(target_probs.device)
     return torch.minimum(target_probs[: q.shape[0]], q).sum(-1).tolist()
 
 
-def alphas_from_proposals(target_probs: torch.Tensor, proposals: Proposals, emitted: list[int],
+def _dense(proposals: Proposals) -> torch.Tensor:
+    assert proposals.probs is not None, "Proposals carry tokens or probs"
+    return proposals.probs
+
+
+def needs_target_probs(sampling: SamplingConfig) -> bool:
+    """Do ``gammas_from_proposals`` / ``alphas_from_proposals`` read the target's p? Only when
+    sampling: greedy scores compare argmaxes, and the softmax over the vocabulary is skipped
+    (on SmolLM2 it was ~70 us a round, half the scoring time with the pool)."""
+    return not sampling.greedy
+
+
+def alphas_from_proposals(target_probs: torch.Tensor | None, proposals: Proposals, emitted: list[int],
                           sampling: SamplingConfig) -> list[float]:
     """Acceptance probability of the *realised* token at each emitted position,
     alpha_j = min(1, q_j(x_j) / p_j(x_j)) (1[x_j = y_j] for one-hot or greedy proposals); used
@@ -51,12 +63,11 @@ def alphas_from_proposals(target_probs: torch.Tensor, proposals: Proposals, emit
     m = len(emitted)
     if proposals.tokens is not None:
         return [1.0 if t == e else 0.0 for t, e in zip(proposals.tokens[:m], emitted)]
-    q = proposals.probs
-    assert q is not None
-    q = q[:m].to(target_probs.device)
-    x = torch.tensor(emitted[: q.shape[0]], device=q.device)
     if sampling.greedy:
-        return (q.argmax(-1) == x).float().tolist()
+        return [1.0 if t == e else 0.0 for t, e in zip(row_argmax(_dense(proposals)[:m]), emitted)]
+    assert target_probs is not None
+    q = _dense(proposals)[:m].to(target_probs.device)
+    x = torch.tensor(emitted[: q.shape[0]], device=q.device)
     i = torch.arange(q.shape[0], device=q.device)
     return (q[i, x] / target_probs[i, x].clamp_min(1e-30)).clamp(max=1.0).tolist()
 

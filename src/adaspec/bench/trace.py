@@ -53,7 +53,7 @@ from ..costs import (DrafterCosts, EngineOverheads, LinearCost, VerifyCostSurfac
                      load_or_measure, nonneg_lstsq)
 from ..drafters import Decision, Drafter, DraftStep, build_drafter
 from ..errors import AdaspecError, ConfigError
-from ..length.rules import drafter_probs, stats_of
+from ..length.rules import stats_of, stats_probs
 from ..length import StaticLength
 from ..selection.baselines import RoundRobinPolicy
 from ..models import LoadedModel, as_loaded, check_fingerprint, target_fingerprint
@@ -499,7 +499,7 @@ class TraceRecorder:
 
         def always(step: DraftStep) -> Decision:
             if d.is_model:
-                q = drafter_probs(step)
+                q = stats_probs(step)
                 if q is None:
                     raise AdaspecError(f"model drafter {d.name!r} exposed no distribution while drafting")
                 s = stats_of(q)

@@ -49,7 +49,10 @@ class DraftStep:
     proposals are deterministic); ``logits`` the raw logits and ``hidden`` the drafter's
     final hidden state when the drafter is a model (``hidden`` only if requested). ``stats``:
     precomputed statistics of q when neither ``probs`` nor ``logits`` is given (replay of a
-    recorded model drafter); the live engine never sets it.
+    recorded model drafter); the live engine never sets it. ``support_probs`` /
+    ``support_logits``: the same q on the drafter's own vocabulary when it drafts over a
+    subset (a feature head's 8k of 49k tokens; q is 0 elsewhere): q's statistics are computed
+    on them, the same values at a sixth of the work.
     """
 
     index: int  # 0-based position in the block
@@ -58,6 +61,8 @@ class DraftStep:
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     stats: StepStats | None = None
+    support_probs: torch.Tensor | None = None
+    support_logits: torch.Tensor | None = None
 
 
 @dataclass

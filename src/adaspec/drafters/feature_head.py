@@ -445,8 +445,8 @@ class FeatureHeadDrafter(Drafter):
             sub = self.head.subset_logits(last).float()
             logits, probs, sub_q = self._rows(sub, sampling)
             tok = int(vocab[int(sub.argmax()) if sub_q is None else sample(sub_q, generator)])
-            verdict = decide(DraftStep(j, tok, probs=probs, logits=logits,
-                                       hidden=last if want_hidden else None))
+            verdict = decide(DraftStep(j, tok, probs=probs, logits=logits, hidden=last if want_hidden else None,
+                                       support_probs=sub_q, support_logits=sub if sub_q is None else None))
             if verdict is Decision.DISCARD:
                 break
             tokens.append(tok)

@@ -17,7 +17,8 @@ class NgramIndex:
         if not self.sizes or self.sizes[-1] < 1:
             raise ValueError(f"n-gram sizes must be >= 1, got {self.sizes}")
         self.tokens: list[int] = []
-        self.maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+        self.maps: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.clear()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -25,13 +26,19 @@ class NgramIndex:
     def clear(self) -> None:
         self.tokens = []
         self.maps = {n: {} for n in self.sizes}
+        self._levels = [(n, self.maps[n]) for n in self.sizes]  # (n, its map): the hot loops' view
 
     def append(self, token: int) -> None:
         toks = self.tokens
         i = len(toks)
-        for n in self.sizes:
+        for n, m in self._levels:
             if i >= n:
-                self.maps[n].setdefault(tuple(toks[i - n:i]), []).append(i)
+                key = tuple(toks[i - n:i])
+                hits = m.get(key)
+                if hits is None:
+                    m[key] = [i]
+                else:
+                    hits.append(i)
         toks.append(token)
 
     def extend(self, tokens: Iterable[int]) -> None:
@@ -44,13 +51,13 @@ class NgramIndex:
         while len(toks) > length:
             toks.pop()
             i = len(toks)
-            for n in self.sizes:
+            for n, m in self._levels:
                 if i >= n:
                     key = tuple(toks[i - n:i])
-                    lst = self.maps[n][key]
-                    lst.pop()
-                    if not lst:
-                        del self.maps[n][key]
+                    hits = m[key]
+                    hits.pop()
+                    if not hits:
+                        del m[key]
 
     def sync(self, context: Sequence[int], trusted: int) -> int:
         """Make the index hold exactly ``context``; ``tokens[:trusted]`` is known to match.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,31 @@ from .indexed import CandidateKey, IndexedDrafter, frequent_candidates, level_ca
 log = logging.getLogger(__name__)
 
 _SEP = -1  # separates documents in the datastore; never matches a real token
+#: cached candidate lists a datastore keeps (``SuffixDatastore.recent``) before starting over
+RECENT_CACHE = 65536
+
+
+class RecentHits:
+    """A datastore key's most recent hits, for ``SuffixDrafter.propose``: most recent first,
+    document ends dropped. ``by_before``: which of them (indices) have a given token before
+    the key (the only ones that can match longer than the key); ``counts`` and ``first``:
+    how often each continuation occurs and where first, so a proposal over them costs a few
+    dictionary reads, not a scan. Valid until the datastore changes."""
+
+    __slots__ = ("positions", "nexts", "by_before", "counts", "first", "top")
+
+    def __init__(self, source: list[int], hits: list[int], n: int, key_len: int):
+        self.positions = [c for c in reversed(hits[-n:]) if source[c] != _SEP]
+        self.nexts = [source[c] for c in self.positions]
+        self.by_before: dict[int, list[int]] = {}
+        for j, c in enumerate(self.positions):
+            if c - key_len - 1 >= 0:
+                self.by_before.setdefault(source[c - key_len - 1], []).append(j)
+        self.counts = Counter(self.nexts)
+        self.first: dict[int, int] = {}
+        for j, t in enumerate(self.nexts):
+            self.first.setdefault(t, j)
+        self.top = SuffixDrafter._top(self.nexts) if self.nexts else None
 
 
 class SuffixDatastore:
@@ -41,14 +66,26 @@ class SuffixDatastore:
         self.index = NgramIndex([min_match])
         self.evicted_tokens = 0
         self._size = 0
+        self._recent: dict[tuple[tuple[int, ...], int], RecentHits] = {}
 
     def __len__(self) -> int:
         return self._size
+
+    def recent(self, key: tuple[int, ...], n: int) -> RecentHits:
+        """The last ``n`` hits of ``key`` (a ``min_match``-gram), cached until ``add``."""
+        r = self._recent.get((key, n))
+        if r is None:
+            if len(self._recent) >= RECENT_CACHE:
+                self._recent.clear()
+            r = self._recent[(key, n)] = RecentHits(self.index.tokens, self.index.continuations(key), n,
+                                                    self.min_match)
+        return r
 
     def add(self, tokens: Sequence[int]) -> None:
         toks = [int(t) for t in tokens]
         if len(toks) <= self.min_match:
             return
+        self._recent.clear()
         if len(toks) > self.max_tokens:
             raise AdaspecError(
                 f"a document of {len(toks)} tokens does not fit a datastore of max_tokens="
@@ -144,46 +181,105 @@ class SuffixDrafter(IndexedDrafter):
         # 1-grams too: a tree's last candidate level (``candidate_keys``), never the chain's
         super().__init__([min_match, 1])
 
-    def _matches(self, source: list[int], hits: list[int], seq: list[int],
-                 out: list[tuple[int, int]]) -> None:
-        """Extend candidate matches backwards: (match length, continuation) of each recent hit,
-        most recent first."""
-        m0, mmax, ls = self.min_match, self.max_match, len(seq)
-        for c in reversed(hits[-self.max_candidates:]):
+    def _lengths(self, source: list[int], hits: list[int], seq: list[int]) -> Iterator[tuple[int, int]]:
+        """(match length, continuation) of each recent hit of the context's last ``min_match``
+        tokens in ``source``, extended backwards, most recent first. (Most hits stop at
+        ``min_match``: one comparison decides them.)"""
+        m0, ls = self.min_match, len(seq)
+        top = min(self.max_match, ls)  # longest match: the context's length at most
+        recent = hits[-self.max_candidates:]
+        before = seq[ls - m0 - 1] if top > m0 else None  # the context token just before the key
+        for c in reversed(recent):
             nxt = source[c]
             if nxt == _SEP:
                 continue
-            ln = m0
-            while ln < mmax and ln < ls and c - ln - 1 >= 0 and source[c - ln - 1] == seq[ls - ln - 1]:
-                ln += 1
-            out.append((ln, nxt))
+            i = c - m0 - 1
+            if before is None or i < 0 or source[i] != before:
+                yield m0, nxt
+                continue
+            ln, i, j = m0 + 1, i - 1, ls - m0 - 2
+            while ln < top and i >= 0 and source[i] == seq[j]:
+                ln, i, j = ln + 1, i - 1, j - 1
+            yield ln, nxt
+
+    def _sources(self) -> list[tuple[list[int], list[int]]]:
+        """(tokens, hits of the context's last ``min_match`` tokens): the context, then the
+        datastore; none while the context is shorter than ``min_match``."""
+        seq = self._index.tokens
+        if len(seq) < self.min_match:
+            return []
+        key = tuple(seq[-self.min_match:])
+        out = [(seq, self._index.continuations(key))]
+        if self.datastore is not None:
+            out.append((self.datastore.index.tokens, self.datastore.index.continuations(key)))
+        return out
 
     def _found(self) -> list[tuple[int, int]]:
         """(match length, continuation) of every candidate match, context before datastore."""
         seq = self._index.tokens
-        found: list[tuple[int, int]] = []
-        if len(seq) < self.min_match:
-            return found
-        key = tuple(seq[-self.min_match:])
-        self._matches(seq, self._index.continuations(key), seq, found)
-        if self.datastore is not None:
-            self._matches(self.datastore.index.tokens, self.datastore.index.continuations(key), seq, found)
-        return found
+        return [m for source, hits in self._sources() for m in self._lengths(source, hits, seq)]
 
     @staticmethod
     def _top(cands: list[int]) -> int:
+        if len(cands) == 1:
+            return cands[0]
         counts = Counter(cands)
         top = max(counts.values())
         return next(t for t in cands if counts[t] == top)  # cands are most-recent first
 
     def propose(self) -> int | None:
-        """The most frequent continuation among the longest matches."""
-        found = self._found()
-        if not found:
+        """The most frequent continuation among the longest matches, ties to the first in
+        ``_found``'s order (context first, most recent first). The same token as from
+        ``_found``, without listing every match: the datastore's hits come from its cache
+        (``SuffixDatastore.recent``), and only those with the context's token before the key
+        are extended (a proposal is a hot path: one per looked-at token)."""
+        seq = self._index.tokens
+        m0, ls = self.min_match, len(seq)
+        if ls < m0:
             return None
-        best = max(ln for ln, _ in found)
+        key = tuple(seq[-m0:])
+        best, group = 0, []
+        for ln, nxt in self._lengths(seq, self._index.continuations(key), seq):
+            if ln == best:
+                group.append(nxt)
+            elif ln > best:
+                best, group = ln, [nxt]
+        if self.datastore is not None:
+            r = self.datastore.recent(key, self.max_candidates)
+            source, top = self.datastore.index.tokens, min(self.max_match, ls)
+            longer: list[tuple[int, int]] = []  # (length, continuation) of hits past the key
+            if top > m0:
+                for j in r.by_before.get(seq[ls - m0 - 1], ()):
+                    ln, i, k = m0 + 1, r.positions[j] - m0 - 2, ls - m0 - 2
+                    while ln < top and i >= 0 and source[i] == seq[k]:
+                        ln, i, k = ln + 1, i - 1, k - 1
+                    longer.append((ln, r.nexts[j]))
+            ds_best = max((ln for ln, _ in longer), default=m0 if r.nexts else 0)
+            if ds_best > best:
+                best, group = ds_best, []
+            if ds_best == best > m0:
+                group += [t for ln, t in longer if ln == best]
+            elif ds_best == best == m0:  # every datastore hit is in the group
+                self._match = best
+                return self._top_with(group, r)
+        if not group:
+            return None
         self._match = best
-        return self._top([t for ln, t in found if ln == best])
+        return self._top(group)
+
+    @staticmethod
+    def _top_with(group: list[int], r: RecentHits) -> int:
+        """``_top`` of ``group + r.nexts`` from ``r``'s counts."""
+        if not group:
+            return r.top  # type: ignore[return-value]
+        counts = Counter(group)
+        for t, c in r.counts.items():
+            counts[t] += c
+        top = max(counts.values())
+        for t in group:
+            if counts[t] == top:
+                return t
+        return min((t for t, c in counts.items() if c == top), key=r.first.__getitem__)
 
     def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
         """SuffixDecoding-style candidates (Oliaro et al. 2024): each match length is a level

@@ -12,7 +12,9 @@ Decisions shared by every threshold rule (the papers are silent on most of them)
   be ``DISCARD``; we follow TapOut for all arms.) The drafter forward for that token is
   already paid, and on this CPU one more verify row costs almost nothing.
 * **Which q**: ``step.probs`` (the processed q the token was sampled from) when sampling;
-  under greedy decoding ``softmax(step.logits)`` (temperature 1).
+  under greedy decoding ``softmax(step.logits)`` (temperature 1). A drafter over a vocabulary
+  subset also gives q on it (``support_probs`` / ``support_logits``): the statistics are
+  computed there (``stats_probs``), live and when recording alike.
 * **Entropy** is in nats, with 0 log 0 = 0 (top-k / top-p zeros).
 * **Cap**: ``max_len`` (TapOut 4: 128 for dynamic methods, "a proxy for unbounded"); the
   engine further caps every round at the remaining token budget.
@@ -69,6 +71,16 @@ def drafter_probs(step: DraftStep) -> torch.Tensor | None:
     if step.logits is not None:
         return torch.softmax(step.logits.float(), dim=-1)
     return None
+
+
+def stats_probs(step: DraftStep) -> torch.Tensor | None:
+    """The q that statistics are computed on: on the drafter's support when it gives one
+    (the same top-1, top-2 and entropy, q being 0 elsewhere), else ``drafter_probs``."""
+    if step.support_probs is not None:
+        return step.support_probs
+    if step.support_logits is not None:
+        return torch.softmax(step.support_logits.float(), dim=-1)
+    return drafter_probs(step)
 
 
 def entropy(q: torch.Tensor) -> float:
@@ -131,7 +143,7 @@ QStats = StepStats | _LazyStats
 def step_stats(step: DraftStep) -> QStats | None:
     """Statistics of the step's q: from ``probs``/``logits`` when present (live), else the
     precomputed ``step.stats`` (replay); None for model-free drafters."""
-    q = drafter_probs(step)
+    q = stats_probs(step)
     if q is not None:
         return _LazyStats(q)
     return step.stats

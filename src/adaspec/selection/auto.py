@@ -123,6 +123,10 @@ from .base import DrafterPolicy
 
 #: a model drafter whose plan keeps losing is scored every model_eval_every x 2^j rounds, j <= this
 MAX_EVAL_BACKOFF = 5
+#: a model drafter whose plan keeps losing rests from planning (is not priced, so not chosen)
+#: for up to this many rounds, 2^(j-1) - 1 after j losses in a row, unless new evidence comes
+#: (``AutoController.choose``): six pool heads priced every round were ~40% of planning
+MAX_PLAN_REST = 7
 #: a model drafter is scored every round, and not played, until it has this many scored first
 #: tokens (full feedback only): scoring costs a forward of the drafter, playing it on the
 #: prior's optimism a wider verify (``AutoController.trusted``)
@@ -173,8 +177,13 @@ class ChainCounts:
         c = self.clock
         if c is not None and c.now != self.stamp:
             f = c.keep ** (c.now - self.stamp)
-            self._s = [x * f for x in self._s]
-            self._t = [x * f for x in self._t]
+            s, t = self._s, self._t  # in place, unrolled: this runs for every count every round
+            s[0] *= f
+            s[1] *= f
+            s[2] *= f
+            t[0] *= f
+            t[1] *= f
+            t[2] *= f
             self.stamp = c.now
 
     @property
@@ -333,6 +342,9 @@ class AutoController:
         #: trusted model drafters are scored only while scoring costs at most this share of
         #: the wall time (``EVAL_SHARE``; 1: no budget)
         self.eval_share = EVAL_SHARE
+        #: per model drafter: plans lost in a row, and the round it is priced again (``choose``)
+        self.plan_losses: dict[int, int] = {}
+        self.rest_until: dict[int, int] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def begin_request(self, names: Sequence[str], is_model: Sequence[bool] | None = None) -> None:
@@ -352,6 +364,7 @@ class AutoController:
         self.idle_looks = self.skip_left = 0
         self.skipping = self._looked = False
         self.forced = None
+        self.plan_losses, self.rest_until = {}, {}
 
     # -- estimates and costs ----------------------------------------------------------------
     def estimate(self, d: int, context: str | None = None) -> tuple[float, float, float]:
@@ -481,8 +494,11 @@ class AutoController:
             else:
                 widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
             floor = verify_floor(widths)
-            plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))]
+            rest = self.rest_until
+            plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))
+                     if not rest or rest.get(d, 0) <= self.rounds]
             best = max(plans, key=lambda p: (p.rate, p.k))
+            self._rest_losers(plans, best)
         if best.k == 0:
             for d, name in enumerate(self.names):
                 if name in NONE_NAMES:
@@ -495,6 +511,23 @@ class AutoController:
             self.idle_looks = 0
         self.plan = best
         return best
+
+    def _rest_losers(self, plans: Sequence[Plan], best: Plan) -> None:
+        """Model drafters (not looked at) whose plan lost this round rest from planning: after
+        j losses in a row, the next min(2^(j-1), ``MAX_PLAN_REST`` + 1) - 1 rounds. Their
+        estimates move only with the counts' decay until they are scored or played again
+        (``observe`` ends the rest), and a pool of heads that do not pay was ~40% of the
+        planning time. A plan that drafts and wins ends the losses."""
+        is_model, losses = self.is_model, self.plan_losses
+        for p in plans:
+            d = p.drafter
+            if d >= len(is_model) or not is_model[d] or d in self.peeked:
+                continue
+            if p.drafter == best.drafter and best.k > 0:
+                losses.pop(d, None)
+                continue
+            j = losses[d] = losses.get(d, 0) + 1
+            self.rest_until[d] = self.rounds + min(2 ** (j - 1), MAX_PLAN_REST + 1)
 
     def block_curve(self) -> list[tuple[float, int, int]] | None:
         """For a batch's joint width (``batch.BatchEngine``): per cap k in 0..max_k, the best
@@ -582,6 +615,7 @@ class AutoController:
             self.eval_losses.pop(fb.drafter, None)
         levels = ((self.request_ctx, self.request_clock), (self.global_ctx, self.global_clock))
         for d, gammas, alphas, proposed in self._chains(fb, self.peeked if self.learn_from_peeks else {}):
+            self.rest_until.pop(d, None)  # new evidence: priced again next round
             self.request_counts[d].observe(gammas, alphas, proposed)
             self.global_counts[d].observe(gammas, alphas, proposed)
             if gammas:
@@ -702,7 +736,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
                  peek: int | bool = 1, objective: str = "time", feedback: str = "full", seed: int | None = 0,
-                 shrink: float = 1.0, peek_depth: int = 4, confidence_stop: int | bool = 1,
+                 shrink: float = 1.0, peek_depth: int = 3, confidence_stop: int | bool = 1,
                  look_share: float = LOOK_SHARE, eval_share: float = EVAL_SHARE):
         super().__init__(seed=seed, scope=scope)
         _check_share("eval_share", eval_share, "eval_share=0.005 (scoring model drafters costs at most that "
@@ -714,7 +748,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
                               "drafters' proposals before choosing, peek=0 not to")
         if isinstance(peek_depth, bool) or not isinstance(peek_depth, int) or not 1 <= peek_depth <= max_k:
             raise ConfigError(f"peek_depth must be an integer in 1..max_k ({max_k}), got {peek_depth!r}: "
-                              "pass e.g. peek_depth=4")
+                              "pass e.g. peek_depth=3")
         if feedback not in ("full", "bandit"):
             raise ConfigError(f"feedback must be 'full' or 'bandit', got {feedback!r}: 'bandit' learns from "
                               "the chosen drafter's rounds only (for ablations)")
