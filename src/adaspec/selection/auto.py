@@ -211,23 +211,18 @@ class ChainCounts:
 
     def observe(self, gammas: Sequence[float], alphas: Sequence[float], proposed: bool | None) -> None:
         """Add one chain observed from a round's first emitted position (module docstring)."""
+        self.add(chain_counts(gammas, alphas, proposed))
+
+    def add(self, delta: tuple[float, float, float, float, float, float]) -> None:
+        """Add ``chain_counts``' (s0, t0, s1, t1, s2, t2) (one chain counted at every level)."""
         self._sync()
         s, t = self._s, self._t
-        if proposed is not None:
-            t[0] += 1.0
-            s[0] += 1.0 if proposed else 0.0
-            if not proposed:
-                return
-        if not gammas:
-            return
-        t[1] += 1.0
-        s[1] += float(gammas[0])
-        for j in range(1, len(gammas)):
-            w = float(alphas[j - 1]) if j - 1 < len(alphas) else float(gammas[j - 1])
-            if w <= 0.0:
-                break
-            t[2] += w
-            s[2] += w * float(gammas[j])
+        s[0] += delta[0]
+        t[0] += delta[1]
+        s[1] += delta[2]
+        t[1] += delta[3]
+        s[2] += delta[4]
+        t[2] += delta[5]
 
     def estimate(self, prior: Sequence[float], weight: float) -> tuple[float, float, float]:
         """(h, a, c): Beta-style means with ``prior`` worth ``weight`` trials."""
@@ -235,6 +230,26 @@ class ChainCounts:
         s, t = self._s, self._t
         return ((s[0] + weight * prior[0]) / (t[0] + weight), (s[1] + weight * prior[1]) / (t[1] + weight),
                 (s[2] + weight * prior[2]) / (t[2] + weight))
+
+
+def chain_counts(gammas: Sequence[float], alphas: Sequence[float],
+                 proposed: bool | None) -> tuple[float, float, float, float, float, float]:
+    """One chain's successes and trials (s0, t0, s1, t1, s2, t2) of (proposal, first,
+    continue), from its gammas and realised acceptances (module docstring, "Estimator")."""
+    s0 = t0 = s1 = t1 = s2 = t2 = 0.0
+    if proposed is not None:
+        t0, s0 = 1.0, 1.0 if proposed else 0.0
+        if not proposed:
+            return s0, t0, s1, t1, s2, t2
+    if gammas:
+        t1, s1 = 1.0, float(gammas[0])
+        for j in range(1, len(gammas)):
+            w = float(alphas[j - 1]) if j - 1 < len(alphas) else float(gammas[j - 1])
+            if w <= 0.0:
+                break
+            t2 += w
+            s2 += w * float(gammas[j])
+    return s0, t0, s1, t1, s2, t2
 
 
 def lower_bound(p: float, n: float, z: float) -> float:
@@ -616,8 +631,9 @@ class AutoController:
         levels = ((self.request_ctx, self.request_clock), (self.global_ctx, self.global_clock))
         for d, gammas, alphas, proposed in self._chains(fb, self.peeked if self.learn_from_peeks else {}):
             self.rest_until.pop(d, None)  # new evidence: priced again next round
-            self.request_counts[d].observe(gammas, alphas, proposed)
-            self.global_counts[d].observe(gammas, alphas, proposed)
+            delta = chain_counts(gammas, alphas, proposed)  # counted once, added at every level
+            self.request_counts[d].add(delta)
+            self.global_counts[d].add(delta)
             if gammas:
                 self.first_scored[d] = self.first_scored.get(d, 0) + 1
             ctx = self.contexts.get(d)
@@ -626,7 +642,7 @@ class AutoController:
                     counts = level[d].get(ctx)
                     if counts is None:
                         counts = level[d][ctx] = ChainCounts(clock=clock)
-                    counts.observe(gammas, alphas, proposed)
+                    counts.add(delta)
         self.rounds += 1
 
     @staticmethod
