@@ -731,7 +731,7 @@ class SpeculativeEngine:
         0) spent ingesting the prompt's ``n_prompt`` tokens: paid once, not per round."""
         m = len(emitted)
         target_logits = logits[:m]
-        target_probs: torch.Tensor | None = None  # the softmax only if a proposal needs it
+        target_probs: torch.Tensor | None = None  # the softmax: only when sampling
         argmax: list[int] | None = None  # greedy: the rows' argmax, once
         out: dict[int, list[float]] = {} if score_chosen else {chosen: feedback.chosen_gammas()}
         alphas: dict[int, list[float]] = {}

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 _SEP = -1  # separates documents in the datastore; never matches a real token
 #: cached candidate lists a datastore keeps (``SuffixDatastore.recent``) before starting over
-RECENT_CACHE = 65536
+#: (each up to ``max_candidates`` hits: ~2 KB at 64, so ~16 MB at most)
+RECENT_CACHE = 8192
 
 
 class RecentHits:
