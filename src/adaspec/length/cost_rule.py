@@ -12,6 +12,11 @@ from .base import LengthPolicy
 from .rules import TAPOUT_MAX_LEN, check_float, check_int, step_confidence
 
 
+#: a model drafter whose drafting does not pay drafts anyway after 2^j plain steps in a row (j:
+#: such probes since it last paid), at most this many, so that its estimates can change
+MAX_PROBE_GAP = 64
+
+
 class CostModelRule(LengthPolicy):
     """Draft while the expected accepted tokens per second of the round still rise.
 
@@ -54,6 +59,16 @@ class CostModelRule(LengthPolicy):
     surface V is a linear fit of the observed verify times per width (a cliff is then only seen
     once measured), and without any cost model (no engine) V = 1 and d = ``draft_prior``.
     Catch-up time is not counted (it is paid whatever the length).
+
+    A plain step before drafting: a model-free drafter's estimate is one number, so when
+    ``decide`` would drop its first token the round drafts nothing (``begin_round`` returns 0).
+    A model drafter's first token costs a forward before ``decide`` sees its q, so the round
+    is a plain step when drafting would not beat one even with every token accepted as its
+    first tokens have been (the calibrated mean of their top q, ``first_acceptance``): on
+    llama.cpp a 0.5B draft model of a 1.5B target costs about a target step per token, and
+    drafting its first token every round made the rule 0.67x plain decoding. Such a drafter
+    still drafts after 1, 2, 4, ... 64 plain steps in a row (``MAX_PROBE_GAP``), so that its
+    estimates follow the text.
     """
 
     name = "cost-model"
@@ -83,6 +98,11 @@ class CostModelRule(LengthPolicy):
         self.confidence = ConfidenceCalibration(self.prior_weight, self.decay)
         #: model-free drafters: drafter -> [discounted sum of gammas, discounted count]
         self.acceptance_sums: dict[int, list[float]] = {}
+        #: model drafters: drafter -> [discounted sum of first tokens' top q, discounted count]
+        self.first_conf: dict[int, list[float]] = {}
+        #: model drafters that do not pay: plain steps in a row, and probes since they last paid
+        self._plain_run: dict[int, int] = {}
+        self._probes: dict[int, int] = {}
 
     def calibration(self, drafter: int) -> float:
         """Observed / predicted acceptance of a model drafter (1 before any feedback)."""
@@ -92,6 +112,28 @@ class CostModelRule(LengthPolicy):
         """Estimated per-token acceptance of a model-free drafter."""
         g, n = self.acceptance_sums.get(drafter, (0.0, 0.0))
         return (g + self.prior_acceptance * self.prior_weight) / (n + self.prior_weight)
+
+    def first_acceptance(self, drafter: int) -> float | None:
+        """A model drafter's expected first-token acceptance: the calibrated discounted mean of
+        its first tokens' top q (None before it has drafted)."""
+        sums = self.first_conf.get(drafter)
+        if sums is None or sums[1] <= 0.0:
+            return None
+        return self.confidence.acceptance(drafter, sums[0] / sums[1])
+
+    def _drafting_pays(self, drafter: int, draft_s: float, verify: Callable[[int], float]) -> bool:
+        """Would a block beat a plain step (rate 1 / V(1)), every token accepted at the
+        drafter's ``first_acceptance`` (looking ``horizon`` tokens ahead, as ``decide``)?"""
+        a = self.first_acceptance(drafter)
+        if a is None:
+            return True
+        plain, e, p = (1.0 + self.min_gain) / verify(1), 1.0, 1.0
+        for m in range(1, min(self.horizon, self.max_len) + 1):
+            p *= a
+            e += p
+            if e / (m * draft_s + verify(m + 1)) > plain:
+                return True
+        return False
 
     # -- costs ---------------------------------------------------------------------------
     def _cost_functions(self, drafter: int) -> tuple[float, Callable[[int], float]]:
@@ -132,9 +174,19 @@ class CostModelRule(LengthPolicy):
 
         self._drafter, self._confs, self._rate = drafter, [], block()
         free = self._model_free
-        if free is not None and drafter < len(free) and free[drafter] and not self._tree(drafter):
-            if block().step(0, self.acceptance(drafter)) is Decision.DISCARD:
-                return 0
+        if free is None or drafter >= len(free) or self._tree(drafter):
+            return self.max_len
+        if free[drafter]:
+            return 0 if block().step(0, self.acceptance(drafter)) is Decision.DISCARD else self.max_len
+        if self._drafting_pays(drafter, draft_s, verify):
+            self._plain_run[drafter] = self._probes[drafter] = 0
+            return self.max_len
+        run = self._plain_run.get(drafter, 0) + 1
+        probes = self._probes.get(drafter, 0)
+        if run <= min(2 ** probes, MAX_PROBE_GAP):
+            self._plain_run[drafter] = run
+            return 0
+        self._plain_run[drafter], self._probes[drafter] = 0, probes + 1  # a probe: draft
         return self.max_len
 
     def decide(self, step: DraftStep) -> Decision:
@@ -144,6 +196,10 @@ class CostModelRule(LengthPolicy):
         else:
             self._confs.append(conf)
             a = self.confidence.acceptance(self._drafter, conf)
+            if step.index == 0:
+                sums = self.first_conf.setdefault(self._drafter, [0.0, 0.0])
+                sums[0] = self.decay * sums[0] + conf
+                sums[1] = self.decay * sums[1] + 1.0
         return self._rate.step(step.index, a)
 
     def update(self, feedback: RoundFeedback) -> None:
