@@ -399,25 +399,26 @@ def test_cost_rule_plans_a_plain_step_for_a_model_free_drafter_that_cannot_pay()
 def test_cost_rule_plans_plain_steps_for_a_model_drafter_that_cannot_pay():
     """A model drafter whose tokens cost nearly a target step (a 0.5B draft model of a 1.5B
     target on llama.cpp) and whose first tokens are unsure: after it has drafted once, the
-    rule plans plain steps (cap 0: its first token's forward is not paid), drafting anyway
-    after 1, 2, 4, ... plain steps in a row so that its estimates can change; a cheap drafter,
-    or one whose first tokens are sure, drafts every round."""
+    rule plans plain steps (cap 0: its first token's forward is not paid), drafting one token
+    anyway after 1, 4, 16, 64 plain steps in a row so that its estimates can change; a cheap
+    drafter, or one whose first tokens are sure, drafts every round."""
     from adaspec.length.cost_rule import MAX_PROBE_GAP
 
-    def rounds(draft_s: float, top_q: float, n: int = 40) -> list[int]:
+    def rounds(draft_s: float, top_q: float, n: int = 200) -> list[tuple[int, int]]:
         rule = cost_rule([1.0] * 16, draft_s)
         rule.bind_drafters([True])
         drafted = []
         for r in range(n):
             cap = rule.begin_round(0)
             if cap:
-                drafted.append(r)
+                drafted.append((r, min(cap, 2)))
                 rule.decide(step(q(top_q, 1 - top_q), 0))
         return drafted
 
-    assert rounds(0.9, 0.3) == [0, 2, 5, 10, 19, 36]  # probes after 1, 2, 4, 8, 16 plain steps
-    assert rounds(0.9, 0.99) == list(range(40))  # sure first tokens: drafting pays
-    assert rounds(0.05, 0.3) == list(range(40))  # cheap drafting pays
+    # probes of one token after 1, 4, 16, 64, 64 plain steps
+    assert rounds(0.9, 0.3) == [(0, 2), (2, 1), (7, 1), (24, 1), (89, 1), (154, 1)]
+    assert rounds(0.9, 0.99) == [(r, 2) for r in range(200)]  # sure first tokens: drafting pays
+    assert rounds(0.05, 0.3) == [(r, 2) for r in range(200)]  # cheap drafting pays
     assert MAX_PROBE_GAP == 64
     fresh = cost_rule([1.0] * 16, 0.9)
     fresh.bind_drafters([True])

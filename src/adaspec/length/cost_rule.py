@@ -12,8 +12,8 @@ from .base import LengthPolicy
 from .rules import TAPOUT_MAX_LEN, check_float, check_int, step_confidence
 
 
-#: a model drafter whose drafting does not pay drafts anyway after 2^j plain steps in a row (j:
-#: such probes since it last paid), at most this many, so that its estimates can change
+#: a model drafter whose drafting does not pay drafts one token anyway (a probe) after 4^j plain
+#: steps in a row (j: probes since it last paid), at most this many, so its estimates can change
 MAX_PROBE_GAP = 64
 
 
@@ -67,8 +67,8 @@ class CostModelRule(LengthPolicy):
     first tokens have been (the calibrated mean of their top q, ``first_acceptance``): on
     llama.cpp a 0.5B draft model of a 1.5B target costs about a target step per token, and
     drafting its first token every round made the rule 0.67x plain decoding. Such a drafter
-    still drafts after 1, 2, 4, ... 64 plain steps in a row (``MAX_PROBE_GAP``), so that its
-    estimates follow the text.
+    still drafts one token after 1, 4, 16, 64 plain steps in a row (``MAX_PROBE_GAP``), so
+    that its estimates follow the text (one token is all a probe needs: its first q).
     """
 
     name = "cost-model"
@@ -183,11 +183,11 @@ class CostModelRule(LengthPolicy):
             return self.max_len
         run = self._plain_run.get(drafter, 0) + 1
         probes = self._probes.get(drafter, 0)
-        if run <= min(2 ** probes, MAX_PROBE_GAP):
+        if run <= min(4 ** probes, MAX_PROBE_GAP):
             self._plain_run[drafter] = run
             return 0
-        self._plain_run[drafter], self._probes[drafter] = 0, probes + 1  # a probe: draft
-        return self.max_len
+        self._plain_run[drafter], self._probes[drafter] = 0, probes + 1  # a probe: its first q
+        return 1
 
     def decide(self, step: DraftStep) -> Decision:
         conf = step_confidence(step)  # max q(x), from q or from a trace's recorded statistics
