@@ -786,6 +786,17 @@ def test_model_drafters_whose_plan_keeps_losing_rest_from_planning():
     assert MAX_PLAN_REST == 7
     c.begin_request(["head", "lookup", "none"], is_model=[True, False, False])
     assert not c.rest_until and not c.plan_losses  # a request starts with everyone priced
+    heads = AutoController(shrink=0.0)  # only model drafters, none pays: the best still plays
+    heads.costs = FixedCosts(flat(1.0, 0.05), {0: 0.2, 1: 0.2})
+    heads.begin_request(["h1", "h2"], is_model=[True, True])
+    for d in (0, 1):
+        heads.global_counts[d].s, heads.global_counts[d].t = [1.0, 1.0, 1.0], [1e4, 1e4, 1e4]
+        heads.first_scored[d] = 99
+    for r in range(20):
+        plan = heads.choose()
+        assert plan.k == 0 and plan.drafter in (0, 1)
+        heads.observe(RoundFeedback(round=r, drafter=plan.drafter, draft=Draft(), n_accepted=0, emitted=[5],
+                                    k_cap=0, target_logits=None, sampling=GREEDY))
 
 
 def test_a_model_drafter_is_scored_before_it_is_played():

@@ -499,6 +499,7 @@ class AutoController:
             self.peeked, self.contexts = {}, {}
             self.plan = Plan(self.names.index(NONE_NAMES[0]), 0, 0.0)
             return self.plan
+        plans: list[Plan] | None = None
         if self.forced is not None:  # a batch chose this round's width for every row (``commit``)
             best, self.forced = self.forced, None
         else:
@@ -513,12 +514,13 @@ class AutoController:
             plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))
                      if not rest or rest.get(d, 0) <= self.rounds]
             best = max(plans, key=lambda p: (p.rate, p.k))
-            self._rest_losers(plans, best)
         if best.k == 0:
             for d, name in enumerate(self.names):
                 if name in NONE_NAMES:
                     best = Plan(d, 0, best.rate)
                     break
+        if plans is not None:
+            self._rest_losers(plans, best)
         if looked and best.k == 0 and self.names[best.drafter] in NONE_NAMES:
             self.idle_looks += 1
             self.skip_left = min(2 ** (self.idle_looks - 1) - 1, self._max_skip())
@@ -532,14 +534,16 @@ class AutoController:
         j losses in a row, the next min(2^(j-1), ``MAX_PLAN_REST`` + 1) - 1 rounds. Their
         estimates move only with the counts' decay until they are scored or played again
         (``observe`` ends the rest), and a pool of heads that do not pay was ~40% of the
-        planning time. A plan that drafts and wins ends the losses."""
+        planning time. A plan that drafts and wins ends the losses; the round's best plan is
+        never rested (with only model drafters and no ``none``, a plain step is theirs)."""
         is_model, losses = self.is_model, self.plan_losses
         for p in plans:
             d = p.drafter
             if d >= len(is_model) or not is_model[d] or d in self.peeked:
                 continue
-            if p.drafter == best.drafter and best.k > 0:
-                losses.pop(d, None)
+            if d == best.drafter:  # never rested: a round always has a plan to play
+                if best.k > 0:
+                    losses.pop(d, None)
                 continue
             j = losses[d] = losses.get(d, 0) + 1
             self.rest_until[d] = self.rounds + min(2 ** (j - 1), MAX_PLAN_REST + 1)
