@@ -29,7 +29,7 @@ def gammas_from_proposals(
     Sampling: 1 - TV(p, q) for dense q, p(y) for a one-hot proposal y (Not-a-Bandit Thm 1).
     Greedy: 1 if the proposal (a dense q's argmax) equals the target's argmax (``argmax``: the
     rows' argmax, when the caller has it), else 0. ``target_probs`` is read only when
-    sampling (``needs_target_probs``): None is fine for greedy.
+    sampling: None is fine for greedy.
     """
     m = target_logits.shape[0]
     if sampling.greedy:
@@ -46,13 +46,6 @@ def gammas_from_proposals(
 def _dense(proposals: Proposals) -> torch.Tensor:
     assert proposals.probs is not None, "Proposals carry tokens or probs"
     return proposals.probs
-
-
-def needs_target_probs(sampling: SamplingConfig) -> bool:
-    """Do ``gammas_from_proposals`` / ``alphas_from_proposals`` read the target's p? Only when
-    sampling: greedy scores compare argmaxes, and the softmax over the vocabulary is skipped
-    (on SmolLM2 it was ~70 us a round, half the scoring time with the pool)."""
-    return not sampling.greedy
 
 
 def alphas_from_proposals(target_probs: torch.Tensor | None, proposals: Proposals, emitted: list[int],

@@ -198,10 +198,17 @@ class SuffixDrafter(IndexedDrafter):
             if before is None or i < 0 or source[i] != before:
                 yield m0, nxt
                 continue
-            ln, i, j = m0 + 1, i - 1, ls - m0 - 2
-            while ln < top and i >= 0 and source[i] == seq[j]:
-                ln, i, j = ln + 1, i - 1, j - 1
-            yield ln, nxt
+            yield self._extend(source, c, seq, m0 + 1, top), nxt
+
+    @staticmethod
+    def _extend(source: list[int], c: int, seq: list[int], ln: int, top: int) -> int:
+        """The length of the match behind hit ``c`` (the continuation's position in
+        ``source``), its last ``ln`` tokens known to match the context ``seq``: extended back
+        while the two agree, ``top`` at most."""
+        i, j = c - ln - 1, len(seq) - ln - 1
+        while ln < top and i >= 0 and source[i] == seq[j]:
+            ln, i, j = ln + 1, i - 1, j - 1
+        return ln
 
     def _sources(self) -> list[tuple[list[int], list[int]]]:
         """(tokens, hits of the context's last ``min_match`` tokens): the context, then the
@@ -251,10 +258,7 @@ class SuffixDrafter(IndexedDrafter):
             longer: list[tuple[int, int]] = []  # (length, continuation) of hits past the key
             if top > m0:
                 for j in r.by_before.get(seq[ls - m0 - 1], ()):
-                    ln, i, k = m0 + 1, r.positions[j] - m0 - 2, ls - m0 - 2
-                    while ln < top and i >= 0 and source[i] == seq[k]:
-                        ln, i, k = ln + 1, i - 1, k - 1
-                    longer.append((ln, r.nexts[j]))
+                    longer.append((self._extend(source, r.positions[j], seq, m0 + 1, top), r.nexts[j]))
             ds_best = max((ln for ln, _ in longer), default=m0 if r.nexts else 0)
             if ds_best > best:
                 best, group = ds_best, []
