@@ -269,6 +269,50 @@ def test_suffix_fast_proposal_equals_the_definition(seed):
             store.add(ctx[:30])  # the cache starts over
 
 
+def _indexed_reference_peek(d, ctx: list[int], depth: int) -> list[int]:
+    """A look as drafting does it: each proposal appended to the index before the next."""
+    d.catch_up(ctx)
+    out = []
+    for _ in range(depth):
+        tok = d.propose()
+        if tok is None:
+            break
+        out.append(tok)
+        d._index.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_peek_equals_indexed_proposals_and_leaves_the_index_as_the_context(seed):
+    """``peek`` keeps its tokens off the index (``NgramIndex.base``): at every position of
+    random text over a small vocabulary (matches inside the look itself, ties, a datastore),
+    its block equals proposing token by token with each token indexed, and the index it
+    leaves is the one built from the context alone."""
+    rng = random.Random(seed)
+    store = SuffixDatastore(min_match=2)
+    for _ in range(10):
+        store.add([rng.randrange(3) for _ in range(rng.randrange(3, 40))])
+    makers = [lambda: PromptLookupDrafter(), lambda: PromptLookupDrafter(max_ngram=4, min_ngram=2),
+              lambda: SuffixDrafter(min_match=2), lambda: SuffixDrafter(min_match=2, max_match=4),
+              lambda: SuffixDrafter(min_match=2, datastore=store),
+              # few candidates: the look's own hits push older ones out of the window
+              lambda: SuffixDrafter(min_match=2, max_candidates=3), lambda: SuffixDrafter(min_match=1, max_candidates=2)]
+    for make in makers:
+        d, ref = make(), make()
+        ctx = [rng.randrange(3) for _ in range(90)]
+        d.begin_request(ctx[:1])
+        looked = 0
+        for n in range(1, len(ctx)):
+            ref.begin_request(ctx[:1])
+            got = d.peek(ctx[:n], 6).tokens
+            assert got == _indexed_reference_peek(ref, ctx[:n], 6), (n, d.describe())
+            fresh = NgramIndex(d._index.sizes)
+            fresh.extend(ctx[:n])
+            _same(d._index, fresh)
+            looked += len(got) > 1
+        assert looked > 20  # the looks went on past their first token
+
+
 def test_suffix_bad_parameters():
     with pytest.raises(AdaspecError, match="min_match <= max_match"):
         SuffixDrafter(min_match=3, max_match=2)

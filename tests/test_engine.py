@@ -455,3 +455,36 @@ def test_engine_verify_costs_uses_cache(model, tmp_path, monkeypatch):
     assert surface.seconds == fake.seconds and surface.cliffs_by_context() == {32: [], 256: [3]}
     assert engine.verify_costs() is surface  # memoised on the engine
     assert list((tmp_path / "costs").glob("*.json"))
+
+
+@pytest.mark.parametrize("cap", [1, 3, 5, 9])
+def test_a_look_is_the_draft_and_a_cut_look_is_continued(model, cap):
+    """``_draft_chain`` from a look equals a fresh draft of the same cap (the same tokens, the
+    length policy asked at the same positions): a look cut at its depth is continued by the
+    drafter from the look's end, not drafted again; the look's seconds are the draft's."""
+    from adaspec.config import SamplingConfig
+    from adaspec.drafters import Decision
+    ctx = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
+    engine = SpeculativeEngine(model, [PromptLookupDrafter()], k=3)
+
+    def asking(log: list) -> object:
+        def decide(step):
+            log.append((step.index, step.token))
+            return Decision.STOP if step.index == 6 else Decision.CONTINUE
+        return decide
+
+    fresh_log: list = []
+    fresh = PromptLookupDrafter().draft(ctx, cap, SamplingConfig(), None, asking(fresh_log)).tokens
+    d = engine.drafters[0]
+    d.begin_request(ctx)
+    look = d.peek(ctx, 3)
+    look.seconds, look.cut = 0.25, True
+    calls: list = []
+    draft = d.draft
+    d.draft = lambda *a, **k: calls.append(a[0]) or draft(*a, **k)
+    log: list = []
+    got = engine._draft_chain(0, ctx, cap, {0: look}, SamplingConfig(), None, asking(log))
+    assert got.tokens == fresh and log == fresh_log and got.look_s == 0.25
+    assert len(fresh) == min(cap, 7)
+    # past the look: one continuation after its tokens, never a draft from the context again
+    assert calls == ([] if cap <= 3 else [ctx + fresh[:3]])

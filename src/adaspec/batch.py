@@ -597,9 +597,9 @@ class BatchEngine:
         # as the engine's: neither prompt ingestion (once per request) nor scoring is the rounds' own overhead
         self.cost_model.observe_overhead(own - draft_s - catch_up_s - (t_pre - t_sel) - plan.ingest - (t6 - t5))
         record = RoundRecord(drafter=view.drafters[i].name, k_cap=plan.cap, drafted=len(draft.tokens),
-                             accepted=n, emitted=len(emitted), draft_s=draft_s, verify_s=verify_s,
-                             catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,
-                             policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6) - plan.ingest,
+                             accepted=n, emitted=len(emitted), draft_s=draft_s + draft.look_s,
+                             verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,
+                             policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6) - plan.ingest - draft.look_s,
                              eval_s=t6 - t5 - eval_ingest, total_s=own + verify_s,
                              drafter_prefill_s=(t_pre - t_sel) + plan.ingest + eval_ingest)
         return self._event(req, record, emitted, reason)

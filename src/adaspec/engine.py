@@ -552,11 +552,14 @@ class SpeculativeEngine:
             if self.tree:  # the running rate prices tree nodes only (``_draft_tree``)
                 cost_model.observe_round(len(emitted), k + 1,
                                          (t7 - t0) - verify_s - drafter_prefill - look_ingest - eval_ingest)
+            # the chosen drafter's look, when its block is the draft, was drafting (a static
+            # configuration pays it too): recorded as such, not as the controller's time
             stats.rounds.append(RoundRecord(
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
-                draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s,
+                draft_s=draft_s + draft.look_s, verify_s=verify_s, catch_up_s=catch_up_s,
                 catch_up_tokens=catch_up_tokens,
-                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6) - look_ingest, eval_s=t6 - t5 - eval_ingest,
+                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6) - look_ingest - draft.look_s,
+                eval_s=t6 - t5 - eval_ingest,
                 total_s=t7 - t0, drafter_prefill_s=drafter_prefill + look_ingest + eval_ingest,
                 tree_nodes=0 if tree is None else k))
             yield emitted
@@ -582,13 +585,21 @@ class SpeculativeEngine:
     def _draft_chain(self, i: int, tokens: list[int], cap: int, peeked: dict[int, Peek],
                      sampling: SamplingConfig, generator: torch.Generator | None,
                      decide: Callable[[DraftStep], Decision]) -> Draft:
-        """Drafter ``i``'s chain of at most ``cap`` tokens: its looked-at block when that covers
-        the cap (drafted exactly as the drafter would), else a fresh draft."""
+        """Drafter ``i``'s chain of at most ``cap`` tokens, drafted exactly as the drafter would:
+        from its looked-at block (a look is deterministic drafting), which the drafter continues
+        when the cap goes past a look cut at its depth; else a fresh draft."""
         if cap <= 0:
             return Draft()
-        if i in peeked and cap <= len(peeked[i].tokens):
-            return Draft(tokens=apply_decisions(peeked[i].tokens[:cap], decide))
         drafter = self.drafters[i]
+        look = peeked.get(i)
+        if look is not None:
+            kept = apply_decisions(look.tokens[:cap], decide)
+            n = len(kept)
+            if n < cap and n == len(look.tokens) and look.cut:  # on from the look's end
+                def go_on(step: DraftStep) -> Decision:
+                    return decide(replace(step, index=step.index + n))
+                kept += drafter.draft([*tokens, *kept], cap - n, sampling, generator, go_on).tokens
+            return Draft(tokens=kept, look_s=look.seconds)
         return drafter.draft(tokens, cap, sampling, generator, decide,
                              want_hidden=self.length.needs_hidden and drafter.is_model)
 
@@ -682,12 +693,15 @@ class SpeculativeEngine:
         round's policy overhead, which the cost model prices."""
         out: dict[int, Peek] = {}
         ingest = 0.0
+        now = self._timer
         for j, d in enumerate(self.drafters):
             if d.is_model:
                 continue
             ingest += self._ingest_prompt(j, tokens, n_prompt, seen)
+            t = now()
             props = d.peek(tokens, max_tokens)
             if props is not None:
+                props.seconds, props.cut = now() - t, len(props.tokens) >= max_tokens
                 out[j] = props
                 seen[j] = len(tokens)
         return out, ingest

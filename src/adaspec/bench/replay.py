@@ -456,6 +456,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
                 chain = views[pool.src[j]].chains[x0][:top]
                 look = peekers[j].peek(path[:t], top) if j in peekers else None
                 blocks[j] = look if look is not None and look.tokens == chain else Peek(chain)
+                blocks[j].cut = len(blocks[j].tokens) >= top
                 peek_s += price.catch_up(j, t - seen[j], t) if 0 < seen[j] < t else 0.0
                 ingest_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
                 peek_s += price.draft(j, len(blocks[j].tokens), t)
@@ -508,8 +509,12 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         n = min(views[src].accepted[x], kd) if kd else 0
         emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
         m = len(emitted)
-        redraft = i not in peeked or cap > len(blocks[i].tokens)  # as the engine: a short look is drafted again
-        draft_s = price.draft(i, kd, t) if cap > 0 and redraft else 0.0
+        # as the engine (``_draft_chain``): a look is the draft, continued past a look cut at its depth
+        draft_s = 0.0
+        if cap > 0 and i not in peeked:
+            draft_s = price.draft(i, kd, t)
+        elif cap > 0 and blocks[i].cut and kd > len(blocks[i].tokens):
+            draft_s = price.draft(i, kd - len(blocks[i].tokens), t)
         verify_s = price.verify(kd + 1, t)
         catch_up_s = price.catch_up(i, catch_up, t)
         fb = _ReplayFeedback(

@@ -77,6 +77,9 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    #: seconds of the look (``Peek.seconds``) this block was cut from: drafting done before the
+    #: round's choice, recorded as the round's drafting, not as its policy time
+    look_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -99,6 +102,10 @@ class Peek:
 
     tokens: list[int]
     match: int = 0
+    #: the look's seconds (its catch-up and proposals) and whether it stopped at the depth
+    #: asked for, the drafter having more (both set by the engine that looked)
+    seconds: float = 0.0
+    cut: bool = False
 
 
 @dataclass

@@ -18,6 +18,9 @@ class NgramIndex:
             raise ValueError(f"n-gram sizes must be >= 1, got {self.sizes}")
         self.tokens: list[int] = []
         self.maps: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        #: while a drafter looks ahead (``IndexedDrafter.peek``): the look's tokens' entries,
+        #: kept apart from ``maps`` (a small dict, dropped when the look ends: no rollback)
+        self.look: dict[tuple[int, ...], list[int]] | None = None
         self.clear()
 
     def __len__(self) -> int:
@@ -76,5 +79,30 @@ class NgramIndex:
         return len(context)
 
     def continuations(self, key: tuple[int, ...]) -> list[int]:
-        """Positions of the tokens that followed earlier occurrences of ``key`` (oldest first)."""
-        return self.maps[len(key)].get(key, [])
+        """Positions of the tokens that followed earlier occurrences of ``key`` (oldest first),
+        a look's tokens included (``look_append``)."""
+        hits = self.maps[len(key)].get(key, [])
+        if self.look:
+            extra = self.look.get(key)
+            if extra:
+                return hits + extra
+        return hits
+
+    def look_begin(self) -> None:
+        """Start a look: ``look_append``'s tokens are read as if appended, until ``look_end``."""
+        self.look = {}
+
+    def look_append(self, token: int) -> None:
+        """``append`` for a look: the token goes on ``tokens``, its entries into ``look``."""
+        toks, look = self.tokens, self.look
+        assert look is not None, "look_append outside a look (look_begin first)"
+        i = len(toks)
+        for n, _ in self._levels:
+            if i >= n:
+                look.setdefault(tuple(toks[i - n:i]), []).append(i)
+        toks.append(token)
+
+    def look_end(self, length: int) -> None:
+        """End a look begun at ``length`` tokens: the index holds them again, as before it."""
+        del self.tokens[length:]
+        self.look = None

@@ -276,19 +276,26 @@ class IndexedDrafter(Drafter):
         return Draft(tokens=kept)
 
     def peek(self, context: Sequence[int], max_tokens: int) -> Peek:
-        """Proposed tokens are appended to the index (a match continues through them); the next
-        ``catch_up`` rolls back the ones the target rejected."""
+        """The block ``draft`` would propose with no length policy: each token is read by the
+        next proposal as if indexed (``NgramIndex.look_append``), and the index is left
+        holding ``context`` (no entries to add and roll back: they were a third of a look)."""
         self.catch_up(context)
+        index = self._index
+        base = len(index)
         tokens: list[int] = []
         match = 0
-        for _ in range(max_tokens):
-            tok = self.propose()
-            if tok is None:
-                break
-            if not tokens:
-                match = self._match
-            tokens.append(tok)
-            self._index.append(tok)
+        index.look_begin()
+        try:
+            for _ in range(max_tokens):
+                tok = self.propose()
+                if tok is None:
+                    break
+                if not tokens:
+                    match = self._match
+                tokens.append(tok)
+                index.look_append(tok)
+        finally:
+            index.look_end(base)
         return Peek(tokens, match)
 
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:

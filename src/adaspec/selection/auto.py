@@ -431,15 +431,17 @@ class AutoController:
         top = self.max_k
         if d in self.peeked:  # its proposal is known: h is 0 or 1, k <= its length, drafting done
             block = len(self.peeked[d])
+            if not block:  # it proposes nothing: a plain step, no estimate needed
+                return Plan(d, 0, best_rate)
             _, a, c = self.estimate(d, self.contexts.get(d))
             h = 1.0
             if block < self.peek_depth:  # the drafter has no more: k <= its length
                 top = min(top, block)
             if top <= block:
                 draft = (lambda _d, _n: 0.0)
-            else:  # a look cut at the depth: k past it is drafted again (from scratch)
+            else:  # a look cut at the depth: the drafter continues it past its end
                 full = draft
-                draft = (lambda _d, n: 0.0 if n <= block else full(_d, n))
+                draft = (lambda _d, n: 0.0 if n <= block else full(_d, n - block))
         else:
             h, a, c = self.estimate(d)
         miss = (1.0 - h) * (v1 + draft(d, 0))
