@@ -559,3 +559,43 @@ def test_indexed_draft_proposes_lazily_and_equals_the_cut_peek(make):
         assert got == want and len(calls) == stop_at + 1
         # the index holds only the kept tokens: a second round continues from them
         assert d.peek(ctx + got, 4).tokens == make().peek(ctx + got, 4).tokens
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_shared_index_gives_each_drafter_what_its_own_index_does(seed):
+    """``share_indexes``: prompt lookup and two suffix drafters on one request index look,
+    draft, draft trees and score exactly as each does on its own index, whatever the order of
+    the calls in a round (each syncs the index to its context from its own trusted length)."""
+    from adaspec.drafters.indexed import share_indexes
+    rng = random.Random(seed)
+    store = SuffixDatastore(min_match=2)
+    for _ in range(8):
+        store.add([rng.randrange(4) for _ in range(rng.randrange(3, 30))])
+
+    def make():
+        return [PromptLookupDrafter(), SuffixDrafter(min_match=2), SuffixDrafter(min_match=2, datastore=store),
+                PromptLookupDrafter(max_ngram=4, min_ngram=2)]
+    shared, own = make(), make()
+    share_indexes(shared)
+    assert len({id(d._index) for d in shared}) == 1 and len({id(d._index) for d in own}) == 4
+    ctx = [rng.randrange(4) for _ in range(6)]
+    for d in shared + own:
+        d.begin_request(ctx)
+    keep_all = lambda step: Decision.CONTINUE  # noqa: E731
+    for _ in range(80):
+        new = [rng.randrange(4) for _ in range(rng.randint(1, 4))]
+        for j in rng.sample(range(4), 4):
+            op = rng.choice(["peek", "draft", "score", "tree", "none"])
+            got = []
+            for d in (shared[j], own[j]):
+                if op == "peek":
+                    got.append(d.peek(ctx, 4).tokens)
+                elif op == "draft":
+                    got.append(d.draft(ctx, 5, GREEDY, None, keep_all).tokens)
+                elif op == "score":
+                    got.append(d.score(ctx, new, GREEDY).tokens)
+                elif op == "tree":
+                    t = d.draft_tree(ctx, 4, 8)
+                    got.append((t.tokens, t.parents))
+            assert op == "none" or got[0] == got[1], (op, j)
+        ctx = ctx + new

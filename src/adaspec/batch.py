@@ -36,6 +36,7 @@ import torch
 from .config import GenerationConfig
 from .costs import BatchCosts
 from .drafters import Draft, Drafter, DraftStep, Decision
+from .drafters.indexed import share_indexes
 from .engine import GenerationResult
 from .errors import AdaspecError, ConfigError
 from .feedback import RoundFeedback
@@ -230,6 +231,7 @@ class BatchEngine:
             self._wants_costs |= any(getattr(p, "wants_costs", False) for p in (view.selector, view.length))
         try:
             view.drafters = [d.fork() for d in view.drafters]
+            share_indexes(view.drafters)  # the row's n-gram drafters: one index, as the engine's
         except AdaspecError as exc:
             raise ConfigError(f"batched decoding needs a drafter per request: {exc}{_pool_hint(engine)}") from None
         if any(getattr(d, "uses_target_features", False) for d in view.drafters):

@@ -26,6 +26,7 @@ from .config import GenerationConfig, SamplingConfig
 from .costs import CostModel, VerifyCostSurface, load_or_measure
 from .drafters import Decision, Draft, Drafter, DraftStep, NoDrafter, build_drafter, drafter_family
 from .drafters.base import Peek, apply_decisions
+from .drafters.indexed import share_indexes
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .errors import ConfigError, PromptError
 from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
@@ -131,6 +132,7 @@ class SpeculativeEngine:
         extra = pool_drafters(self.target, pool, default=drafters is None)
         drafters = [*(DEFAULT_DRAFTERS if drafters is None else drafters), *extra]
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
+        share_indexes(self.drafters)  # one request index for the n-gram drafters
         #: indices of the drafters a cached pool added by default (``pool=None``), not asked for
         self.default_pool = list(range(len(drafters) - len(extra), len(drafters))) if pool is None else []
         self.tree, self.tree_nodes = bool(tree), int(tree_nodes)

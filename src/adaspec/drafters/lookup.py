@@ -41,7 +41,7 @@ class PromptLookupDrafter(IndexedDrafter):
     def propose(self) -> int | None:
         """Next-token proposal for the indexed prefix, or None without a match."""
         toks = self._index.tokens
-        for n in self._index.sizes:
+        for n in self.sizes:
             if len(toks) < n:
                 continue
             hits = self._index.continuations(tuple(toks[-n:]))
@@ -57,11 +57,11 @@ class PromptLookupDrafter(IndexedDrafter):
         match (a token the request has not seen), its most frequent tokens
         (``frequent_candidates``, with 1-grams in the index)."""
         first = self.propose()
-        if first is None:
-            return frequent_candidates(self._index)
+        if first is None:  # (1-grams: its own sizes', not those of an index it shares)
+            return frequent_candidates(self._index) if 1 in self.sizes else []
         toks = self._index.tokens
         levels = [(n, [toks[h] for h in reversed(self._index.continuations(tuple(toks[-n:]))[-MAX_TREE_HITS:])])
-                  for n in self._index.sizes if len(toks) >= n]
+                  for n in self.sizes if len(toks) >= n]
         return level_candidates(first, levels)
 
     def describe(self) -> str:

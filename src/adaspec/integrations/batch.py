@@ -25,6 +25,7 @@ import numpy as np
 
 from ..config import SamplingConfig, validate_k, validate_scope
 from ..drafters import Draft, Drafter, build_drafter, parse_params
+from ..drafters.indexed import share_indexes
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from ..length import LengthPolicy, StaticLength, build_length
@@ -223,6 +224,7 @@ class BatchProposer:
     def _new_request(self, sid: int, context: np.ndarray) -> _Request:
         req = _Request([d.fork() for d in self.prototypes], self._own(self.selector, sid),
                        self._own(self.length, sid))
+        share_indexes(req.drafters)  # one index for the request's n-gram drafters, as the engine's
         for d in req.drafters:
             d.begin_request([])
         if req.selector is not self.selector:
