@@ -47,24 +47,27 @@ def main() -> None:
     ap.add_argument("--suite", default="mixed")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--shares-only", action="store_true",
+                    help="no per-call timers (they add ~1 us a call): only the records' policy and scoring shares")
     args = ap.parse_args()
 
     acc: dict[str, float] = {}
-    timed(acc, auto_mod.AutoController, "choose", "plan (choose)")
-    timed(acc, auto_mod.AutoController, "observe", "learn (observe)")
-    timed(acc, auto_mod.AutoController, "observe_proposals", "read looks (observe_proposals)")
-    timed(acc, auto_mod.AutoController, "evaluate", "scoring gate (evaluate)")
-    timed(acc, engine_mod.SpeculativeEngine, "_peek", "look (peek)")
+    wrap = (lambda *_: None) if args.shares_only else timed  # without timers: the shares as the bench measures them
+    wrap(acc, auto_mod.AutoController, "choose", "plan (choose)")
+    wrap(acc, auto_mod.AutoController, "observe", "learn (observe)")
+    wrap(acc, auto_mod.AutoController, "observe_proposals", "read looks (observe_proposals)")
+    wrap(acc, auto_mod.AutoController, "evaluate", "scoring gate (evaluate)")
+    wrap(acc, engine_mod.SpeculativeEngine, "_peek", "look (peek)")
     kw: dict[str, Any] = {"backend": args.backend}
     if args.drafter:
         kw.update(drafters=args.drafter, selector="auto")
     if args.no_pool:
         kw["pool"] = False
     eng = SpeculativeEngine.from_pretrained(args.model, **kw)
-    timed(acc, type(eng.length), "decide", "per-token stop (decide)")
-    timed(acc, type(eng.length), "begin_round", "cap (begin_round)")
-    timed(acc, type(eng.length), "update", "length update")
-    timed(acc, type(eng.cost_model), "observe", "cost model observe")
+    wrap(acc, type(eng.length), "decide", "per-token stop (decide)")
+    wrap(acc, type(eng.length), "begin_round", "cap (begin_round)")
+    wrap(acc, type(eng.length), "update", "length update")
+    wrap(acc, type(eng.cost_model), "observe", "cost model observe")
     prompts = load_workload(args.suite, per_category=args.per_category)
     cfg = GenerationConfig(max_new_tokens=args.tokens)
 

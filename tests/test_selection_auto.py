@@ -946,3 +946,33 @@ def test_a_requests_first_look_is_not_a_looks_price(sharp_model, monkeypatch):
     engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto:look_share=0.005")
     out = engine.generate([3, 4, 5, 6, 3, 4, 5, 6, 3], max_new_tokens=12)
     assert len(seen) == len(out.stats.rounds) - 1  # every round looked (no look price: no skipping)
+
+
+def test_to_score_is_evaluate_over_every_drafter_in_one_call():
+    """``to_score`` (the engine's gate, one call a round) admits exactly the drafters a call
+    of ``evaluate`` per drafter does, in index order, with the same bookkeeping (evaluation
+    back-off), over random rounds: looks, skipped looks, model drafters losing and winning."""
+    import copy
+    rng = random.Random(0)
+    names = ["prompt-lookup", "none", "head-a", "suffix", "head-b", "head-c"]
+    is_model = [False, False, True, False, True, True]
+    a = AutoController(shrink=0.0)
+    a.model_warmup = 2
+    a.begin_request(names, is_model)
+    admitted = 0
+    for r in range(400):
+        a.peeked = {d: [7] for d in (0, 3) if rng.random() < 0.7}
+        a.skipping = rng.random() < 0.2
+        a.rounds = r
+        a.plan = Plan(rng.randrange(6), rng.randrange(3), rng.random())
+        for d in (2, 4, 5):
+            a.first_scored[d] = rng.randrange(4)
+            if rng.random() < 0.3:
+                a.eval_losses[d] = rng.randrange(8)
+        chosen, score_chosen = rng.randrange(6), rng.random() < 0.3
+        b = copy.deepcopy(a)
+        got = a.to_score(chosen, score_chosen)
+        want = [d for d in range(6) if (d != chosen or score_chosen) and b.evaluate(d)]
+        assert got == want and a.eval_losses == b.eval_losses, r
+        admitted += len(got)
+    assert admitted > 200

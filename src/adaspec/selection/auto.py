@@ -317,6 +317,8 @@ class AutoController:
         self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (wants_costs)
         self.names: list[str] = []
         self.is_model: list[bool] = []
+        self._models: list[int] = []
+        self._free: list[int] = []
         #: per drafter, its family (``drafters.drafter_family``; ``bind_families``): agreement
         #: in the peek contexts counts only across families
         self.families: list[str] = []
@@ -371,6 +373,9 @@ class AutoController:
             self.eval_losses = {}
             self.first_scored = {}
         self.is_model = list(is_model) if is_model is not None else [False] * len(names)
+        #: model drafters, and the model-free ones but ``none`` (``to_score``)
+        self._models = [d for d, m in enumerate(self.is_model) if m]
+        self._free = [d for d, n in enumerate(names) if not self.is_model[d] and n not in NONE_NAMES]
         self.request_counts = [ChainCounts(clock=self.request_clock) for _ in names]
         self.request_ctx = [{} for _ in names]
         self.rounds = 0
@@ -590,7 +595,7 @@ class AutoController:
         """This round's blocks (``drafters.base.Peek``, or token lists) of the drafters that can
         be looked at for free, and the context each drafter's estimate is conditioned on
         (``peek_context``)."""
-        self.peeked = {d: list(getattr(b, "tokens", b)) for d, b in blocks.items()}
+        self.peeked = {d: getattr(b, "tokens", b) for d, b in blocks.items()}  # read, never changed
         self._looked = True
         fams = self.families if self.families and len(self.families) == len(self.names) else None
         self.contexts = {d: peek_context(d, self.peeked, getattr(blocks[d], "match", 0), fams)
@@ -627,6 +632,28 @@ class AutoController:
             mine = self.best_k(d)  # its best is a plain step, or slower than the choice: it lost
             self.eval_losses[d] = losses + 1 if mine.k == 0 or mine.rate < plan.rate else 0
         return True
+
+    def to_score(self, chosen: int, score_chosen: bool = False) -> list[int]:
+        """The drafters to score this round, in index order: those ``evaluate`` admits, the
+        chosen one only with ``score_chosen`` (it drafted nothing with a zero cap). One call a
+        round, where a call of ``evaluate`` per drafter (eleven with the SmolLM2 pool) took
+        ~30 us a round after a forward, most of the scoring time: a model-free drafter is
+        admitted unless it is ``none``, looked at or skipped (no call), and a trusted model
+        drafter not due by ``evaluate``'s cadence is passed over without one."""
+        peeked = self.peeked if self.learn_from_peeks else {}
+        out = [] if self.skipping else [d for d in self._free if d not in peeked and (d != chosen or score_chosen)]
+        if self._models:
+            rounds, every, losses, warm = self.rounds, self.model_eval_every, self.eval_losses, self.model_warmup
+            for d in self._models:
+                if (d == chosen and not score_chosen) or d in peeked:
+                    continue
+                if (warm <= 0 or self.first_scored.get(d, 0) >= warm) and (
+                        (rounds + d) % (every << min(losses.get(d, 0), MAX_EVAL_BACKOFF))):
+                    continue  # trusted and not due (``evaluate``'s cadence)
+                if self.evaluate(d):
+                    out.append(d)
+            out.sort()
+        return out
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, fb: RoundFeedback) -> None:
@@ -703,6 +730,12 @@ def match_bucket(match: int) -> int:
     return MATCH_BUCKETS[max(bisect_right(MATCH_BUCKETS, match) - 1, 0)]
 
 
+#: ``peek_context``'s names, ``_CONTEXT_NAMES[rel][match]`` for matches up to the last bucket's
+#: edge (a name is read for every looked-at block each round: not formatted each time)
+_CONTEXT_NAMES = {rel: [rel] + [f"{rel}:{match_bucket(m)}" for m in range(1, MATCH_BUCKETS[-1] + 1)]
+                  for rel in ("alone", "agree", "disagree")}
+
+
 def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0,
                  families: Sequence[str] | None = None) -> str:
     """What drafter ``d``'s block says about its chance, given the other looked-at blocks:
@@ -718,7 +751,8 @@ def peek_context(d: int, blocks: dict[int, list[int]], match: int = 0,
     fam = families[d] if families is not None else None
     others = [b[0] for j, b in blocks.items() if j != d and b and (fam is None or families[j] != fam)]
     rel = "alone" if not others else "agree" if mine in others else "disagree"
-    return f"{rel}:{match_bucket(match)}" if match > 0 else rel
+    names = _CONTEXT_NAMES[rel]
+    return names[min(max(match, 0), len(names) - 1)]
 
 
 def _check_share(name: str, value: object, example: str) -> None:
@@ -834,6 +868,9 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
 
     def evaluate(self, drafter: int) -> bool:
         return self.controller.evaluate(drafter)
+
+    def to_score(self, chosen: int, score_chosen: bool = False) -> list[int]:
+        return self.controller.to_score(chosen, score_chosen)
 
     def update(self, feedback: RoundFeedback) -> None:
         self.controller.observe(feedback)
