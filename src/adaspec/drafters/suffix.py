@@ -40,7 +40,7 @@ class RecentHits:
 
     def __init__(self, source: list[int], hits: list[int], n: int, key_len: int):
         self.source, self.hits, self.key_len = source, hits[-n:], key_len
-        self._longer: dict[int, list[tuple[int, int]]] = {}
+        self._longer: dict[int | tuple[int, int], list[tuple[int, int]]] = {}
         self._nexts: list[int] | None = None
         self._counts: Counter[int] | None = None
         self._first: dict[int, int] | None = None
@@ -53,6 +53,15 @@ class RecentHits:
             src, k1 = self.source, self.key_len + 1
             got = self._longer[before] = [(c, src[c]) for c in reversed(self.hits)
                                           if c >= k1 and src[c - k1] == before and src[c] != _SEP]
+        return got
+
+    def longer2(self, before: int, before2: int) -> list[tuple[int, int]]:
+        """``longer(before)``'s hits that ``before2`` precedes too (matching two tokens past the key)."""
+        got = self._longer.get((before, before2))  # type: ignore[call-overload]
+        if got is None:
+            src, k2 = self.source, self.key_len + 2
+            got = self._longer[(before, before2)] = [  # type: ignore[index]
+                (c, t) for c, t in self.longer(before) if c >= k2 and src[c - k2] == before2]
         return got
 
     @property
@@ -287,9 +296,14 @@ class SuffixDrafter(IndexedDrafter):
         if self.datastore is not None:
             r = self.datastore.recent(key, self.max_candidates)
             source, top = self.datastore.index.tokens, min(self.max_match, ls)
-            # (length, continuation) of the hits that match past the key
-            longer = ([(self._extend(source, c, seq, m0 + 1, top), t) for c, t in r.longer(seq[ls - m0 - 1])]
-                      if top > m0 else [])
+            # (length, continuation) of the hits that match past the key: those matching one token
+            # more are m0 + 1 long unless some match two more, and only those are extended
+            longer: list[tuple[int, int]] = []
+            if top > m0:
+                one = r.longer(seq[ls - m0 - 1])
+                two = r.longer2(seq[ls - m0 - 1], seq[ls - m0 - 2]) if one and top > m0 + 1 else []
+                longer = ([(self._extend(source, c, seq, m0 + 2, top), t) for c, t in two] if two
+                          else [(m0 + 1, t) for _, t in one])
             ds_best = max(ln for ln, _ in longer) if longer else m0 if r.nexts else 0
             if ds_best > best:
                 best, group = ds_best, []
