@@ -453,7 +453,6 @@ class SpeculativeEngine:
         # a selector that looks before it chooses gets every cheap drafter's proposal first
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
         looks = getattr(selector, "looks", None)  # auto:look_share>0 skips looks that do not pay
-        to_score = getattr(selector, "to_score", None)  # the round's drafters to score, at once
         peeked: dict[int, Peek] = {}
         trees = [self.tree and d.supports_tree for d in drafters]
         while True:
@@ -471,10 +470,6 @@ class SpeculativeEngine:
                 raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
             wanted = length.begin_round(i)  # 0: the policy chose a plain step (not the budget)
             cap = min(wanted, remaining - 1)
-            # which drafters to score depends on the plan only: asked now, while the policy's code
-            # and data are in the caches (after the forward the same call took ~30 us, here ~6)
-            full = selector.full_information and (len(drafters) > 1 or wanted == 0)
-            scored = to_score(i, wanted == 0) if full and to_score is not None else None
             t1 = t_selected = now()
             if looked and looks is not None and stats.rounds:  # the first look also ingests the prompt
                 cost_model.observe_look(t_selected - t0)
@@ -535,10 +530,10 @@ class SpeculativeEngine:
                 tree_nodes=0 if tree is None else k)
             t5 = now()
             eval_ingest = 0.0
-            if full:
+            if selector.full_information and (len(drafters) > 1 or wanted == 0):
                 feedback.counterfactual, eval_ingest = self._evaluate_others(
                     i, tokens[:context_len], emitted, logits, feedback, sampling, score_chosen=wanted == 0,
-                    seen=seen, n_prompt=n_prompt, scored=scored)
+                    seen=seen, n_prompt=n_prompt)
                 for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
@@ -743,13 +738,12 @@ class SpeculativeEngine:
     def _evaluate_others(self, chosen: int, context: list[int], emitted: list[int],
                          logits: torch.Tensor, feedback: RoundFeedback,
                          sampling: SamplingConfig, score_chosen: bool = False, seen: list[int] | None = None,
-                         n_prompt: int = 0, scored: list[int] | None = None) -> tuple[dict[int, list[float]], float]:
+                         n_prompt: int = 0) -> tuple[dict[int, list[float]], float]:
         """Full-information hook (Not-a-Bandit 3.2): prefill the verified tokens into every other
         drafter and compute its acceptance probability at each of them, without target calls.
         ``score_chosen``: the chosen drafter had a zero cap, so it is scored like the others.
         A selector may skip drafters (``selector.evaluate(j)`` False: skipped evaluation, B.5;
-        ``selector.to_score`` gives the round's set in one call; ``scored``: that set, asked
-        for before the round's forward).
+        ``selector.to_score`` gives the round's set in one call).
         Also returns the seconds a drafter scored for the first time this request (``seen[j]``
         0) spent ingesting the prompt's ``n_prompt`` tokens: paid once, not per round."""
         m = len(emitted)
@@ -763,9 +757,7 @@ class SpeculativeEngine:
         proposed: dict[int, list[bool]] = {}
         ingest = 0.0
         to_score = getattr(self.selector, "to_score", None)  # the round's set at once (auto)
-        if scored is not None:
-            pass
-        elif to_score is not None:
+        if to_score is not None:
             scored = to_score(chosen, score_chosen)
         else:
             evaluate = getattr(self.selector, "evaluate", None)

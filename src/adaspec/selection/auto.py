@@ -636,10 +636,9 @@ class AutoController:
     def to_score(self, chosen: int, score_chosen: bool = False) -> list[int]:
         """The drafters to score this round, in index order: those ``evaluate`` admits, the
         chosen one only with ``score_chosen`` (it drafted nothing with a zero cap). One call a
-        round, where a call of ``evaluate`` per drafter (eleven with the SmolLM2 pool) took
-        ~30 us a round after a forward, most of the scoring time: a model-free drafter is
-        admitted unless it is ``none``, looked at or skipped (no call), and a trusted model
-        drafter not due by ``evaluate``'s cadence is passed over without one."""
+        round instead of one per drafter (eleven with the SmolLM2 pool): a model-free drafter
+        is admitted unless it is ``none``, looked at or skipped, and a trusted model drafter
+        not due by ``evaluate``'s cadence is passed over without calling it."""
         peeked = self.peeked if self.learn_from_peeks else {}
         out = [] if self.skipping else [d for d in self._free if d not in peeked and (d != chosen or score_chosen)]
         if self._models:
