@@ -57,10 +57,10 @@ class RecentHits:
 
     def longer2(self, before: int, before2: int) -> list[tuple[int, int]]:
         """``longer(before)``'s hits that ``before2`` precedes too (matching two tokens past the key)."""
-        got = self._longer.get((before, before2))  # type: ignore[call-overload]
+        got = self._longer.get((before, before2))
         if got is None:
             src, k2 = self.source, self.key_len + 2
-            got = self._longer[(before, before2)] = [  # type: ignore[index]
+            got = self._longer[(before, before2)] = [
                 (c, t) for c, t in self.longer(before) if c >= k2 and src[c - k2] == before2]
         return got
 
