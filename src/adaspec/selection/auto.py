@@ -636,21 +636,12 @@ class AutoController:
     def to_score(self, chosen: int, score_chosen: bool = False) -> list[int]:
         """The drafters to score this round, in index order: those ``evaluate`` admits, the
         chosen one only with ``score_chosen`` (it drafted nothing with a zero cap). One call a
-        round instead of one per drafter (eleven with the SmolLM2 pool): a model-free drafter
-        is admitted unless it is ``none``, looked at or skipped, and a trusted model drafter
-        not due by ``evaluate``'s cadence is passed over without calling it."""
+        round: a model-free drafter is admitted unless it is ``none``, looked at or skipped
+        (``evaluate``'s answer for it, without the call); model drafters ask ``evaluate``."""
         peeked = self.peeked if self.learn_from_peeks else {}
         out = [] if self.skipping else [d for d in self._free if d not in peeked and (d != chosen or score_chosen)]
         if self._models:
-            rounds, every, losses, warm = self.rounds, self.model_eval_every, self.eval_losses, self.model_warmup
-            for d in self._models:
-                if (d == chosen and not score_chosen) or d in peeked:
-                    continue
-                if (warm <= 0 or self.first_scored.get(d, 0) >= warm) and (
-                        (rounds + d) % (every << min(losses.get(d, 0), MAX_EVAL_BACKOFF))):
-                    continue  # trusted and not due (``evaluate``'s cadence)
-                if self.evaluate(d):
-                    out.append(d)
+            out += [d for d in self._models if (d != chosen or score_chosen) and self.evaluate(d)]
             out.sort()
         return out
 
