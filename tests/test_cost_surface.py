@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from conftest import make_tiny_model
 
 from adaspec.bench.replay import oracle_bounds, replay
@@ -449,3 +450,117 @@ def test_engine_views_and_batch_rows_price_each_drafter_by_its_own_seconds():
     batch.add(prompt, max_new_tokens=12, drafters=[1], length="cost-model")
     batch.run()
     assert 0 not in batch.cost_model.draft_token_s and 0 not in eng.cost_model.draft_token_s
+
+
+# -- backends that rebuild their compute graph for a new shape (llama.cpp) -------------------------
+def test_a_run_of_blocks_pays_one_rebuild_going_in_and_one_coming_out():
+    """``CostModel.switch_cost``: after a plain step a block is charged 2 s (in, and the plain
+    step after it), a block of another width s, a plain step or the same width nothing; the
+    surface's other prices are unchanged, and a surface without ``switch_s`` adds nothing."""
+    base = surface()
+    s = dataclasses.replace(base, switch_s=0.25)
+    cm = CostModel(s)
+    cm.context = 100
+    v = [base.cost(w, 100) for w in range(7)]
+    assert cm.last_width == 0  # nothing verified yet: as after a plain step (the prefill)
+    assert cm.verify_cost(1) == v[1] and cm.verify_cost(3) == v[3] + 0.5
+    cm.last_width = 1
+    assert [cm.switch_cost(w) for w in range(1, 7)] == [0.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    cm.last_width = 4
+    assert [cm.switch_cost(w) for w in range(1, 7)] == [0.0, 0.25, 0.25, 0.0, 0.25, 0.25]
+    assert cm.verify_cost(4) == v[4] and cm.verify_cost(5) == v[5] + 0.25 and cm.verify_cost(1) == v[1]
+    assert cm.verify_row(6) == [0.0] + [cm.verify_cost(w) for w in range(1, 7)]
+    plain = CostModel(base)
+    plain.context, plain.last_width = 100, 1
+    assert plain.verify_row(6) == v and plain.switch_cost(3) == 0.0
+    # kept through serialisation and the live/measured scaling replay applies
+    assert VerifyCostSurface.from_dict(s.to_dict()).switch_s == 0.25
+    assert s.scaled(1.1).switch_s == 0.25 and "+250.00 ms" in s.table()
+    assert VerifyCostSurface.from_dict(base.to_dict()).switch_s == 0.0
+
+
+class _GraphReusingBackend:
+    """A fake backend on a fake clock: a forward of w tokens takes V(w) = w ms, plus 0.4 ms
+    when its width differs from the previous forward's (a rebuilt graph)."""
+
+    device = torch.device("cpu")
+    vocab_size = 50
+    context_window = None
+    reuses_graphs = True
+
+    def __init__(self):
+        self.now, self.last = 0.0, None
+
+    def clock(self) -> float:
+        return self.now
+
+    def free_states(self):
+        return None
+
+    def new_state(self):
+        return [0]
+
+    def release(self, state):
+        pass
+
+    def truncate(self, state, length):
+        state[0] = length
+
+    def forward(self, state, ids, keep=1):
+        w = len(ids)
+        self.now += w * 1e-3 + (4e-4 if w != self.last else 0.0)
+        self.last = w
+        state[0] += w
+
+
+@pytest.mark.parametrize("reuses", [True, False])
+def test_steady_forwards_and_the_switch_are_measured_apart(monkeypatch, reuses):
+    """On a backend that reuses graphs every width is timed twice in a row: the grid holds the
+    steady V and ``switch_s`` the rebuild; elsewhere one forward per width, no switch."""
+    import adaspec.costs as costs_mod
+
+    fake = _GraphReusingBackend()
+    fake.reuses_graphs = reuses
+    monkeypatch.setattr(costs_mod.time, "perf_counter", fake.clock)
+    s = costs_mod.measure_verify_surface(fake, contexts=(8, 16), ks=(1, 2, 4), repeats=2)
+    flat = [v for row in s.seconds for v in row]
+    if reuses:
+        assert flat == pytest.approx([1e-3, 2e-3, 4e-3] * 2) and s.switch_s == pytest.approx(4e-4)
+    else:  # every width follows another: the rebuild is in every price
+        assert flat == pytest.approx([1.4e-3, 2.4e-3, 4.4e-3] * 2) and s.switch_s == 0.0
+
+
+def test_engine_tells_the_cost_model_the_last_width():
+    """The engine sets ``last_width`` to each round's verify width (0 at a request's start)."""
+    from adaspec import SpeculativeEngine
+    from adaspec.config import GenerationConfig
+
+    model = make_tiny_model(seed=0, vocab=V)
+    eng = SpeculativeEngine(model, ["prompt-lookup"], k=3)
+    eng.cost_model.surface = dataclasses.replace(surface(), switch_s=1e-3)
+    widths = []
+    eng.cost_model.observe_overhead = lambda s, _cm=eng.cost_model: widths.append(_cm.last_width)
+    out = eng.generate([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], GenerationConfig(max_new_tokens=12))
+    assert widths[0] == 0  # the first round follows the prefill
+    assert widths[1:] == [r.drafted + 1 for r in out.stats.rounds][:-1]
+    assert eng.cost_model.last_width == out.stats.rounds[-1].drafted + 1
+
+
+def test_replay_tells_the_cost_model_the_last_width(priced, monkeypatch):
+    """Replay sets ``last_width`` as the engine does, so replayed policies price the same
+    switches as live ones."""
+    import adaspec.bench.replay as replay_mod
+
+    seen: list[int] = []
+
+    class Recording(CostModel):
+        def observe_overhead(self, seconds):
+            seen.append(self.last_width)
+            super().observe_overhead(seconds)
+
+    monkeypatch.setattr(replay_mod, "CostModel", Recording)
+    res = replay(priced, None, None, k=4, drafters=["prompt-lookup"])
+    expected: list[int] = []
+    for p in res.prompts:
+        expected += [0] + [r.drafted + 1 for r in p.rounds][:-1]
+    assert seen == expected and len(seen) > 3

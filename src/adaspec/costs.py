@@ -109,6 +109,10 @@ class VerifyCostSurface:
     width up to ``max(ks[-1], DENSE_WIDTHS)`` is precomputed per context, so ``cost`` is one
     bisection and two list reads (policies call it inside the draft loop), and ``row`` one
     interpolation of two lists.
+
+    On a backend that reuses its compute graph for a repeated shape (``reuses_graphs``:
+    llama.cpp) ``seconds`` are steady forwards (the same width as the one before) and
+    ``switch_s`` is what a forward of another width pays on top (``CostModel.switch_cost``).
     """
 
     contexts: list[int]
@@ -117,6 +121,7 @@ class VerifyCostSurface:
     prefill_seconds: list[float] = field(default_factory=list)
     key: str = ""
     measure_s: float = 0.0  # wall time of the measurement
+    switch_s: float = 0.0  # extra seconds of a forward whose width differs from the last one's
 
     def __post_init__(self) -> None:
         if not self.contexts or not self.ks:
@@ -143,7 +148,7 @@ class VerifyCostSurface:
         return cls(contexts=list(data["contexts"]), ks=list(data["ks"]),
                    seconds=[list(r) for r in data["seconds"]],
                    prefill_seconds=list(data.get("prefill_seconds", [])), key=data.get("key", ""),
-                   measure_s=float(data.get("measure_s", 0.0)))
+                   measure_s=float(data.get("measure_s", 0.0)), switch_s=float(data.get("switch_s", 0.0)))
 
     def _row(self, i: int, k: int) -> float:
         dense = self._dense[i]
@@ -212,12 +217,13 @@ class VerifyCostSurface:
         f = factor if callable(factor) else (lambda k: factor + per_width * (k - 1))
         rows = [[x * f(k) for k, x in zip(self.ks, r)] for r in self.seconds]
         return VerifyCostSurface(list(self.contexts), list(self.ks), rows,
-                                 [x * f(1) for x in self.prefill_seconds], self.key, self.measure_s)
+                                 [x * f(1) for x in self.prefill_seconds], self.key, self.measure_s,
+                                 self.switch_s)
 
     def to_dict(self) -> dict:
         return {"contexts": self.contexts, "ks": self.ks, "seconds": self.seconds,
                 "prefill_seconds": self.prefill_seconds, "key": self.key, "measure_s": self.measure_s,
-                "cliffs": {str(c): v for c, v in self.cliffs_by_context().items()}}
+                "switch_s": self.switch_s, "cliffs": {str(c): v for c, v in self.cliffs_by_context().items()}}
 
     def table(self) -> str:
         """Milliseconds per (cache length, k), ratios to k=1 at the same length, cliffs marked *."""
@@ -231,6 +237,9 @@ class VerifyCostSurface:
             lines.append(" " * 9 + "".join(f"{row.ratio(k):7.2f}x" for k in self.ks))
         lines.append("ms per forward over k new tokens on a cache of that many tokens (second line: "
                      "ratio to k=1); * = cost cliff (a wider forward is cheaper)")
+        if self.switch_s:
+            lines.append(f"a forward of another width than the last one's: +{self.switch_s * 1e3:.2f} ms "
+                         "(the backend rebuilds its compute graph)")
         return "\n".join(lines)
 
 
@@ -345,7 +354,8 @@ class EngineOverheads:
 
 
 def _surface_key(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> str:
-    ident = f"{SURFACE_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|ks={list(ks)}"
+    steady = "|steady" if getattr(loaded, "reuses_graphs", False) else ""  # surfaces before switch_s
+    ident = f"{SURFACE_FORMAT}{steady}|{loaded.identity()}|ctx={list(contexts)}|ks={list(ks)}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -375,6 +385,8 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
     ``repeats`` after ``warmup`` passes), and the prefill of each length (once, after an
     untimed warm-up prefill: the first forwards of a shape allocate and page in). Contexts and
     ks are interleaved within each pass so machine noise hits the grid alike.
+    On a backend that ``reuses_graphs`` each width is timed twice in a row: the second is the
+    steady V, and the median of first minus second the switch ``switch_s``.
     ``progress(done, total)`` after every pass. Runs on any backend (``TargetBackend``)."""
     t_start = time.perf_counter()
     contexts = grid_contexts(loaded, contexts, ks)
@@ -398,13 +410,21 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
     caches: list[object] = []
     pre: list[float] = [0.0] * len(contexts)
     times: dict[tuple[int, int], list[float]] = {(c, k): [] for c in contexts for k in ks}
+    switches: list[float] = []
     total = warmup + repeats
+    steady = bool(getattr(loaded, "reuses_graphs", False))
 
     def measure(cache: object, c: int, rep: int) -> None:
         for k in ks:
             ids = torch.randint(0, vocab, (k,), generator=gen).tolist()
             dt = timed(ids, cache, k)
             loaded.truncate(cache, c)
+            if steady:  # the same shape again: the graph is reused
+                again = timed(ids, cache, k)
+                loaded.truncate(cache, c)
+                if rep >= warmup:
+                    switches.append(dt - again)
+                dt = again
             if rep >= warmup:
                 times[(c, k)].append(dt)
 
@@ -432,7 +452,8 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
         for cache in caches:
             loaded.release(cache)
     seconds = [[median(times[(c, k)]) for k in ks] for c in contexts]
-    return VerifyCostSurface(list(contexts), list(ks), seconds, pre, measure_s=time.perf_counter() - t_start)
+    return VerifyCostSurface(list(contexts), list(ks), seconds, pre, measure_s=time.perf_counter() - t_start,
+                             switch_s=max(0.0, median(switches)) if switches else 0.0)
 
 
 def measure_verify_costs(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
@@ -597,6 +618,9 @@ class CostModel:
         self.surface = VerifyCostSurface.of(surface if surface is not None else curve)
         self.decay = decay
         self.context = 0  # cache length of the round being decided
+        #: width of the last verify forward (0: none yet this request), set by the engine and
+        #: replay after every round: with the surface's ``switch_s``, see ``switch_cost``
+        self.last_width = 0
         #: measured cost functions per drafter index (e.g. a trace's); preferred over running means
         self.drafters: dict[int, DrafterCosts] = dict(drafters or {})
         self.draft_token_s: dict[int, float] = {}
@@ -693,7 +717,8 @@ class CostModel:
         if self.batch is not None and self.rows > 1:
             return self.batch.row_cost(self.rows, width, self.batch_context)
         if self.surface is not None:
-            return self.surface.cost(width, self.context if context is None else context)
+            v = self.surface.cost(width, self.context if context is None else context)
+            return v + self.switch_cost(width) if self.surface.switch_s else v
         if width in self.verify_width_s:
             return self.verify_width_s[width]
         if self.verify_width_s:  # nearest observed width
@@ -704,8 +729,27 @@ class CostModel:
     def verify_row(self, max_width: int) -> list[float]:
         """[0, verify_cost(1), ..., verify_cost(max_width)] at the current round's context."""
         if self.surface is not None and not (self.batch is not None and self.rows > 1):
-            return self.surface.row(self.context, max_width)
+            row = self.surface.row(self.context, max_width)
+            s, last = self.surface.switch_s, self.last_width
+            if s and max_width > 1:  # switch_cost of every width, at once
+                extra = s if last > 1 else 2.0 * s
+                steady, row = row, row[:2] + [v + extra for v in row[2:]]
+                if 1 < last <= max_width:
+                    row[last] = steady[last]
+            return row
         return [0.0] + [self.verify_cost(w) for w in range(1, max_width + 1)]
+
+    def switch_cost(self, width: int) -> float:
+        """What a verify forward of ``width`` tokens adds, on a backend that rebuilds its compute
+        graph for a new shape (``VerifyCostSurface.switch_s`` = s), after a forward of
+        ``last_width``. A run of blocks costs one rebuild going in and one coming out (the plain
+        step after it), whenever it ends: a block after a plain step is charged both (2 s), a
+        block of another width than the block before it one (s), a plain step or a block of
+        the same width nothing (the way out was paid on the way in). 0 on other backends."""
+        s = self.surface.switch_s if self.surface is not None else 0.0
+        if not s or width <= 1 or width == self.last_width:
+            return 0.0
+        return s if self.last_width > 1 else 2.0 * s
 
     def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
         """Estimated seconds for ``drafter`` to draft ``n_tokens`` at ``context`` (default: the

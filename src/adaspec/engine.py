@@ -450,6 +450,7 @@ class SpeculativeEngine:
             return verdict
 
         cost_model = self.cost_model
+        cost_model.last_width = 0  # the prefill's shape came last (``CostModel.switch_cost``)
         # a selector that looks before it chooses gets every cheap drafter's proposal first
         peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
         looks = getattr(selector, "looks", None)  # auto:look_share>0 skips looks that do not pay
@@ -554,6 +555,7 @@ class SpeculativeEngine:
             if self.tree:  # the running rate prices tree nodes only (``_draft_tree``)
                 cost_model.observe_round(len(emitted), k + 1,
                                          (t7 - t0) - verify_s - drafter_prefill - look_ingest - eval_ingest)
+            cost_model.last_width = k + 1
             # the chosen drafter's look, when its block is the draft, was drafting (a static
             # configuration pays it too): recorded as such, not as the controller's time
             stats.rounds.append(RoundRecord(

@@ -57,6 +57,10 @@ class TargetBackend(ABC):
         return self.near_tie_nats
     #: whether ``forward_tree`` / ``keep_path`` (draft trees) work on this backend
     supports_trees: bool = False
+    #: whether a forward of the same shape as the one before it (tokens, logits rows) reuses
+    #: the backend's compute graph and one of another shape rebuilds it (llama.cpp): the cost
+    #: measurement then times steady forwards and the switch apart (``VerifyCostSurface.switch_s``)
+    reuses_graphs: bool = False
 
     @property
     @abstractmethod

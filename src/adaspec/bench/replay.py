@@ -431,6 +431,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         policy_s += clock() - c
         return verdict
 
+    cost_model.last_width = 0  # as the engine: the prefill came last
     c = clock()
     sel.begin_request(pool.names)
     if hasattr(sel, "observe_prompt"):
@@ -543,6 +544,7 @@ def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: Le
         cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
         # as the engine's: outside draft/verify/catch-up, prompt ingestion and scoring
         cost_model.observe_overhead(price.round_overhead() + peek_s)
+        cost_model.last_width = kd + 1
         c = clock()
         sel.update(fb)
         ln.update(fb)
