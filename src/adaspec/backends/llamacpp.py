@@ -24,13 +24,13 @@ tokens is within that noise (``near_tie_nats``; docs/llamacpp.md has the measure
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError, ModelLoadError
@@ -266,9 +266,11 @@ class LlamaCppTarget(TargetBackend):
                 L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
                 raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch")
             state.length += m
-        out = L.llama_get_logits(self._ctx)
-        rows = np.ctypeslib.as_array(out, shape=(keep, self._n_vocab))
-        return torch.from_numpy(rows.copy()), None
+        # one memcpy out of llama.cpp's buffer (overwritten by the next decode): numpy's
+        # ctypeslib.as_array and a copy took ~63 us a forward, 1.5% of a Q4_0 SmolLM2 step
+        rows = torch.empty(keep, self._n_vocab, dtype=torch.float32)
+        ctypes.memmove(rows.data_ptr(), L.llama_get_logits(self._ctx), rows.nbytes)
+        return rows, None
 
     def truncate(self, state: LlamaSequence, length: int) -> None:
         self._check_live(state)
