@@ -730,9 +730,8 @@ class CostModel:
         """[0, verify_cost(1), ..., verify_cost(max_width)] at the current round's context."""
         if self.surface is not None and not (self.batch is not None and self.rows > 1):
             row = self.surface.row(self.context, max_width)
-            s, last = self.surface.switch_s, self.last_width
-            if s and max_width > 1:  # switch_cost of every width, at once
-                extra = s if last > 1 else 2.0 * s
+            extra, last = self._block_switch(), self.last_width
+            if extra and max_width > 1:  # ``switch_cost`` of every width, at once
                 steady, row = row, row[:2] + [v + extra for v in row[2:]]
                 if 1 < last <= max_width:
                     row[last] = steady[last]
@@ -746,9 +745,14 @@ class CostModel:
         step after it), whenever it ends: a block after a plain step is charged both (2 s), a
         block of another width than the block before it one (s), a plain step or a block of
         the same width nothing (the way out was paid on the way in). 0 on other backends."""
-        s = self.surface.switch_s if self.surface is not None else 0.0
-        if not s or width <= 1 or width == self.last_width:
+        if width <= 1 or width == self.last_width:
             return 0.0
+        return self._block_switch()
+
+    def _block_switch(self) -> float:
+        """``switch_cost`` of a block of a width other than ``last_width``: 2 s after a plain
+        step (or none yet), s after another block, 0 without a switch price."""
+        s = self.surface.switch_s if self.surface is not None else 0.0
         return s if self.last_width > 1 else 2.0 * s
 
     def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
