@@ -389,15 +389,15 @@ class SpeculativeEngine:
             d.bind_features(buffer)
         return buffer
 
-    @torch.inference_mode()
     def _forward(self, cache: Any, ids: Sequence[int], keep: int,
                  features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target logits of the last ``keep`` inputs; with ``features`` also the final hidden
         state of every input (same logits, one pass; transformers backend only), for drafters
-        that draft from them."""
+        that draft from them. The backends run their own forwards without autograd."""
         if features:
-            x = torch.tensor([list(ids)], device=self.target.device)
-            logits, hidden = self._feature_forward(x, cache, keep)
+            with torch.inference_mode():
+                x = torch.tensor([list(ids)], device=self.target.device)
+                logits, hidden = self._feature_forward(x, cache, keep)
             return logits[0], hidden[0]
         return self.target.forward(cache, ids, keep)
 

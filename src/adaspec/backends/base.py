@@ -101,7 +101,8 @@ class TargetBackend(ABC):
     @abstractmethod
     def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append ``ids`` to ``state``; logits of the last ``keep`` of them (and hidden states)."""
+        """Append ``ids`` to ``state``; logits of the last ``keep`` of them (and hidden states),
+        computed without autograd (the engine does not wrap the call), owned by the caller."""
 
     def prefill(self, state: Any, prompt: Sequence[int]) -> None:
         """Feed a prompt into an empty ``state``: every token but the last, which the first round
