@@ -530,6 +530,24 @@ def test_steady_forwards_and_the_switch_are_measured_apart(monkeypatch, reuses):
         assert flat == pytest.approx([1.4e-3, 2.4e-3, 4.4e-3] * 2) and s.switch_s == 0.0
 
 
+@pytest.mark.parametrize("budget, timed", [(None, 2), (0.1, 2), (0.25, 5), (10.0, 8)])
+def test_a_quick_grid_gets_more_timed_passes_within_the_budget(monkeypatch, budget, timed):
+    """With ``budget_s`` the first pass's time sets the timed passes: as many as fit in the
+    budget with the warm-up, ``repeats`` at least and ``MAX_GRID_REPEATS`` at most."""
+    import adaspec.costs as costs_mod
+
+    fake = _GraphReusingBackend()
+    fake.reuses_graphs = False
+    passes = []
+    monkeypatch.setattr(costs_mod.time, "perf_counter", fake.clock)
+    # a pass: 41.2 ms (widths 1, 2, 4 on 2 contexts, 8.2 ms each, and their 8.4 + 16.4 ms prefills)
+    costs_mod.measure_verify_surface(fake, contexts=(8, 16), ks=(1, 2, 4), repeats=2,
+                                     progress=lambda done, total: passes.append((done, total)),
+                                     budget_s=budget)
+    assert costs_mod.MAX_GRID_REPEATS == 8
+    assert passes[-1] == (1 + timed, 1 + timed) and len(passes) == 1 + timed
+
+
 def test_engine_tells_the_cost_model_the_last_width():
     """The engine sets ``last_width`` to each round's verify width (0 at a request's start)."""
     from adaspec import SpeculativeEngine

@@ -38,7 +38,13 @@ DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 #: cache lengths of the grid: short chats to retrieval / summary prompts of 1k tokens (V is
 #: extrapolated linearly in L past the last: attention cost grows linearly with the cache)
 DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024)
-SURFACE_FORMAT = "surface/2"  # part of the cache key: bump when the measurement changes
+SURFACE_FORMAT = "surface/3"  # part of the cache key: bump when the measurement changes
+#: a grid whose passes are quick gets more timed passes (medians of more forwards), up to this
+#: many, while they fit in ``GRID_BUDGET_S`` with the warm-up: on llama.cpp's SmolLM2 Q4_0 (a
+#: pass ~3 s) medians of 2 put V(1) at 128 cached tokens anywhere in 3.8-4.7 ms from one
+#: measurement to the next, and ``auto`` plans every round on those prices
+MAX_GRID_REPEATS = 8
+GRID_BUDGET_S = 20.0
 
 
 @dataclass
@@ -380,11 +386,14 @@ def grid_contexts(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[i
 @torch.inference_mode()
 def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                            ks: Sequence[int] = DEFAULT_KS, repeats: int = 2, warmup: int = 1,
-                           progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
+                           progress: Callable[[int, int], None] | None = None,
+                           budget_s: float | None = None) -> VerifyCostSurface:
     """Time target forwards over k new tokens on caches of every grid length (medians of
     ``repeats`` after ``warmup`` passes), and the prefill of each length (once, after an
     untimed warm-up prefill: the first forwards of a shape allocate and page in). Contexts and
-    ks are interleaved within each pass so machine noise hits the grid alike.
+    ks are interleaved within each pass so machine noise hits the grid alike. With
+    ``budget_s``, the first pass's time sets the timed passes: as many as fit in the budget
+    with the warm-up, ``repeats`` at least and ``MAX_GRID_REPEATS`` at most.
     On a backend that ``reuses_graphs`` each width is timed twice in a row: the second is the
     steady V, and the median of first minus second the switch ``switch_s``.
     ``progress(done, total)`` after every pass. Runs on any backend (``TargetBackend``)."""
@@ -429,7 +438,9 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
                 times[(c, k)].append(dt)
 
     try:
-        for rep in range(total):
+        rep = 0
+        while rep < total:
+            t_pass = time.perf_counter()
             if together and rep <= warmup:  # prefills: untimed in the warm-up, then timed once
                 for cache in caches:
                     loaded.release(cache)
@@ -446,8 +457,13 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
                     measure(cache, c, rep)
                 finally:
                     loaded.release(cache)
+            if rep == 0 and budget_s:
+                pass_s = max(time.perf_counter() - t_pass, 1e-9)
+                fit = int((budget_s - pass_s * warmup) // pass_s)
+                total = warmup + max(repeats, min(MAX_GRID_REPEATS, fit))
+            rep += 1
             if progress is not None:
-                progress(rep + 1, total)
+                progress(rep, total)
     finally:
         for cache in caches:
             loaded.release(cache)
@@ -464,12 +480,16 @@ def measure_verify_costs(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
 
 def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
                     contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 2, refresh: bool = False,
-                    progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
-    """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``."""
+                    progress: Callable[[int, int], None] | None = None,
+                    budget_s: float | None = GRID_BUDGET_S) -> VerifyCostSurface:
+    """Measured surface for this model and machine, cached in ``$ADASPEC_CACHE/costs``
+    (``measure_verify_surface``: at least ``repeats`` timed passes, more while ``budget_s``
+    allows)."""
     contexts = grid_contexts(loaded, contexts, ks)
     key = _surface_key(loaded, contexts, ks)
     return _cached(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
-                   lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress),
+                   lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress,
+                                                  budget_s=budget_s),
                    "verify-cost surface", refresh)
 
 
