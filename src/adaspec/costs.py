@@ -41,8 +41,8 @@ DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024)
 SURFACE_FORMAT = "surface/3"  # part of the cache key: bump when the measurement changes
 #: a grid whose passes are quick gets more timed passes (medians of more forwards), up to this
 #: many, while they fit in ``GRID_BUDGET_S`` with the warm-up: on llama.cpp's SmolLM2 Q4_0 (a
-#: pass ~3 s) medians of 2 put V(1) at 128 cached tokens anywhere in 3.8-4.7 ms from one
-#: measurement to the next, and ``auto`` plans every round on those prices
+#: pass ~3 s) two 2-pass grids measured one after the other put V(1) at 128 cached tokens at
+#: 4.7 and 4.3 ms, and ``auto`` plans every round on those prices
 MAX_GRID_REPEATS = 8
 GRID_BUDGET_S = 20.0
 
