@@ -360,8 +360,7 @@ class EngineOverheads:
 
 
 def _surface_key(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> str:
-    steady = "|steady" if getattr(loaded, "reuses_graphs", False) else ""  # surfaces before switch_s
-    ident = f"{SURFACE_FORMAT}{steady}|{loaded.identity()}|ctx={list(contexts)}|ks={list(ks)}"
+    ident = f"{SURFACE_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|ks={list(ks)}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
