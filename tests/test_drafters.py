@@ -313,6 +313,83 @@ def test_peek_equals_indexed_proposals_and_leaves_the_index_as_the_context(seed)
         assert looked > 20  # the looks went on past their first token
 
 
+def _indexed_reference_tree(d, ctx: list[int], depth: int, nodes: int):
+    """``IndexedDrafter.draft_tree`` as it was before its looks: each expanded path added to
+    the index (``extend``) and rolled back (``truncate``)."""
+    import heapq
+    import itertools
+
+    from adaspec.drafters.indexed import TREE_BRANCH
+    from adaspec.trees import DraftTree
+
+    d.catch_up(ctx)
+    index, base = d._index, len(d._index)
+    tokens, parents, scores, heap, order, offered = [], [], [], [], itertools.count(), {}
+    est = d.request_calibration.estimate
+
+    def expand(node, score, path):
+        index.truncate(base)
+        index.extend(path)
+        offered[path] = cands = d.candidate_keys()[:TREE_BRANCH]
+        for tok, key in cands:
+            heapq.heappush(heap, (-score * est(key), next(order), node, tok, path))
+
+    expand(-1, 1.0, ())
+    while heap and len(tokens) < nodes:
+        neg, _, parent, tok, path = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        scores.append(-neg)
+        if len(path) + 1 < depth:
+            expand(len(tokens) - 1, -neg, (*path, tok))
+    index.truncate(base)
+    return DraftTree(tokens, parents, scores), offered
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_draft_tree_equals_indexed_expansion_and_leaves_the_index_as_the_context(seed):
+    """``draft_tree`` reads each expanded path as a look (never indexed): at every position of
+    random text over a small vocabulary (branching matches, matches inside a path, unseen
+    tokens whose candidates are the most frequent ones, a datastore, a shared index), its tree
+    and its offered candidates equal those of indexing every path, and the index it leaves is
+    the one built from the context alone."""
+    from adaspec.drafters.indexed import share_indexes
+
+    rng = random.Random(seed)
+    store = SuffixDatastore(min_match=2)  # with tokens the requests never hold (7, 8): paths
+    for _ in range(10):                   # through them end in the frequency level
+        store.add([rng.randrange(9) for _ in range(rng.randrange(3, 40))])
+    makers = [lambda: [PromptLookupDrafter()], lambda: [PromptLookupDrafter(max_ngram=4, min_ngram=2)],
+              lambda: [SuffixDrafter(min_match=2)], lambda: [SuffixDrafter(min_match=1, max_candidates=3)],
+              lambda: [SuffixDrafter(min_match=2, datastore=store)],
+              lambda: [PromptLookupDrafter(), SuffixDrafter(min_match=2, datastore=store)]]  # one index
+    for make in makers:
+        ds, refs = make(), make()
+        share_indexes(ds)
+        share_indexes(refs)
+        vocab = 4 + rng.randrange(3)  # 5 and 6: tokens unseen so far, frequency candidates
+        ctx = [rng.randrange(vocab) for _ in range(70)]
+        for d in ds:
+            d.begin_request(ctx[:1])
+        branched = 0
+        for n in range(1, len(ctx)):
+            for d, ref in zip(ds, refs):
+                ref.begin_request(ctx[:1])
+                ref.request_calibration = d.request_calibration  # the same estimates
+                depth, nodes = 1 + n % 5, 1 + n % 15
+                got = d.draft_tree(ctx[:n], depth, nodes)
+                want, offered = _indexed_reference_tree(ref, ctx[:n], depth, nodes)
+                assert (got.tokens, got.parents, got.scores) == (want.tokens, want.parents, want.scores), (
+                    n, d.describe())
+                assert d._offered == (n, offered)
+                fresh = NgramIndex(d._index.sizes)
+                fresh.extend(ctx[:n])
+                _same(d._index, fresh)
+                d._offered = None  # not settled: the estimates stay those of both
+                branched += len(set(got.parents)) < len(got.parents)
+        assert branched > 20  # trees, not chains
+
+
 def test_suffix_bad_parameters():
     with pytest.raises(AdaspecError, match="min_match <= max_match"):
         SuffixDrafter(min_match=3, max_match=2)

@@ -333,7 +333,7 @@ class ChainOnly:
         for cls in (PromptLookupDrafter, SuffixDrafter):  # the chain's proposal alone (none without one)
             orig = cls.candidate_keys
             monkeypatch.setattr(cls, "candidate_keys",
-                                lambda self, _o=orig: _o(self)[:1] if self.propose() is not None else [])
+                                lambda self, limit=None, _o=orig: _o(self)[:1] if self.propose() is not None else [])
         return IndexedDrafter
 
 

@@ -42,30 +42,39 @@ def candidate_key(match: int, count: int, total: int, late: bool) -> CandidateKe
             _bucket(CALIBRATION_SHARE, count / total), int(late))
 
 
-def level_candidates(first: int, levels: Sequence[tuple[int, Sequence[int]]]
+def level_candidates(first: int, levels: Sequence[tuple[int, Sequence[int]]], limit: int | None = None
                      ) -> list[tuple[int, CandidateKey]]:
     """Distinct next-token candidates from the continuations of matches, one level per match
     length, most specific first (SuffixDecoding-style: Oliaro et al. 2024): a token's bucket
     is its match length and its share of that level's matches at the first level it appears
     at. ``first`` (the chain's proposal) leads, the others follow in level order, most frequent
-    first (ties: the order of the level, i.e. most recent first)."""
-    keys: dict[int, CandidateKey] = {}
+    first (ties: the order of the level, i.e. most recent first). ``limit``: the first that
+    many only (a tree node's branching), whose buckets alone are computed (bucketing every
+    distinct continuation was half of a 15-node tree's time)."""
+    seen: dict[int, tuple[int, int, int, bool]] = {}  # token -> (match, count, total, late)
     order: list[tuple[int, int, int, int]] = []  # (level, -count, position, token)
     seen_level = False
     for j, (match, level) in enumerate(levels):
         if not level:
             continue
         counts = Counter(level)
+        total = len(level)
         for pos, tok in enumerate(dict.fromkeys(level)):
-            if tok not in keys:
-                keys[tok] = candidate_key(match, counts[tok], len(level), seen_level)
-                order.append((j, -counts[tok], pos, tok))
+            if tok not in seen:
+                c = counts[tok]
+                seen[tok] = (match, c, total, seen_level)
+                order.append((j, -c, pos, tok))
         seen_level = True
-    rest = [t for *_, t in sorted(order) if t != first]
-    return [(t, keys[t]) for t in ([first] if first in keys else []) + rest]
+    head = [first] if first in seen else []
+    if limit is None:
+        ranked = sorted(order)
+    else:  # `first`, if it leads, is among the `limit` best too
+        ranked = heapq.nsmallest(limit, order)
+    out = (head + [t for *_, t in ranked if t != first])[:limit]
+    return [(t, candidate_key(*seen[t])) for t in out]
 
 
-def frequent_candidates(index: NgramIndex, n: int = TREE_BRANCH) -> list[tuple[int, CandidateKey]]:
+def frequent_candidates(index: NgramIndex, n: int | None = None) -> list[tuple[int, CandidateKey]]:
     """The ``n`` tokens that occur most often in the indexed text (ties: the most recent
     first), bucket (0, 0, 0): a tree's candidates where no match has any, i.e. after a token
     the request has not seen before. On the mixed suite (SmolLM2, greedy) 40% of suffix tree
@@ -75,7 +84,17 @@ def frequent_candidates(index: NgramIndex, n: int = TREE_BRANCH) -> list[tuple[i
     ones = index.maps.get(1)
     if not ones:
         return []
-    top = heapq.nlargest(n, ones.items(), key=lambda kv: (len(kv[1]), kv[1][-1]))
+    n = TREE_BRANCH if n is None else n
+    rank = (lambda kv: (len(kv[1]), kv[1][-1]))
+    look = {k: v for k, v in index.look.items() if len(k) == 1} if index.look else None
+    if not look:
+        top = heapq.nlargest(n, ones.items(), key=rank)
+    else:  # a look's tokens count as indexed: the top n + |look| of the map hold the top n
+        # tokens the look does not touch, so merging the look into them ranks exactly
+        merged = dict(heapq.nlargest(n + len(look), ones.items(), key=rank))
+        for key, extra in look.items():
+            merged[key] = ones.get(key, []) + extra
+        top = heapq.nlargest(n, merged.items(), key=rank)
     return [(key[0], (0, 0, 0)) for key, _ in top]
 
 
@@ -173,10 +192,10 @@ class IndexedDrafter(Drafter):
     def propose(self) -> int | None:
         """Next-token proposal after the indexed tokens, or None if there is none."""
 
-    def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
+    def candidate_keys(self, limit: int | None = None) -> list[tuple[int, CandidateKey]]:
         """Distinct next-token candidates after the indexed tokens with their calibration
         buckets (``candidate_key``), ``propose()``'s token first when it has one (default: that
-        token alone)."""
+        token alone); ``limit``: at most that many."""
         tok = self.propose()
         return [] if tok is None else [(tok, candidate_key(max(self._match, 1), 1, 1, False))]
 
@@ -202,21 +221,27 @@ class IndexedDrafter(Drafter):
         est = self.request_calibration.estimate
 
         def expand(node: int, score: float, path: tuple[int, ...]) -> None:
-            index.truncate(base)
-            index.extend(path)
-            offered[path] = cands = self.candidate_keys()[:TREE_BRANCH]
+            # the path is read as if indexed (a look: ``NgramIndex.look_append``), never added
+            # to the index and rolled back
+            index.look_end(base)
+            index.look_begin()
+            for t in path:
+                index.look_append(t)
+            offered[path] = cands = self.candidate_keys(TREE_BRANCH)
             for tok, key in cands:
                 heapq.heappush(heap, (-score * est(key), next(order), node, tok, path))
 
-        expand(-1, 1.0, ())
-        while heap and len(tokens) < max_nodes:
-            neg, _, parent, tok, path = heapq.heappop(heap)
-            tokens.append(tok)
-            parents.append(parent)
-            scores.append(-neg)
-            if len(path) + 1 < max_depth:
-                expand(len(tokens) - 1, -neg, (*path, tok))
-        index.truncate(base)
+        try:
+            expand(-1, 1.0, ())
+            while heap and len(tokens) < max_nodes:
+                neg, _, parent, tok, path = heapq.heappop(heap)
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(-neg)
+                if len(path) + 1 < max_depth:
+                    expand(len(tokens) - 1, -neg, (*path, tok))
+        finally:
+            index.look_end(base)
         self._offered = (base, offered)
         return DraftTree(tokens, parents, scores)
 

@@ -50,7 +50,7 @@ class PromptLookupDrafter(IndexedDrafter):
                 return toks[hits[-1]]
         return None
 
-    def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
+    def candidate_keys(self, limit: int | None = None) -> list[tuple[int, CandidateKey]]:
         """The continuations of several distinct matches: every n-gram size with matches is a
         level (longest first), its tokens ranked by their share of its recent matches; the
         chain's proposal (the most recent match of the longest n-gram) leads. Without any
@@ -58,11 +58,11 @@ class PromptLookupDrafter(IndexedDrafter):
         (``frequent_candidates``, with 1-grams in the index)."""
         first = self.propose()
         if first is None:  # (1-grams: its own sizes', not those of an index it shares)
-            return frequent_candidates(self._index) if 1 in self.sizes else []
+            return frequent_candidates(self._index, limit) if 1 in self.sizes else []
         toks = self._index.tokens
         levels = [(n, [toks[h] for h in reversed(self._index.continuations(tuple(toks[-n:]))[-MAX_TREE_HITS:])])
                   for n in self.sizes if len(toks) >= n]
-        return level_candidates(first, levels)
+        return level_candidates(first, levels, limit)
 
     def describe(self) -> str:
         return f"{self.name}(ngram={self.min_ngram}..{self.max_ngram})"

@@ -331,7 +331,7 @@ class SuffixDrafter(IndexedDrafter):
                 return t
         return min((t for t, c in counts.items() if c == top), key=r.first.__getitem__)
 
-    def candidate_keys(self) -> list[tuple[int, CandidateKey]]:
+    def candidate_keys(self, limit: int | None = None) -> list[tuple[int, CandidateKey]]:
         """SuffixDecoding-style candidates (Oliaro et al. 2024): each match length is a level
         (longest first), its continuations ranked by their frequency among its matches; below
         ``min_match``, the continuations of the last token's recent occurrences in the request
@@ -352,8 +352,8 @@ class SuffixDrafter(IndexedDrafter):
             hits = self._index.continuations((seq[-1],))[-self.max_candidates:]
             levels.append((1, [seq[h] for h in reversed(hits)]))  # most recent first
         if not any(lv for _, lv in levels):  # a token the request has not seen: its most frequent
-            return frequent_candidates(self._index)
-        return level_candidates(self._top(levels[0][1]) if first is None else first, levels)
+            return frequent_candidates(self._index, limit)
+        return level_candidates(self._top(levels[0][1]) if first is None else first, levels, limit)
 
     def end_request(self, output_ids: Sequence[int]) -> None:
         if self.learn and self.datastore is not None:
