@@ -134,24 +134,65 @@ def test_a_drafter_without_alternatives_drafts_its_chain_and_a_cut_tree_nothing(
     assert all(n == 0 for n, b in zip(drafted, branching) if b)
 
 
-@pytest.mark.parametrize("selector,expect_rate", [(None, True), ("auto", False)])
-def test_the_budget_prices_nodes_against_the_running_rate_unless_auto_planned_the_round(
-        monkeypatch, selector, expect_rate):
+@pytest.mark.parametrize("selector", [None, "auto"])
+def test_the_budget_prices_nodes_against_the_running_rate_unless_auto_planned_a_chain(
+        monkeypatch, selector):
+    """Static length policies price every tree's nodes against the running rate; ``auto``
+    keeps its plan's own rate for a tree that may replace the chain it planned, and prices a
+    tree in a round it planned as a plain step against the running rate (``_plain_tree``)."""
     import adaspec.engine as engine_mod
 
-    seen = []
+    seen = []  # (the round's planned cap, the rate the budget priced against)
     orig = engine_mod.nodes_worth_verifying
-    monkeypatch.setattr(engine_mod, "nodes_worth_verifying",
-                        lambda *a, **kw: seen.append(a[3] if len(a) > 3 else kw.get("rate")) or orig(*a, **kw))
     from adaspec import SpeculativeEngine
 
     model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
     drafters = ["suffix"] if selector is None else ["suffix", "none"]
     eng = SpeculativeEngine(model, drafters, selector=selector, k=4, tree=True)
     eng.cost_model.curve = _curve([1.0 + 0.01 * w for w in range(32)])
-    eng.generate(BRANCHY, max_new_tokens=20)
-    assert seen and all((r is not None) == expect_rate for r in seen)
-    assert all(r > 0 for r in seen if r is not None)
+    plan = (lambda: eng.selector.controller.plan.k) if selector else (lambda: 4)
+    monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: seen.append(
+        (plan(), a[3] if len(a) > 3 else kw.get("rate"))) or orig(*a, **kw))
+    eng.generate(BRANCHY * 2, max_new_tokens=40)
+    assert seen and all(r is None or r > 0 for _, r in seen)
+    if selector is None:
+        assert all(r is not None for _, r in seen)
+    else:
+        assert all((r is not None) == (k == 0) for k, r in seen)
+        assert {k == 0 for k, _ in seen} == {True, False}  # both kinds of rounds were priced
+
+
+def test_auto_plain_steps_become_trees_that_pay_and_output_stays_ar(monkeypatch):
+    """With trees, a round ``auto`` planned as a plain step verifies the first model-free
+    drafter's tree when some prefix of it pays at the running rate (``_plain_tree``); the
+    round is then recorded as that drafter's, and greedy output is AR's. Without trees, or
+    with every prefix cut by the budget, those rounds stay plain steps."""
+    import adaspec.engine as engine_mod
+    from adaspec import SpeculativeEngine
+
+    model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    ar = SpeculativeEngine(model, ["none"]).generate(BRANCHY, max_new_tokens=40).token_ids
+
+    def run(tree: bool):
+        eng = SpeculativeEngine(model, ["suffix", "none"], selector="auto", tree=tree)
+        eng.cost_model.curve = _curve([1.0 + 0.01 * w for w in range(32)])
+        calls = []
+        orig = eng._plain_tree
+        monkeypatch.setattr(eng, "_plain_tree", lambda *a, **kw: calls.append(orig(*a, **kw)) or calls[-1])
+        out = eng.generate(BRANCHY, max_new_tokens=40)
+        return out, calls
+
+    out, calls = run(True)
+    assert out.token_ids == ar
+    played = [t for t in calls if t is not None]
+    assert played  # on a nearly flat curve, plain steps became trees
+    drafted = [r for r in out.stats.rounds if r.drafter == "suffix" and r.drafted]
+    assert len(drafted) >= len(played)
+    out, calls = run(False)
+    assert out.token_ids == ar and not calls
+    monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: 0)
+    out, calls = run(True)
+    assert out.token_ids == ar and calls and not any(calls)
 
 
 def test_under_auto_a_tree_replaces_the_planned_chain_only_when_it_promises_a_higher_rate(monkeypatch):

@@ -415,16 +415,28 @@ SV = 12  # vocabulary of the chi-square tests (as tests/test_distribution.py)
 SAMPLING_PROMPT = [10, 2, 11, 10, 2, 5, 3, 10, 2, 7, 10, 2, 11, 4, 10, 2]
 
 
-@pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix"])
-def test_tree_sampling_matches_the_exact_distribution(drafter):
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix", "auto-plain"])
+def test_tree_sampling_matches_the_exact_distribution(drafter, monkeypatch):
     """One-hot trees under sampling: chi-square goodness of fit of the first two tokens at
-    ALPHA = 0.001 (3000 fixed seeds), as in tests/test_distribution.py."""
+    ALPHA = 0.001 (3000 fixed seeds), as in tests/test_distribution.py. ``auto-plain``: the
+    trees of ``auto``'s plain steps (``_plain_tree``), over prompt lookup, suffix and
+    ``none`` whose looks are made to find nothing (so every round is planned plain)."""
     from adaspec import SpeculativeEngine
     from adaspec.config import SamplingConfig
+    from adaspec.drafters.base import Peek
+    from adaspec.drafters.indexed import IndexedDrafter
     from test_distribution import ALPHA, exact_distribution, run_engine
 
     model = make_tiny_model(seed=0, vocab=SV, init_std=0.2, lm_head_scale=1.5)
-    eng = SpeculativeEngine(model, [drafter], k=3, tree=True)
+    if drafter == "auto-plain":
+        monkeypatch.setattr(IndexedDrafter, "peek", lambda self, ctx, k: self.catch_up(ctx) or Peek([]))
+        eng = _flat_costs(SpeculativeEngine(model, ["prompt-lookup", "suffix", "none"], selector="auto",
+                                            tree=True))
+        plain = []
+        orig_plain = eng._plain_tree
+        eng._plain_tree = lambda *a, **kw: plain.append(orig_plain(*a, **kw)) or plain[-1]
+    else:
+        eng = SpeculativeEngine(model, [drafter], k=3, tree=True)
     tree_rounds = []
     orig = eng._verify_tree
 
@@ -437,6 +449,8 @@ def test_tree_sampling_matches_the_exact_distribution(drafter):
     runs = run_engine(eng, SAMPLING_PROMPT, 2, temperature=1.0)
     exact = exact_distribution(model, SAMPLING_PROMPT, SamplingConfig(temperature=1.0), 2)
     assert len(tree_rounds) > 1000 and 0 < sum(n > 0 for n in tree_rounds) < len(tree_rounds)
+    if drafter == "auto-plain":
+        assert sum(t is not None and not t.is_chain for t in plain) > 1000
     assert runs.counts[exact == 0].sum() == 0
     stat, pvalue, cells = chisquare_gof(runs.counts, exact)
     assert pvalue > ALPHA, f"{drafter}: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"

@@ -59,6 +59,13 @@ class LengthPolicy(ABC):
         None when the policy plans no rate (the default)."""
         return None
 
+    def plain_rate(self) -> float | None:
+        """Expected tokens per second of the plain step this round's plan chose
+        (``plans_round_rate`` policies: a model-free tree that promises more replaces it,
+        ``SpeculativeEngine._plain_tree``); None when the round drafts or the policy plans no
+        rate (the default)."""
+        return None
+
 
 class StaticLength(LengthPolicy):
     """Draft exactly K tokens (or fewer if the drafter runs out of proposals)."""

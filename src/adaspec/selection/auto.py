@@ -957,6 +957,13 @@ class AutoLength(_SharedCosts, LengthPolicy):
             return None
         return plan.rate
 
+    def plain_rate(self) -> float | None:
+        """The plan's rate when it is a plain step (a batch's committed plan has none)."""
+        plan = self.controller.plan
+        if plan is None or plan.k > 0 or plan.rate <= 0.0:
+            return None
+        return plan.rate
+
     def decide(self, step: DraftStep) -> Decision:
         conf = step_confidence(step) if self._rate is not None else None
         if conf is None:  # model-free drafters: the plan's cap
