@@ -61,9 +61,9 @@ class LengthPolicy(ABC):
 
     def plain_rate(self) -> float | None:
         """Expected tokens per second of the plain step this round's plan chose
-        (``plans_round_rate`` policies: a model-free tree that promises more replaces it,
-        ``SpeculativeEngine._plain_tree``); None when the round drafts or the policy plans no
-        rate (the default)."""
+        (``plans_round_rate`` policies: the engine then offers a model-free tree, verified when
+        a prefix of it pays at the running rate, ``SpeculativeEngine._plain_tree``); None when
+        the round drafts or the policy plans no rate (the default)."""
         return None
 
 
