@@ -347,6 +347,79 @@ def test_dynamic_tree_drafts_a_level_only_while_it_may_pay():
     assert len(calls) == 3 and chain.is_chain and len(chain) == 4
 
 
+def test_dynamic_tree_expands_only_nodes_the_budget_verifies():
+    """``budget``: a frontier node the engine's node budget would not verify is not expanded
+    (its children could not be verified either), so no level is drafted for nothing; a budget
+    that keeps every node changes nothing; a chain (one child per node) is never cut."""
+    import torch
+
+    from adaspec.trees import dynamic_tree
+
+    calls: list[list[int]] = []
+    seen: list[int] = []
+
+    def step(frontier, nodes):
+        calls.append([nodes[i].token for i in frontier])
+        return torch.full((len(frontier), 8), 1.0 / 8)
+
+    def keep(n):
+        def budget(tree):
+            seen.append(len(tree))
+            return n
+        return budget
+
+    root = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0])
+    free = dynamic_tree(root, step, max_depth=3, max_nodes=40)
+    free_calls, calls[:] = list(calls), []
+    same = dynamic_tree(root, step, max_depth=3, max_nodes=40, budget=len)
+    assert calls == free_calls and same == free
+    calls.clear()
+    one = dynamic_tree(root, step, max_depth=3, max_nodes=40, budget=keep(1))
+    # only the best node (token 0, score 0.5) is verified: it alone is expanded, once; its
+    # children (0.5 / 8) rank below the other root children, so the next level stops
+    assert calls == [[0]] and max(one.depths) == 2 and seen == [4, 8]
+    calls.clear()
+    none = dynamic_tree(root, step, max_depth=3, max_nodes=40, budget=keep(0))
+    assert calls == [] and len(none) == 4
+    calls.clear()
+    chain = dynamic_tree(root, step, max_depth=3, max_nodes=40, branch=1, budget=keep(0))
+    assert len(calls) == 2 and chain.is_chain and len(chain) == 3
+
+
+def test_engine_model_trees_are_not_drafted_past_their_verified_part():
+    """The engine passes its node budget to a model drafter's tree (``dynamic_tree`` then
+    expands only nodes it keeps): the same count as the final cut, from the same calibrated
+    scores, verify curve, overhead and rate; on a tiny feature head it cuts some trees."""
+    from adaspec import SpeculativeEngine
+    from adaspec.trees import calibrated_scores
+
+    from test_trees import V, _engine_drafters
+
+    model = make_tiny_model(seed=0, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    loaded, drafters = _engine_drafters(model, ["feature-head"])
+    eng = SpeculativeEngine(loaded, drafters, length="cost-model", tree=True)
+    eng.cost_model.curve = _curve([1.0 + 0.05 * w for w in range(32)])
+    budgets: list[tuple[int, int]] = []
+    drafter = eng.drafters[0]
+    orig = drafter.draft_tree
+
+    def spy(*a, budget=None, **k):
+        assert budget is not None
+
+        def counted(tree):
+            m = budget(tree)
+            f = eng.tree_calibration.factor(id(drafter))
+            assert m == nodes_worth_verifying(calibrated_scores(tree, f), eng.cost_model.verify_cost,
+                                              eng.cost_model.round_overhead_s, eng.cost_model.running_rate())
+            budgets.append((len(tree), m))
+            return m
+        return orig(*a, budget=counted, **k)
+
+    drafter.draft_tree = spy
+    eng.generate([1, 2, 3, 4, 5, 6], max_new_tokens=24)
+    assert budgets and any(m < n for n, m in budgets)  # the budget cut somewhere
+
+
 def test_model_drafter_trees_keep_to_the_node_limit_whatever_the_cap():
     """A length rule's cap is a bound (the cost-model rule's is 68): a model drafter's tree is
     at most ``tree_nodes`` nodes and as deep, not as deep as the cap."""

@@ -539,13 +539,15 @@ def _tiny_lm(target, vocab_ids):
                          torch.tensor(vocab_ids), name="tiny-lm")
 
 
-def _fresh_head(target):
+def _fresh_head(target, vocab=None):
+    """An untrained feature head; ``vocab``: its draft vocabulary (default: the target's)."""
     from adaspec.drafters import FeatureHeadDrafter
     from adaspec.drafters.feature_head import FeatureHead
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
-        return FeatureHeadDrafter(FeatureHead(target, torch.arange(target.vocab_size)), name="fresh-head")
+        vocab = torch.arange(target.vocab_size) if vocab is None else vocab
+        return FeatureHeadDrafter(FeatureHead(target, vocab), name="fresh-head")
 
 
 def model_drafters(target, kinds=("self", "early-exit", "tiny-lm", "feature-head")):
@@ -558,6 +560,9 @@ def model_drafters(target, kinds=("self", "early-exit", "tiny-lm", "feature-head
             out[kind] = _tiny_lm(target, list(range(0, target.vocab_size, 2)))  # q = 0 on odd ids
         elif kind == "feature-head":
             out[kind] = _fresh_head(target)
+        elif kind == "feature-head-subset":  # a reduced draft vocabulary, not in token order
+            out[kind] = _fresh_head(target, torch.randperm(target.vocab_size,
+                                                           generator=torch.Generator().manual_seed(3))[:12])
         else:
             out[kind] = build_drafter({"early-exit": "early-exit:layers=1"}.get(kind, kind), target)
     return out
@@ -577,6 +582,7 @@ def chain_q(drafter, context, path):
     """Brute force: the drafter's softmax q after ``context + path[:j]`` for every j, each from a
     fresh causal forward (model drafters) or a fresh head chain from real features."""
     from adaspec.drafters import FeatureHeadDrafter
+    from adaspec.drafters.feature_head import scatter_full
 
     if isinstance(drafter, FeatureHeadDrafter):
         d = _fresh_head(drafter.head.target)
@@ -588,14 +594,13 @@ def chain_q(drafter, context, path):
             if tok is not None:
                 last = d._run(last[None], [tok], pos)[-1]
                 pos += 1
-            out.append(d._tree_q(d.head.subset_logits(last).float(), None))
+            sub_q = d._tree_q(d.head.subset_logits(last).float(), None)  # over the draft vocabulary
+            out.append(scatter_full(sub_q, d.head.vocab, d._vocab_width, 0.0))
         return out
     rows = []
     for j in range(len(path) + 1):
         ids = torch.tensor([list(context) + list(path[:j])])
         if hasattr(drafter, "_base"):  # tiny LM: its draft vocabulary only
-            from adaspec.drafters.feature_head import scatter_full
-
             h = drafter._base(input_ids=ids).last_hidden_state[0, -1]
             logits = scatter_full((h @ drafter._w.T).float(), drafter.vocab, drafter._vocab, float("-inf"))
         else:
@@ -615,11 +620,12 @@ def _drafted_tree(drafter, target, context, depth=4, nodes=12):
 MODEL_KINDS = ["self", "early-exit", "tiny-lm", "feature-head"]
 
 
-@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("kind", MODEL_KINDS + ["feature-head-subset"])
 def test_model_drafter_tree_scores_equal_chain_forwards_of_each_path(target, kind):
     """Brute-force reference for the drafter's batched level forwards (tree mask, depth
     positions): every node's score is the product of the q's of chain forwards along its path,
-    its token is among the top tokens of its parent's q, and nodes are best-first."""
+    its token is among the top tokens of its parent's q, and nodes are best-first (a head
+    with a reduced vocabulary ranks its own columns: their token ids come from the subset)."""
     d = model_drafters(target, [kind])[kind]
     tree = _drafted_tree(d, target, PREFIX, depth=4, nodes=40)
     assert len(tree) > 16 and max(tree.depths) >= 3 and not tree.is_chain

@@ -659,14 +659,27 @@ class SpeculativeEngine:
         drafter = self.drafters[index]
         costs = self.cost_model
         scores = None
+        # the opportunity cost of a second is the generation's running rate, unless the length
+        # policy planned the round's chain on its own rate (auto): the tree then keeps that
+        # objective (``running``: a plain step was planned, with no chain to defer to)
+        rate = None if self.length.plans_round_rate and not running else costs.running_rate()
         if drafter.is_model:
             # its q are calibrated on the tree nodes the target saw; a level is one drafter
             # forward: worth it while it may add more expected tokens than its seconds yield
-            # at the running rate (the frontier's calibrated scores are about f times its raw)
+            # at the running rate (the frontier's calibrated scores are about f times its raw),
+            # and only for nodes the budget would verify (``trees.dynamic_tree``'s ``budget``)
             f = self.tree_calibration.factor(id(drafter))
             level_s = max(0.0, costs.draft_cost(index, 1) - costs.draft_cost(index, 0))
+
+            def budget(part: DraftTree) -> int:
+                if part.scores is None:
+                    return len(part)
+                return nodes_worth_verifying(calibrated_scores(part, f), costs.verify_cost,
+                                             costs.round_overhead_s, rate)
+
             tree = drafter.draft_tree(tokens, min(cap, self.tree_nodes), self.tree_nodes, sampling,
-                                      level_gain=level_s * costs.running_rate() / max(f, 1e-6))
+                                      level_gain=level_s * costs.running_rate() / max(f, 1e-6),
+                                      budget=budget)
             if tree.is_chain:
                 return tree
             if tree.scores is not None:
@@ -679,10 +692,6 @@ class SpeculativeEngine:
             scores = tree.scores
         if scores is None:
             return tree
-        # the opportunity cost of a second is the generation's running rate, unless the length
-        # policy planned the round's chain on its own rate (auto): the tree then keeps that
-        # objective (``running``: a plain step was planned, with no chain to defer to)
-        rate = None if self.length.plans_round_rate and not running else costs.running_rate()
         m = nodes_worth_verifying(scores, costs.verify_cost, costs.round_overhead_s, rate)
         planned = None if drafter.is_model or rate is not None else self.length.planned_rate(index)
         if planned is not None:

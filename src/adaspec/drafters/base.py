@@ -19,7 +19,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError
-from ..trees import DraftTree
+from ..trees import DraftTree, TreeBudget
 
 
 class Decision(enum.Enum):
@@ -178,13 +178,15 @@ class Drafter(ABC):
         """What the drafter would propose at each of ``verified`` (teacher forcing) after ``context``."""
 
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0,
+                   budget: TreeBudget | None = None) -> DraftTree:
         """A draft tree after ``context`` (nodes in best-first order, with scores), for drafters
         with ``supports_tree``. Children are chosen deterministically (never sampled), so the
         one-hot rule verifies any tree exactly (``adaspec.trees``); model drafters rank nodes by
         their q processed under ``sampling`` (softmax of the logits when greedy or None).
         ``level_gain``: a drafter that pays a forward per level drafts a level only while it
-        may add more expected tokens than that (``trees.dynamic_tree``)."""
+        may add more expected tokens than that, and expands only nodes that ``budget`` (how many
+        best-first nodes of a tree would be verified) keeps (``trees.dynamic_tree``)."""
         raise AdaspecError(f"drafter {self.name!r} drafts chains only (no draft trees)")
 
     def peek(self, context: Sequence[int], max_tokens: int) -> Peek | None:

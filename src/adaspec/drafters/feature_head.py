@@ -38,7 +38,7 @@ from ..errors import AdaspecError, ModelLoadError
 from ..kernels import linear, linear_mode, use_small_batch_linear
 from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
-from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
+from ..trees import DraftTree, TreeBudget, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
 
 FORMAT = "adaspec.feature-head/1"
@@ -458,14 +458,18 @@ class FeatureHeadDrafter(Drafter):
         return Draft.from_rows(tokens, rows, sampling.greedy)
 
     def _tree_q(self, sub: torch.Tensor, sampling: SamplingConfig | None) -> torch.Tensor:
-        """Full-width q that ranks tree nodes: processed q under sampling, softmax under greedy."""
+        """The q that ranks tree nodes, over the draft vocabulary (column j is token
+        ``head.vocab[j]``): processed q under sampling, softmax under greedy. Ranked there, not
+        scattered to the target's width first (a top-k over 49,152 columns instead of 8,192
+        and the scatter were ~0.2 ms of a ~1.8 ms level on SmolLM2)."""
         if sampling is None or sampling.greedy:
-            return scatter_full(torch.softmax(sub, dim=-1), self.head.vocab, self._vocab_width, 0.0)
-        return self._rows(sub, sampling)[1]
+            return torch.softmax(sub, dim=-1)
+        return process_logits(sub, sampling)
 
     @torch.inference_mode()
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0,
+                   budget: TreeBudget | None = None) -> DraftTree:
         """EAGLE-2 dynamic tree (Li et al. 2024; ``trees.dynamic_tree``): children are the top
         tokens of each node's q (deterministic: verified by the one-hot rule), one head forward
         per depth over the level's frontier, each node fed its parent's predicted feature with
@@ -494,7 +498,8 @@ class FeatureHeadDrafter(Drafter):
             return self._tree_q(self.head.subset_logits(out).float(), sampling)
 
         root = self._tree_q(self.head.subset_logits(pred[-1]).float(), sampling)
-        return dynamic_tree(root, step, max_depth, max_nodes, self.tree_branch, self.tree_width, level_gain)
+        return dynamic_tree(root, step, max_depth, max_nodes, self.tree_branch, self.tree_width, level_gain,
+                            budget, columns=self.head.vocab)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..config import SamplingConfig
-from ..trees import DraftTree
+from ..trees import DraftTree, TreeBudget
 from .base import Decision, Draft, Drafter, DraftStep, Peek, Proposals, StepDecider
 from .index import NgramIndex
 
@@ -200,7 +200,8 @@ class IndexedDrafter(Drafter):
         return [] if tok is None else [(tok, candidate_key(max(self._match, 1), 1, 1, False))]
 
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0,
+                   budget: TreeBudget | None = None) -> DraftTree:
         """A best-first tree of up to ``max_nodes`` nodes, ``max_depth`` deep: a node's score is
         its parent's times its candidate probability (the estimated probability that its path
         is accepted), the highest-scoring open candidate is added next, so nodes come in
@@ -208,7 +209,7 @@ class IndexedDrafter(Drafter):
         ``peek``'s chain exactly. Candidate probabilities are calibrated
         (``CandidateCalibration``): every expanded node's candidates are kept and settled
         against the emitted tokens at the next ``catch_up``. Its levels cost lookups, not
-        forwards: ``level_gain`` does not apply."""
+        forwards: ``level_gain`` and ``budget`` do not apply (the engine cuts the tree)."""
         self.catch_up(context)
         index = self._index
         base = len(index)

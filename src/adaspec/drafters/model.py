@@ -13,7 +13,7 @@ from ..errors import AdaspecError, VocabularyMismatchError
 from ..backends.base import TargetBackend
 from ..models import TREE_ATTENTION, LoadedModel, _check_tree_cache, cache_arg
 from ..sampling import process_logits, sample
-from ..trees import DraftTree, TreeNode, TreeSlots, dynamic_tree
+from ..trees import DraftTree, TreeBudget, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
 
 #: EAGLE-2 tree shape of model drafters: children offered per expanded node, nodes expanded per level
@@ -247,7 +247,8 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                   sampling: SamplingConfig | None = None, level_gain: float = 0.0) -> DraftTree:
+                   sampling: SamplingConfig | None = None, level_gain: float = 0.0,
+                   budget: TreeBudget | None = None) -> DraftTree:
         """EAGLE-2 dynamic tree (``trees.dynamic_tree``): the children of a node are the top
         ``tree_branch`` tokens of its q (deterministic, so the one-hot rule verifies them
         exactly), one drafter forward per depth over that level's frontier with a tree mask;
@@ -272,7 +273,7 @@ class ModelDrafter(Drafter):
 
         self._tree_kv = _TreeKV(base, slots)
         return dynamic_tree(tree_q(logits[-1], sampling), step, max_depth, max_nodes,
-                            self.tree_branch, self.tree_width, level_gain)
+                            self.tree_branch, self.tree_width, level_gain, budget)
 
     @torch.inference_mode()
     def score(self, context, verified, sampling: SamplingConfig) -> Proposals:
