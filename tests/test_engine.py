@@ -488,3 +488,9 @@ def test_a_look_is_the_draft_and_a_cut_look_is_continued(model, cap):
     assert len(fresh) == min(cap, 7)
     # past the look: one continuation after its tokens, never a draft from the context again
     assert calls == ([] if cap <= 3 else [ctx + fresh[:3]])
+    # the whole block rejected: the next catch-up leaves the index holding the new context,
+    # never a look token the continuation took as context (it was, before the fix)
+    bonus = next(t for t in range(20) if t != fresh[0])
+    d.catch_up(ctx + [bonus])
+    assert d._index.tokens == ctx + [bonus]
+    assert d.peek(ctx + [bonus], 4).tokens == PromptLookupDrafter().peek(ctx + [bonus], 4).tokens

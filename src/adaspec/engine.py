@@ -614,6 +614,10 @@ class SpeculativeEngine:
                 def go_on(step: DraftStep) -> Decision:
                     return decide(replace(step, index=step.index + n))
                 kept += drafter.draft([*tokens, *kept], cap - n, sampling, generator, go_on).tokens
+                # the draft took the look's tokens as its context, i.e. as verified: bring the
+                # drafter back to ``tokens``, or a rejected look token would stay in its index
+                # (its next catch-up checks only the tokens past what it trusts)
+                drafter.catch_up(tokens)
             return Draft(tokens=kept, look_s=look.seconds)
         return drafter.draft(tokens, cap, sampling, generator, decide,
                              want_hidden=self.length.needs_hidden and drafter.is_model)
