@@ -460,8 +460,9 @@ def test_engine_verify_costs_uses_cache(model, tmp_path, monkeypatch):
 @pytest.mark.parametrize("cap", [1, 3, 5, 9])
 def test_a_look_is_the_draft_and_a_cut_look_is_continued(model, cap):
     """``_draft_chain`` from a look equals a fresh draft of the same cap (the same tokens, the
-    length policy asked at the same positions): a look cut at its depth is continued by the
-    drafter from the look's end, not drafted again; the look's seconds are the draft's."""
+    length policy asked at the same positions): a look cut at its depth is looked at again,
+    deeper, from the verified context (never drafted from the context + the look, which the
+    drafter would take as verified); the look's seconds are the draft's."""
     from adaspec.config import SamplingConfig
     from adaspec.drafters import Decision
     ctx = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
@@ -486,11 +487,29 @@ def test_a_look_is_the_draft_and_a_cut_look_is_continued(model, cap):
     got = engine._draft_chain(0, ctx, cap, {0: look}, SamplingConfig(), None, asking(log))
     assert got.tokens == fresh and log == fresh_log and got.look_s == 0.25
     assert len(fresh) == min(cap, 7)
-    # past the look: one continuation after its tokens, never a draft from the context again
-    assert calls == ([] if cap <= 3 else [ctx + fresh[:3]])
+    assert calls == []  # never a draft: past the look, a deeper look from ``ctx``
     # the whole block rejected: the next catch-up leaves the index holding the new context,
     # never a look token the continuation took as context (it was, before the fix)
     bonus = next(t for t in range(20) if t != fresh[0])
     d.catch_up(ctx + [bonus])
     assert d._index.tokens == ctx + [bonus]
     assert d.peek(ctx + [bonus], 4).tokens == PromptLookupDrafter().peek(ctx + [bonus], 4).tokens
+
+
+def test_a_continued_look_does_not_settle_the_rounds_tree_against_drafts(model):
+    """A tree the drafter offered earlier in the round (``auto``'s plan kept the chain) is
+    settled against the emitted tokens at the next catch-up, never against the chain's
+    unverified tokens when the look is continued past its depth."""
+    from adaspec.config import SamplingConfig
+    from adaspec.drafters import Decision
+    ctx = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
+    engine = SpeculativeEngine(model, [PromptLookupDrafter()], k=3)
+    d = engine.drafters[0]
+    d.begin_request(ctx)
+    d.draft_tree(ctx, 4, 8)  # offered: settled at the next catch-up past ctx
+    look = d.peek(ctx, 3)
+    look.cut = True
+    engine._draft_chain(0, ctx, 7, {0: look}, SamplingConfig(), None, lambda step: Decision.CONTINUE)
+    assert d.request_calibration.trials == {}  # nothing settled on drafted tokens
+    d.catch_up(ctx + [19])
+    assert sum(d.request_calibration.trials.values()) > 0 and sum(d.request_calibration.hits.values()) == 0
