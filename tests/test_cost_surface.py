@@ -582,3 +582,38 @@ def test_replay_tells_the_cost_model_the_last_width(priced, monkeypatch):
     for p in res.prompts:
         expected += [0] + [r.drafted + 1 for r in p.rounds][:-1]
     assert seen == expected and len(seen) > 3
+
+
+def test_timing_noise_is_pooled_and_cost_cliffs_are_kept():
+    """``monotone_within_noise``: a wider forward measured cheaper by at most ``tol`` of the
+    narrower is pooled with it (the non-decreasing least-squares fit over such dips); a larger
+    drop stays a cliff; a non-decreasing row is unchanged."""
+    from adaspec.costs import monotone_within_noise
+
+    assert monotone_within_noise([1.0, 1.1, 1.3]) == [1.0, 1.1, 1.3]
+    # SmolLM2's grid row: 25.2 24.8 23.5 24.4 27.2 24.8 28.1 (ms): every dip under 15%
+    fit = monotone_within_noise([25.2, 24.8, 23.5, 24.4, 27.2, 24.8, 28.1])
+    assert fit == sorted(fit) and fit[-1] == 28.1
+    assert fit[:4] == pytest.approx([24.475] * 4) and fit[4:6] == pytest.approx([26.0, 26.0])
+    assert sum(fit) == pytest.approx(sum([25.2, 24.8, 23.5, 24.4, 27.2, 24.8, 28.1]))  # pooled means
+    # a real cliff (2.0x a step at 3 tokens, 1.3x at 4) is kept, its noise around it pooled
+    assert monotone_within_noise([1.0, 1.5, 2.0, 1.3, 1.28, 1.4]) == pytest.approx([1.0, 1.5, 2.0, 1.29, 1.29, 1.4])
+    assert monotone_within_noise([1.0, 0.95], tol=0.01) == [1.0, 0.95]  # tol bounds what is noise
+
+
+def test_engine_policies_price_the_denoised_surface(tmp_path, monkeypatch):
+    """Cost-aware policies read the measured surface with its noise pooled; ``verify_costs``
+    (reports, cliff warnings) keeps the measured one."""
+    import adaspec.costs
+    from adaspec import SpeculativeEngine
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    noisy = VerifyCostSurface([32, 256], [1, 2, 3, 4], [[1.0, 0.95, 1.2, 0.6], [1.0, 1.05, 0.98, 1.1]])
+    monkeypatch.setattr(adaspec.costs, "measure_verify_surface", lambda *a, **k: noisy)
+    monkeypatch.setattr("adaspec.engine.load_or_measure", adaspec.costs.load_or_measure)
+    eng = SpeculativeEngine(make_tiny_model(), ["prompt-lookup"], length="cost-model")
+    assert eng.verify_costs().seconds == noisy.seconds
+    fitted = eng.cost_model.surface.seconds
+    assert fitted[0] == pytest.approx([0.975, 0.975, 1.2, 0.6]) and fitted[1] == pytest.approx([1.0, 1.015, 1.015, 1.1])
+    assert eng.cost_model.surface.cliffs(32) == [1, 2, 3]  # the 50% drop to 4 tokens stays a cliff
+    assert fitted[1] == sorted(fitted[1])  # the 7% dip at 256 is pooled as noise

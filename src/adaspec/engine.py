@@ -174,11 +174,18 @@ class SpeculativeEngine:
                      "drafters on transformers do): they draft chains", self.drafter_names)
 
     def _attach_costs(self) -> None:
+        """Give cost-aware policies (and the tree budget) the cost model, priced on the measured
+        surface with its timing noise pooled (``VerifyCostSurface.denoised``: a dip of a few
+        percent between widths is not a cliff to stop in)."""
+        def priced() -> VerifyCostSurface | None:
+            surface = VerifyCostSurface.of(self.verify_costs())
+            return None if surface is None else surface.denoised()
+
         if self.tree and self.cost_model.surface is None:  # the node budget prices tree widths
-            self.cost_model.surface = self.verify_costs()
+            self.cost_model.surface = priced()
         for policy in (self.selector, self.length):
             if getattr(policy, "wants_costs", False):
-                self.cost_model.surface = self.verify_costs()
+                self.cost_model.surface = priced()
                 policy.costs = self.cost_model
 
     def with_policies(self, drafters: Sequence[int] | None = None, *,

@@ -375,10 +375,12 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
     price = _RoundPricer(trace, pool, costs)
-    # as in the engine: the surface it loads (not the live/measured-scaled one replay prices
-    # with: the scale is not what live policies see), and running means of the (synthesised)
+    # as in the engine: the surface it loads, its noise pooled as the engine's policies read
+    # it (``VerifyCostSurface.denoised``; not the live/measured-scaled one replay prices with:
+    # the scale is not what live policies see), and running means of the (synthesised)
     # drafter costs
-    cost_model = CostModel(price.policy_surface)
+    policy_surface = price.policy_surface
+    cost_model = CostModel(None if policy_surface is None else policy_surface.denoised())
     for policy in (sel, ln):
         if getattr(policy, "wants_costs", False):
             policy.costs = cost_model
