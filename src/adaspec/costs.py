@@ -103,16 +103,17 @@ class VerifyCostCurve:
 DENSE_WIDTHS = 65
 
 
-#: a wider forward measured cheaper than a narrower one by less than this share of the
-#: narrower's seconds is timing noise, not a cost cliff (``monotone_within_noise``)
-NOISE_DIP = 0.15
+#: a wider forward measured cheaper than a narrower one by at most this share of the
+#: narrower's seconds is timing noise (``monotone_within_noise``): exactly the dips that are
+#: not cliffs by ``CLIFF_FACTOR``, so policies and reports agree on what a cliff is
+NOISE_DIP = 1.0 - 1.0 / CLIFF_FACTOR
 
 
 def monotone_within_noise(seconds: Sequence[float], tol: float = NOISE_DIP) -> list[float]:
     """``seconds`` over increasing widths, pooled (averaged) wherever a wider forward was
     measured cheaper by at most ``tol`` of the narrower's: pool-adjacent-violators (the
     non-decreasing least-squares fit) with merges limited to such dips, so a drop larger than
-    ``tol`` stays a cost cliff. Why: a grid median of a few forwards moves by 5-10% between
+    ``tol`` (by default a ``CLIFF_FACTOR`` cliff) stays a cost cliff. Why: a grid median of a few forwards moves by 5-10% between
     widths whose true costs are equal (SmolLM2 here: 25.2, 24.8, 23.5, 24.4, 27.2, 24.8 ms for
     1-6 tokens), and policies that price every width take such a dip as a cliff and stop there:
     `auto` planned 3-token blocks where 4 or 5 cost the same (A/B runs on the mixed suite, 16
