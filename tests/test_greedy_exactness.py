@@ -35,7 +35,7 @@ PROMPTS = {
     "constant": [5] * 6,
     "single": [7],
 }
-DRAFTERS = ["none", "prompt-lookup", "suffix", "self", "model-other"]
+DRAFTERS = ["none", "prompt-lookup", "suffix", "recycle", "self", "model-other"]
 
 
 @pytest.fixture(scope="module")

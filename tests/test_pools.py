@@ -161,8 +161,9 @@ def test_generate_batch_leaves_out_the_default_pools_heads(cache):
                max_new_tokens=6, batch_size=2, heldout=False,
                train_opts={"epochs": 1, "vocab_size": len(WORDS), "heldout_fraction": 0.25})
     engine = SpeculativeEngine(target)
-    assert engine.drafter_names[3].startswith("feature-head") and engine.drafter_names[4] == "suffix:code"
-    assert engine.default_pool == [3, 4]
+    n = len(DEFAULT_DRAFTERS)
+    assert engine.drafter_names[n].startswith("feature-head") and engine.drafter_names[n + 1] == "suffix:code"
+    assert engine.default_pool == [n, n + 1]
     prompts = [[3, 5, 6, 7, 3, 5], [1, 2, 1, 2, 1]]
     plain = SpeculativeEngine(target, [])
     got = engine.generate_batch(prompts, max_new_tokens=6)
@@ -170,5 +171,5 @@ def test_generate_batch_leaves_out_the_default_pools_heads(cache):
     with pytest.raises(ConfigError, match=r"several requests at once.*pool=False\)\)$"):
         BatchEngine(engine).add(prompts[0])
     with pytest.raises(ConfigError, match=r"several requests at once: use a model-free drafter \(none, prompt-lookup, "
-                                          r"suffix\)$"):  # asked for: no pool hint
+                                          r"suffix, recycle\)$"):  # asked for: no pool hint
         SpeculativeEngine(target, pool="auto").generate_batch(prompts, max_new_tokens=6)

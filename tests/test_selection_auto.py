@@ -333,10 +333,10 @@ def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters, select
 
 
 def test_auto_is_the_default_over_several_drafters(sharp_model):
-    """No drafters: auto over prompt-lookup, suffix and none; several drafters and no selector:
-    auto; one drafter: that drafter at static k (what -d X -k K has always meant)."""
+    """No drafters: auto over prompt-lookup, suffix, recycle and none; several drafters and no
+    selector: auto; one drafter: that drafter at static k (what -d X -k K has always meant)."""
     engine = SpeculativeEngine(sharp_model)
-    assert engine.drafter_names == ["prompt-lookup", "suffix", "none"]
+    assert engine.drafter_names == ["prompt-lookup", "suffix", "recycle", "none"]
     assert isinstance(engine.selector, AutoSelector) and isinstance(engine.length, AutoLength)
     assert isinstance(SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix"]).selector, AutoSelector)
     one = SpeculativeEngine(sharp_model, ["suffix"], k=3)

@@ -415,7 +415,7 @@ SV = 12  # vocabulary of the chi-square tests (as tests/test_distribution.py)
 SAMPLING_PROMPT = [10, 2, 11, 10, 2, 5, 3, 10, 2, 7, 10, 2, 11, 4, 10, 2]
 
 
-@pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix", "auto-plain"])
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix", "recycle:top=3", "auto-plain"])
 def test_tree_sampling_matches_the_exact_distribution(drafter, monkeypatch):
     """One-hot trees under sampling: chi-square goodness of fit of the first two tokens at
     ALPHA = 0.001 (3000 fixed seeds), as in tests/test_distribution.py. ``auto-plain``: the

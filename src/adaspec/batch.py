@@ -133,7 +133,7 @@ def batching_problem(engine: Any, drafters: bool = True) -> str | None:
     for d in engine.drafters if drafters else ():
         if type(d).fork is Drafter.fork or getattr(d, "uses_target_features", False):
             return (f"drafter {d.name!r} cannot draft for several requests at once: batch with the "
-                    "model-free drafters (none, prompt-lookup, suffix)")
+                    "model-free drafters (none, prompt-lookup, suffix, recycle)")
     return None
 
 
@@ -236,7 +236,7 @@ class BatchEngine:
             raise ConfigError(f"batched decoding needs a drafter per request: {exc}{_pool_hint(engine)}") from None
         if any(getattr(d, "uses_target_features", False) for d in view.drafters):
             raise ConfigError("feature drafters (EAGLE-style heads) are not batched yet: use model-free "
-                              f"drafters (none, prompt-lookup, suffix) with the batch engine{_pool_hint(engine)}")
+                              f"drafters (none, prompt-lookup, suffix, recycle) with the batch engine{_pool_hint(engine)}")
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(62)
         gen = None if cfg.sampling.greedy else torch.Generator(device=self.target.device).manual_seed(seed)
         stats = RequestStats(prompt_tokens=len(prompt_ids), seed=None if cfg.sampling.greedy else seed)
@@ -561,6 +561,9 @@ class BatchEngine:
         """Stops, tokens, feedback to the row's policies, its round record and event."""
         view, now = req.view, time.perf_counter
         n, draft, i = verdict.n_accepted, plan.draft, plan.drafter
+        for d in view.drafters:  # as ``SpeculativeEngine._rounds``: the verified rows, each after its input
+            if getattr(d, "observes_target", False):
+                d.observe_target([req.tokens[-1], *draft.tokens], logits)
         emitted, reason = view._apply_stops([*draft.tokens[:n], verdict.next_token], req.tokens,
                                             len(req.prompt_ids), req.remaining, req.cfg, req.stop_max,
                                             self._eos)

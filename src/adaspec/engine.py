@@ -48,7 +48,19 @@ Prompt = str | Sequence[int] | Sequence[dict]
 
 #: what ``SpeculativeEngine`` drafts with when no drafters are given: the model-free drafters
 #: and plain decoding, chosen among (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
-DEFAULT_DRAFTERS = ("prompt-lookup", "suffix", "none")
+#: ``auto``'s default arms (with the trained pool found in the cache: ``pools.pool_drafters``)
+DEFAULT_DRAFTERS = ("prompt-lookup", "suffix", "recycle", "none")
+
+
+def default_drafters(backend: str) -> tuple[str, ...]:
+    """``DEFAULT_DRAFTERS`` for a target backend: without ``recycle`` on llama.cpp, whose verify
+    block of 2 tokens costs ~1.2-1.7x a plain step (SmolLM2 GGUF), where a recycled token
+    (~40% accepted) does not pay and feeding its table cost ~0.7% of the wall time; on
+    PyTorch a 2-token block costs 1.03-1.06x and ``auto`` with it ran 1.045x ``auto`` without
+    (docs/results.md, "Token recycling")."""
+    if backend == "transformers":
+        return DEFAULT_DRAFTERS
+    return tuple(d for d in DEFAULT_DRAFTERS if d != "recycle")
 
 
 @dataclass
@@ -98,8 +110,8 @@ class SpeculativeEngine:
         target: a ``TargetBackend`` (``LoadedModel`` for Hugging Face models, ``LlamaCppTarget``
             for llama.cpp) or a ``PreTrainedModel`` (then pass ``tokenizer``).
         drafters: drafter specs (``"prompt-lookup"``, ``"suffix"``, ``"model:REF"``, ``"none"``)
-            or ``Drafter`` instances; None (default): ``DEFAULT_DRAFTERS`` plus the drafters of
-            the pool built for this target (``pool``). Empty means plain autoregressive decoding.
+            or ``Drafter`` instances; None (default): ``default_drafters`` of the target's
+            backend plus the drafters of the pool built for this target (``pool``). Empty means plain autoregressive decoding.
         selector: drafter policy (name or instance); default: ``auto`` (drafter and length
             chosen online) over several drafters, the drafter itself when there is one.
         length: length policy (name, int K, or instance); default: the selector's own (``auto``)
@@ -130,7 +142,7 @@ class SpeculativeEngine:
                  pool: str | Path | bool | None = None):
         self.target: TargetBackend = as_loaded(target, tokenizer)
         extra = pool_drafters(self.target, pool, default=drafters is None)
-        drafters = [*(DEFAULT_DRAFTERS if drafters is None else drafters), *extra]
+        drafters = [*(default_drafters(self.target.backend) if drafters is None else drafters), *extra]
         self.drafters: list[Drafter] = [build_drafter(d, self.target) for d in drafters] or [NoDrafter()]
         share_indexes(self.drafters)  # one request index for the n-gram drafters
         #: indices of the drafters a cached pool added by default (``pool=None``), not asked for
@@ -466,6 +478,8 @@ class SpeculativeEngine:
         # auto's plain steps may become the first model-free tree drafter's tree (``_plain_tree``)
         plain_tree = next((j for j, d in enumerate(drafters) if trees[j] and not d.is_model), None) \
             if length.plans_round_rate else None
+        # drafters that learn from the target's verified rows (``RecycleDrafter``)
+        observers = [d for d in drafters if getattr(d, "observes_target", False)]
         while True:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
@@ -531,6 +545,8 @@ class SpeculativeEngine:
                 draft, n, next_token, logits, hidden, gammas, path = self._verify_tree(
                     cache, tokens, tree, sampling, generator, features is not None)
             t4 = now()
+            for d in observers:  # inputs [last, drafts on the read chain], one logits row each
+                d.observe_target([tokens[-1], *draft.tokens], logits)
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
                                                 tokens, n_prompt, remaining, cfg, stop_max, eos)

@@ -465,9 +465,15 @@ class TraceRecorder:
                 d.bind_features(self._features(path))
         sweep = _TargetSweep(self.loaded, path, n_prompt, self._tree)
         live_end = n_prompt + n_out
+        # drafters that learn from the target's rows (``RecycleDrafter``) get each path position's
+        # row after drafting there, as a live round verifies it after drafting (live rounds also
+        # feed the rows of rejected drafts, which a trace does not have)
+        observers = [d for d in self.drafters if getattr(d, "observes_target", False)]
         for t0 in range(n_prompt, live_end, self.BLOCK):  # blocks bound the memory of q rows
             self._say(f"prompt {i_prompt}: position {t0 - n_prompt}/{n_pos}")
             queries: list[_Query] = []
+            if observers:
+                sweep.extend_to(min(t0 + self.BLOCK, live_end), live_end)
             for t in range(t0, min(t0 + self.BLOCK, live_end)):
                 x = t - n_prompt
                 ctx = path[:t]
@@ -478,6 +484,8 @@ class TraceRecorder:
                     q.drafter, q.x, q.t, q.accepted = j, x, t, acc
                     if q.chain:
                         queries.append(q)
+                for d in observers:
+                    d.observe_target([path[t - 1]], sweep.rows[t][None])
             self._solve(sweep, queries, tracks, live_end)
             sweep.forget_before(t0 + self.BLOCK)
         self._tree = sweep.tree

@@ -146,10 +146,13 @@ def serve(
     from ..engine import SpeculativeEngine
 
     try:
-        from ..serve import DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, run_server
+        from ..serve import DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, default_drafters, run_server
     except ImportError as exc:
         _fail(AdaspecError(f"{exc}: install the server's dependencies with pip install 'adaspec[serve]'"))
-    drafter = drafter or list(DEFAULT_DRAFTERS)
+    try:
+        drafter = drafter or list(default_drafters(check_backend(backend)))
+    except AdaspecError as exc:
+        _fail(exc)
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
     try:  # every option before the model loads
@@ -222,7 +225,7 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
                   "suite": "mixed", "per_category": 2,
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
-                  "drafters": ["prompt-lookup", "suffix"], "ks": [5], "selectors": ["auto"],
+                  "drafters": ["prompt-lookup", "suffix", "recycle"], "ks": [5], "selectors": ["auto"],
                   "lengths": ["cost-model"], "peers": ["hf-pld", "hf-greedy"], "static": True, "costs": True, "out": None,
                   "tree": False}
 
@@ -233,7 +236,8 @@ def bench(
                                            help="TOML/YAML method matrix; flags given here override it"),
     model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP + " [default: smollm2]"),
     drafter: list[str] | None = typer.Option(None, "--drafter", "-d",
-                                             help=DRAFTER_HELP + " [default: prompt-lookup, suffix]"),
+                                             help=DRAFTER_HELP + " [default: prompt-lookup, suffix, recycle; "
+                                             "on llama.cpp prompt-lookup, suffix]"),
     k: list[int] | None = typer.Option(None, "--k", "-k", help="draft length(s), repeatable [default: 5]"),
     selector: list[str] | None = typer.Option(
         None, "--selector", "-s",
@@ -290,6 +294,7 @@ def bench(
     from ..backends import check_backend
     from ..bench.peers import check_peer
     from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench, with_pool_rows
+    from ..engine import default_drafters
     from ..models import load_model
     from ..bench.workloads import load_workload
 
@@ -302,6 +307,8 @@ def bench(
         opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
         opt |= {key: v for key, v in flags.items() if v is not None}
         opt["backend"] = check_backend(opt["backend"])
+        if "drafters" not in file_cfg and drafter is None:  # the engine's default arms on this backend
+            opt["drafters"] = [d for d in default_drafters(opt["backend"]) if d != "none"]
         if opt["backend"] == "llama.cpp" and "peers" not in file_cfg and peer is None:
             opt["peers"] = ["llama.cpp", "llama.cpp-pld"]  # what a CPU user runs instead
         if no_static:

@@ -19,6 +19,7 @@ from .feature_head import FeatureHeadDrafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter, check_same_vocabulary, early_exit_model
 from .none import NoDrafter
+from .recycle import RecycleDrafter
 from .suffix import SuffixDatastore, SuffixDrafter
 from .tiny_lm import TinyLMDrafter
 
@@ -33,6 +34,7 @@ __all__ = [
     "NoDrafter",
     "PromptLookupDrafter",
     "Proposals",
+    "RecycleDrafter",
     "SuffixDatastore",
     "SuffixDrafter",
     "TinyLMDrafter",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 #: drafters that propose draft trees (``Drafter.supports_tree``); the others draft chains
-TREE_DRAFTERS = ("prompt-lookup", "pld", "suffix", "self", "early-exit", "model", "feature-head", "tiny-lm")
+TREE_DRAFTERS = ("prompt-lookup", "pld", "suffix", "recycle", "self", "early-exit", "model", "feature-head", "tiny-lm")
 
 
 def drafts_trees(spec: str | Drafter) -> bool:
@@ -133,6 +135,12 @@ def _suffix(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     return d
 
 
+def _recycle(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
+    d = RecycleDrafter(top=_take(params, "top", int, 1))
+    _no_leftovers(params, "recycle", "top")
+    return d
+
+
 def _self(params: dict[str, str], target: LoadedModel, **_: Any) -> Drafter:
     _no_leftovers(params, "self", "(none)")
     return ModelDrafter(target, target.vocab_size, name="self")
@@ -180,6 +188,7 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
     "prompt-lookup": _prompt_lookup,
     "pld": _prompt_lookup,
     "suffix": _suffix,
+    "recycle": _recycle,
     "self": _self,
     "early-exit": _early_exit,
     "feature-head": _trained("feature-head", FeatureHeadDrafter, "file"),
@@ -187,7 +196,7 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
 }
 #: spec kinds whose drafter class has another family name
 _FAMILY_OF_KIND = {"pld": "prompt-lookup", "self": "model", "early-exit": "model"}
-DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "self", "early-exit:layers=N", "model:REF",
+DRAFTER_NAMES = ("none", "prompt-lookup", "pld", "suffix", "recycle", "self", "early-exit:layers=N", "model:REF",
                  "feature-head:path=FILE", "tiny-lm:path=DIR")
 
 

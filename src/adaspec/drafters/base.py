@@ -202,7 +202,7 @@ class Drafter(ABC):
         """A drafter with the same settings and shared data (datastores) but its own per-request
         state, so one server can draft for several requests at once (the vLLM proposer)."""
         raise AdaspecError(f"drafter {self.name!r} cannot serve several requests at once: "
-                           "use a model-free drafter (none, prompt-lookup, suffix)")
+                           "use a model-free drafter (none, prompt-lookup, suffix, recycle)")
 
     def describe(self) -> str:
         return self.name

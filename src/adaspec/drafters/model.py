@@ -30,7 +30,7 @@ def check_same_vocabulary(target: TargetBackend, drafter: TargetBackend) -> None
             raise VocabularyMismatchError(
                 f"drafter {drafter.name!r} does not share the target's vocabulary "
                 f"({len(dv)} vs {len(tv)} tokens, {diff} differ): use a drafter from the same "
-                "model family/tokenizer as the target, or a model-free drafter (prompt-lookup, suffix)"
+                "model family/tokenizer as the target, or a model-free drafter (prompt-lookup, suffix, recycle)"
             )
         return
     if drafter.vocab_size != target.vocab_size:

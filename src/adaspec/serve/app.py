@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import DEFAULT_DRAFTERS as ENGINE_DEFAULT_DRAFTERS
+from ..engine import default_drafters
 from ..engine import SpeculativeEngine
 from ..errors import AdaspecError
 from ..length import build_length
