@@ -418,6 +418,34 @@ def test_sampling_distribution_is_exact():
     assert p > ALPHA
 
 
+def test_sampling_over_the_default_arms_is_exact():
+    """Sampling (T=1) with auto over its default arms (prompt lookup, suffix, recycle, none):
+    the recycle table changes from run to run (earlier runs' verified rows only); the first 3
+    tokens follow the target's exact distribution (chi-square at ALPHA = 0.001, 2000 fixed
+    seeds), and recycle drafted in some rounds."""
+    from test_distribution import ALPHA, PLD_PROMPT, V, exact_distribution
+
+    from adaspec.engine import DEFAULT_DRAFTERS
+
+    target = make_tiny_model(seed=0, vocab=V, init_std=0.2, lm_head_scale=1.5)
+    cfg = SamplingConfig(temperature=1.0)
+    want = exact_distribution(target, PLD_PROMPT, cfg, 3).reshape(-1)
+    engine = SpeculativeEngine(as_loaded(target), list(DEFAULT_DRAFTERS), selector="auto")
+    assert "recycle" in engine.drafter_names
+    counts = np.zeros(V ** 3)
+    used: dict[str, int] = {}
+    for s in range(2000):
+        out = engine.generate(PLD_PROMPT, max_new_tokens=3, temperature=1.0, seed=s)
+        a, b, c = out.token_ids
+        counts[(a * V + b) * V + c] += 1
+        for r in out.stats.rounds:
+            if r.drafted:
+                used[r.drafter] = used.get(r.drafter, 0) + 1
+    assert used.get("recycle", 0) > 0 and len(used) >= 2
+    _, p, _ = chisquare_gof(counts, want)
+    assert p > ALPHA
+
+
 # -- looking first: blocks as feedback, contexts, lower bounds ---------------------------------
 def test_peek_chain_is_unbiased_for_one_hot_acceptance_under_sampling():
     """A looked-at block scored on sampled output (``peek_chain``): the emitted token at a
