@@ -391,6 +391,21 @@ def test_a_look_cut_at_the_depth_is_drafted_again(sharp_model):
     assert max(r.drafted for r in out.stats.rounds) > 2
 
 
+def _first_three_tokens(engine, prompt, vocab: int, runs: int = 2000) -> tuple[np.ndarray, dict[str, int]]:
+    """Counts of the first 3 sampled tokens (T=1, seeds 0..runs-1), flattened, and the rounds
+    each drafter drafted in."""
+    counts = np.zeros(vocab ** 3)
+    used: dict[str, int] = {}
+    for s in range(runs):
+        out = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=s)
+        a, b, c = out.token_ids
+        counts[(a * vocab + b) * vocab + c] += 1
+        for r in out.stats.rounds:
+            if r.drafted:
+                used[r.drafter] = used.get(r.drafter, 0) + 1
+    return counts, used
+
+
 def test_sampling_distribution_is_exact():
     """Sampling (T=1) with auto over [prompt-lookup, a confidently wrong model drafter]: drafter
     switching, zero caps and full-information scoring; the distribution of the first 3 tokens
@@ -404,15 +419,7 @@ def test_sampling_distribution_is_exact():
     cfg = SamplingConfig(temperature=1.0)
     want = exact_distribution(target, PLD_PROMPT, cfg, 3).reshape(-1)
     engine = SpeculativeEngine(as_loaded(target), [PromptLookupDrafter(), ModelDrafter(wrong, V)], selector="auto")
-    counts = np.zeros(V ** 3)
-    used: dict[str, int] = {}
-    for s in range(2000):
-        out = engine.generate(PLD_PROMPT, max_new_tokens=3, temperature=1.0, seed=s)
-        a, b, c = out.token_ids
-        counts[(a * V + b) * V + c] += 1
-        for r in out.stats.rounds:
-            if r.drafted:
-                used[r.drafter] = used.get(r.drafter, 0) + 1
+    counts, used = _first_three_tokens(engine, PLD_PROMPT, V)
     assert len(used) == 2  # both drafters drafted: the controller switched
     _, p, _ = chisquare_gof(counts, want)
     assert p > ALPHA
@@ -432,15 +439,7 @@ def test_sampling_over_the_default_arms_is_exact():
     want = exact_distribution(target, PLD_PROMPT, cfg, 3).reshape(-1)
     engine = SpeculativeEngine(as_loaded(target), list(DEFAULT_DRAFTERS), selector="auto")
     assert "recycle" in engine.drafter_names
-    counts = np.zeros(V ** 3)
-    used: dict[str, int] = {}
-    for s in range(2000):
-        out = engine.generate(PLD_PROMPT, max_new_tokens=3, temperature=1.0, seed=s)
-        a, b, c = out.token_ids
-        counts[(a * V + b) * V + c] += 1
-        for r in out.stats.rounds:
-            if r.drafted:
-                used[r.drafter] = used.get(r.drafter, 0) + 1
+    counts, used = _first_three_tokens(engine, PLD_PROMPT, V)
     assert used.get("recycle", 0) > 0 and len(used) >= 2
     _, p, _ = chisquare_gof(counts, want)
     assert p > ALPHA
