@@ -159,3 +159,13 @@ def test_a_trace_records_recycled_chains_from_the_paths_rows_and_replays():
         mine = [r for r in got.rounds if r.prompt == i]
         assert sum(r.emitted for r in mine) == len(live.generate(p, max_new_tokens=30).token_ids)
     assert sum(r.accepted for r in got.rounds) > 0  # recycled chains were played and accepted
+
+
+def test_default_arms_include_recycle_where_verify_blocks_are_cheap():
+    """On PyTorch (transformers) recycle is one of auto's default arms; on llama.cpp, whose
+    verify blocks cost 1.2-1.7x a step, it is not (its tokens do not pay there)."""
+    from adaspec.engine import DEFAULT_DRAFTERS, default_drafters
+
+    assert "recycle" in default_drafters("transformers") == DEFAULT_DRAFTERS
+    assert "recycle" not in default_drafters("llama.cpp")
+    assert [d for d in default_drafters("llama.cpp")] == [d for d in DEFAULT_DRAFTERS if d != "recycle"]

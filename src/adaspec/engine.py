@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
-#: what ``SpeculativeEngine`` drafts with when no drafters are given: the model-free drafters
-#: and plain decoding, chosen among (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
-#: ``auto``'s default arms (with the trained pool found in the cache: ``pools.pool_drafters``)
+#: what ``SpeculativeEngine`` drafts with when no drafters are given (``default_drafters``, plus
+#: a pool found in the cache: ``pools.pool_drafters``): the model-free drafters and plain
+#: decoding, chosen among (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
 DEFAULT_DRAFTERS = ("prompt-lookup", "suffix", "recycle", "none")
 
 
@@ -111,7 +111,8 @@ class SpeculativeEngine:
             for llama.cpp) or a ``PreTrainedModel`` (then pass ``tokenizer``).
         drafters: drafter specs (``"prompt-lookup"``, ``"suffix"``, ``"model:REF"``, ``"none"``)
             or ``Drafter`` instances; None (default): ``default_drafters`` of the target's
-            backend plus the drafters of the pool built for this target (``pool``). Empty means plain autoregressive decoding.
+            backend plus the drafters of the pool built for this target (``pool``). Empty means
+            plain autoregressive decoding.
         selector: drafter policy (name or instance); default: ``auto`` (drafter and length
             chosen online) over several drafters, the drafter itself when there is one.
         length: length policy (name, int K, or instance); default: the selector's own (``auto``)

@@ -25,8 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import DEFAULT_DRAFTERS as ENGINE_DEFAULT_DRAFTERS
-from ..engine import default_drafters
-from ..engine import SpeculativeEngine
+from ..engine import SpeculativeEngine, default_drafters
 from ..errors import AdaspecError
 from ..length import build_length
 from ..models import target_fingerprint
