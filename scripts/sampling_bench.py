@@ -29,7 +29,10 @@ def configs(k: int) -> list[BenchConfig]:
             BenchConfig(f"suffix k={k}", ["suffix"], k=k),
             BenchConfig("prompt-lookup + cost-model", ["prompt-lookup"], k=k, length="cost-model"),
             BenchConfig("suffix + cost-model", ["suffix"], k=k, length="cost-model"),
-            BenchConfig("auto over [pl, suffix, none]", ["prompt-lookup", "suffix", "none"], selector="auto")]
+            BenchConfig("recycle + cost-model", ["recycle"], k=k, length="cost-model"),
+            BenchConfig("auto over [pl, suffix, none]", ["prompt-lookup", "suffix", "none"], selector="auto"),
+            BenchConfig("auto over [pl, suffix, recycle, none]", ["prompt-lookup", "suffix", "recycle", "none"],
+                        selector="auto")]
 
 
 def main() -> None:
