@@ -169,3 +169,35 @@ def test_default_arms_include_recycle_where_verify_blocks_are_cheap():
     assert "recycle" in default_drafters("transformers") == DEFAULT_DRAFTERS
     assert "recycle" not in default_drafters("llama.cpp")
     assert [d for d in default_drafters("llama.cpp")] == [d for d in DEFAULT_DRAFTERS if d != "recycle"]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_rounds_scores_never_read_its_own_rows(batched, monkeypatch):
+    """Full-information scoring (here HedgeSpec's) asks each drafter what it would have proposed
+    at the round's verified positions. Had the recycle table taken the round's rows first, its
+    first proposal there would be the target's own argmax after the context's last token,
+    i.e. the first verified token, every time. The engines feed the table after scoring, so
+    the first scored proposal misses in some rounds (greedy, a context-sensitive model)."""
+    first: list[bool] = []
+    score = RecycleDrafter.score
+
+    def spy(self, context, verified, sampling):
+        out = score(self, context, verified, sampling)
+        if out.tokens and out.tokens[0] >= 0:
+            first.append(out.tokens[0] == verified[0])
+        return out
+
+    monkeypatch.setattr(RecycleDrafter, "score", spy)
+    model = make_tiny_model(seed=0, vocab=V, init_std=0.3)
+    prompts = [[3, 7, 1, 9, 4, 3, 7], [2, 5, 8, 2, 5, 11, 0], [1, 1, 6, 0, 3, 1, 1, 6]]
+    eng = SpeculativeEngine(model, ["prompt-lookup", "recycle"], selector="hedgespec")
+    if batched:  # one row at a time: another row's rows may overwrite a token's entry in between
+        for p in prompts:
+            batch = BatchEngine(eng, max_batch=1)
+            batch.add(p, max_new_tokens=64)
+            batch.run()
+    else:
+        for p in prompts:
+            eng.generate(p, max_new_tokens=64)
+    assert len(first) > 5
+    assert not all(first), "recycle's scored proposals read the round's own rows"

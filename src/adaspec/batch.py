@@ -561,9 +561,12 @@ class BatchEngine:
         """Stops, tokens, feedback to the row's policies, its round record and event."""
         view, now = req.view, time.perf_counter
         n, draft, i = verdict.n_accepted, plan.draft, plan.drafter
-        for d in view.drafters:  # as ``SpeculativeEngine._rounds``: the verified rows, each after its input
-            if getattr(d, "observes_target", False):
-                d.observe_target([req.tokens[-1], *draft.tokens], logits)
+        fed = [req.tokens[-1], *draft.tokens]  # the verify inputs of the row's logits
+
+        def feed() -> None:  # as ``SpeculativeEngine._rounds``: after scoring, the verified rows
+            for d in view.drafters:
+                if getattr(d, "observes_target", False):
+                    d.observe_target(fed, logits)
         emitted, reason = view._apply_stops([*draft.tokens[:n], verdict.next_token], req.tokens,
                                             len(req.prompt_ids), req.remaining, req.cfg, req.stop_max,
                                             self._eos)
@@ -571,6 +574,7 @@ class BatchEngine:
         req.tokens.extend(emitted)
         req.remaining -= len(emitted)
         if i == PLAIN:  # not planned (drafting could not pay): no policy or drafter saw the round
+            feed()
             return self._event(req, RoundRecord(
                 drafter="none", k_cap=0, drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0,
                 verify_s=verify_s, catch_up_s=0.0, catch_up_tokens=0, policy_s=0.0, eval_s=0.0,
@@ -594,6 +598,8 @@ class BatchEngine:
             for j in fb.counterfactual:
                 req.seen[j] = len(req.tokens)
         t6 = now()
+        feed()
+        t6o = now()
         view.cost_model.observe(i, len(draft.tokens), draft_s, share, plan.catch_up_tokens, catch_up_s)
         selector.update(fb)
         length.update(fb)
@@ -604,7 +610,7 @@ class BatchEngine:
         record = RoundRecord(drafter=view.drafters[i].name, k_cap=plan.cap, drafted=len(draft.tokens),
                              accepted=n, emitted=len(emitted), draft_s=draft_s + draft.look_s,
                              verify_s=verify_s, catch_up_s=catch_up_s, catch_up_tokens=plan.catch_up_tokens,
-                             policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6) - plan.ingest - draft.look_s,
+                             policy_s=(t_sel - t0) + plan.policy_in_draft + (t7 - t6o) - plan.ingest - draft.look_s,
                              eval_s=t6 - t5 - eval_ingest, total_s=own + verify_s,
                              drafter_prefill_s=(t_pre - t_sel) + plan.ingest + eval_ingest)
         return self._event(req, record, emitted, reason)

@@ -546,8 +546,7 @@ class SpeculativeEngine:
                 draft, n, next_token, logits, hidden, gammas, path = self._verify_tree(
                     cache, tokens, tree, sampling, generator, features is not None)
             t4 = now()
-            for d in observers:  # inputs [last, drafts on the read chain], one logits row each
-                d.observe_target([tokens[-1], *draft.tokens], logits)
+            fed = [tokens[-1], *draft.tokens]  # the verify inputs of the rows read: one logits row each
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
                                                 tokens, n_prompt, remaining, cfg, stop_max, eos)
@@ -573,6 +572,9 @@ class SpeculativeEngine:
                 for j in feedback.counterfactual:
                     seen[j] = len(tokens)
             t6 = now()
+            for d in observers:  # after scoring: a score of this round must not read its own rows
+                d.observe_target(fed, logits)
+            t6o = now()
             cost_model.observe(i, k, draft_s, verify_s, catch_up_tokens, catch_up_s)
             if tree is not None and drafter.is_model and tree.scores is not None:  # its node q's learn
                 self.tree_calibration.observe(id(drafter), *node_trials(tree, path))
@@ -597,7 +599,7 @@ class SpeculativeEngine:
                 drafter=drafter.name, k_cap=cap, drafted=k, accepted=n, emitted=len(emitted),
                 draft_s=draft_s + draft.look_s, verify_s=verify_s, catch_up_s=catch_up_s,
                 catch_up_tokens=catch_up_tokens,
-                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6) - look_ingest - draft.look_s,
+                policy_s=(t_selected - t0) + policy_in_draft + (t7 - t6o) - look_ingest - draft.look_s,
                 eval_s=t6 - t5 - eval_ingest,
                 total_s=t7 - t0, drafter_prefill_s=drafter_prefill + look_ingest + eval_ingest,
                 tree_nodes=0 if tree is None else k))
