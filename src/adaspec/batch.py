@@ -235,8 +235,8 @@ class BatchEngine:
         except AdaspecError as exc:
             raise ConfigError(f"batched decoding needs a drafter per request: {exc}{_pool_hint(engine)}") from None
         if any(getattr(d, "uses_target_features", False) for d in view.drafters):
-            raise ConfigError("feature drafters (EAGLE-style heads) are not batched yet: use model-free "
-                              f"drafters (none, prompt-lookup, suffix, recycle) with the batch engine{_pool_hint(engine)}")
+            raise ConfigError("feature drafters (EAGLE-style heads) are not batched yet: use model-free drafters "
+                              f"(none, prompt-lookup, suffix, recycle) with the batch engine{_pool_hint(engine)}")
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(62)
         gen = None if cfg.sampling.greedy else torch.Generator(device=self.target.device).manual_seed(seed)
         stats = RequestStats(prompt_tokens=len(prompt_ids), seed=None if cfg.sampling.greedy else seed)
@@ -561,12 +561,10 @@ class BatchEngine:
         """Stops, tokens, feedback to the row's policies, its round record and event."""
         view, now = req.view, time.perf_counter
         n, draft, i = verdict.n_accepted, plan.draft, plan.drafter
-        fed = [req.tokens[-1], *draft.tokens]  # the verify inputs of the row's logits
-
-        def feed() -> None:  # as ``SpeculativeEngine._rounds``: after scoring, the verified rows
-            for d in view.drafters:
-                if getattr(d, "observes_target", False):
-                    d.observe_target(fed, logits)
+        # as ``SpeculativeEngine._rounds``: the verified rows go to the drafters that learn from
+        # them after the round's scoring
+        observers = [d for d in view.drafters if d.observes_target]
+        fed = [req.tokens[-1], *draft.tokens] if observers else None
         emitted, reason = view._apply_stops([*draft.tokens[:n], verdict.next_token], req.tokens,
                                             len(req.prompt_ids), req.remaining, req.cfg, req.stop_max,
                                             self._eos)
@@ -574,7 +572,8 @@ class BatchEngine:
         req.tokens.extend(emitted)
         req.remaining -= len(emitted)
         if i == PLAIN:  # not planned (drafting could not pay): no policy or drafter saw the round
-            feed()
+            for d in observers:
+                d.observe_target(fed, logits)
             return self._event(req, RoundRecord(
                 drafter="none", k_cap=0, drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0,
                 verify_s=verify_s, catch_up_s=0.0, catch_up_tokens=0, policy_s=0.0, eval_s=0.0,
@@ -598,7 +597,8 @@ class BatchEngine:
             for j in fb.counterfactual:
                 req.seen[j] = len(req.tokens)
         t6 = now()
-        feed()
+        for d in observers:
+            d.observe_target(fed, logits)
         t6o = now()
         view.cost_model.observe(i, len(draft.tokens), draft_s, share, plan.catch_up_tokens, catch_up_s)
         selector.update(fb)

@@ -190,16 +190,12 @@ class SpeculativeEngine:
         """Give cost-aware policies (and the tree budget) the cost model, priced on the measured
         surface with its timing noise pooled (``VerifyCostSurface.denoised``: a dip of a few
         percent between widths is not a cliff to stop in)."""
-        def priced() -> VerifyCostSurface | None:
+        wanting = [p for p in (self.selector, self.length) if getattr(p, "wants_costs", False)]
+        if wanting or (self.tree and self.cost_model.surface is None):  # the node budget prices widths
             surface = VerifyCostSurface.of(self.verify_costs())
-            return None if surface is None else surface.denoised()
-
-        if self.tree and self.cost_model.surface is None:  # the node budget prices tree widths
-            self.cost_model.surface = priced()
-        for policy in (self.selector, self.length):
-            if getattr(policy, "wants_costs", False):
-                self.cost_model.surface = priced()
-                policy.costs = self.cost_model
+            self.cost_model.surface = None if surface is None else surface.denoised()
+        for policy in wanting:
+            policy.costs = self.cost_model
 
     def with_policies(self, drafters: Sequence[int] | None = None, *,
                       selector: str | DrafterPolicy | None = None,
@@ -480,7 +476,7 @@ class SpeculativeEngine:
         plain_tree = next((j for j, d in enumerate(drafters) if trees[j] and not d.is_model), None) \
             if length.plans_round_rate else None
         # drafters that learn from the target's verified rows (``RecycleDrafter``)
-        observers = [d for d in drafters if getattr(d, "observes_target", False)]
+        observers = [d for d in drafters if d.observes_target]
         while True:
             t0 = now()
             cost_model.context = len(tokens) - 1  # cache length: policies price this round at it
@@ -546,7 +542,7 @@ class SpeculativeEngine:
                 draft, n, next_token, logits, hidden, gammas, path = self._verify_tree(
                     cache, tokens, tree, sampling, generator, features is not None)
             t4 = now()
-            fed = [tokens[-1], *draft.tokens]  # the verify inputs of the rows read: one logits row each
+            fed = [tokens[-1], *draft.tokens] if observers else None  # the inputs of the rows read
 
             emitted, reason = self._apply_stops([*draft.tokens[:n], next_token],
                                                 tokens, n_prompt, remaining, cfg, stop_max, eos)

@@ -468,7 +468,7 @@ class TraceRecorder:
         # drafters that learn from the target's rows (``RecycleDrafter``) get each path position's
         # row after drafting there, as a live round verifies it after drafting (live rounds also
         # feed the rows of rejected drafts, which a trace does not have)
-        observers = [d for d in self.drafters if getattr(d, "observes_target", False)]
+        observers = [d for d in self.drafters if d.observes_target]
         for t0 in range(n_prompt, live_end, self.BLOCK):  # blocks bound the memory of q rows
             self._say(f"prompt {i_prompt}: position {t0 - n_prompt}/{n_pos}")
             queries: list[_Query] = []

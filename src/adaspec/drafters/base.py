@@ -148,6 +148,8 @@ class Drafter(ABC):
     is_model: bool = False
     #: True if ``draft_tree`` proposes draft trees (``adaspec.trees``); others draft chains
     supports_tree: bool = False
+    #: True if the engines call ``observe_target`` with every round's verified rows
+    observes_target: bool = False
 
     @abstractmethod
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
@@ -188,6 +190,11 @@ class Drafter(ABC):
         may add more expected tokens than that, and expands only nodes that ``budget`` (how many
         best-first nodes of a tree would be verified) keeps (``trees.dynamic_tree``)."""
         raise AdaspecError(f"drafter {self.name!r} drafts chains only (no draft trees)")
+
+    def observe_target(self, inputs: Sequence[int], logits: torch.Tensor) -> None:
+        """A round's verify inputs and the target's logits row after each (``observes_target``
+        drafters: ``RecycleDrafter``), once the round's scoring is done, so that a score never
+        reads the round it scores."""
 
     def peek(self, context: Sequence[int], max_tokens: int) -> Peek | None:
         """The block this drafter would propose after ``context`` (up to ``max_tokens``), or None

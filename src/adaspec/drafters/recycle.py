@@ -43,8 +43,7 @@ class RecycleDrafter(IndexedDrafter):
     CALIBRATION_PRIOR = {(RECYCLED, 0, 0): 0.40, (RECYCLED, 1, 0): 0.07, (RECYCLED, 2, 0): 0.05,
                          (RECYCLED, 3, 0): 0.03}
     CALIBRATION_DEFAULT = 0.02
-    #: the engine calls ``observe_target`` after every verify step
-    observes_target = True
+    observes_target = True  # the engines feed the table (``Drafter.observe_target``)
 
     def __init__(self, top: int = 1, name: str | None = None):
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 16:
