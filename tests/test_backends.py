@@ -5,6 +5,7 @@ llama-cpp-python is not installed; the README's test command installs it)."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -392,3 +393,13 @@ def test_prefill_then_first_round_rows(backend):
     finally:
         backend.release(a)
         backend.release(b)
+
+
+@pytest.mark.parametrize("target", ["smollm2", Path("models/x.gguf"), 42, object()])
+def test_engine_given_no_loaded_model_names_the_fix(target):
+    """A model name (or anything but a loaded model) passed where a loaded one goes: a clear
+    error naming from_pretrained / load_model, not an AttributeError from deep inside."""
+    with pytest.raises(ConfigError, match="from_pretrained"):
+        SpeculativeEngine(target, ["prompt-lookup"])
+    with pytest.raises(ConfigError, match="from_pretrained"):
+        as_loaded(target)

@@ -451,6 +451,12 @@ def as_loaded(model: Any, tokenizer: Any | None = None, name: str | None = None)
     as a ``LoadedModel``."""
     if isinstance(model, TargetBackend):
         return model
+    if isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"{str(model)!r} names a model, and this takes a loaded one: use "
+                          f"SpeculativeEngine.from_pretrained({str(model)!r}) or pass load_model({str(model)!r})")
+    if not callable(getattr(model, "eval", None)) or getattr(model, "config", None) is None:
+        raise ConfigError(f"a target must be a loaded model (load_model(...), a TargetBackend) or a Hugging Face "
+                          f"causal LM, got a {type(model).__name__}: e.g. SpeculativeEngine.from_pretrained('smollm2')")
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer,
                        name=name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
