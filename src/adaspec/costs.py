@@ -116,8 +116,9 @@ def monotone_within_noise(seconds: Sequence[float], tol: float = NOISE_DIP) -> l
     ``tol`` (by default a ``CLIFF_FACTOR`` cliff) stays a cost cliff. Why: a grid median of a
     few forwards moves by 5-10% between widths whose true costs are equal (SmolLM2 here:
     25.2, 24.8, 23.5, 24.4, 27.2, 24.8 ms for 1-6 tokens), and policies that price every
-    width take such a dip as a cliff and stop there: `auto` planned 3-token blocks where 4 or 5 cost the same (A/B runs on the mixed suite, 16
-    prompts x 128 tokens x 2: 1.019x and 1.012x with unlimited merges, 1.006x with this rule).
+    width take such a dip as a cliff and stop there: `auto` planned 3-token blocks where 4 or 5
+    cost the same (A/B runs on the mixed suite, 16 prompts x 128 tokens x 2: 1.019x and 1.012x
+    with unlimited merges, 1.006x with this rule).
     The real cliffs of blocked kernels are 30% and more (k=3 at 2.0x a step, k=4 at 1.3x)."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in seconds:
