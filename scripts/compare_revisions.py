@@ -4,11 +4,14 @@ Exports ``src/adaspec`` of ``--base`` (``git archive``) into a temporary folder 
 ``adaspec_base`` (the package imports itself relatively, so both versions load in one
 interpreter), loads the target once per version, and runs every configuration on every prompt
 with the two versions alternating (base, head, base, head, ...) so that the machine's drift hits
-both alike. Prints tokens/s per version and configuration, the head/base ratio of the totals and
-the median of the per-prompt ratios, and checks that both versions emit the same tokens.
-Not a test: numbers depend on the machine and its load.
+both alike. Every repeat is a pass over the prompts with fresh engines (as ``adaspec bench``'s
+passes: recycle's table and ``auto``'s estimates outlive a request, so a reused engine would
+replay earlier answers). Prints tokens/s per version and configuration, the head/base ratio of
+the totals and the median of the per-prompt ratios, and checks that both versions emit the same
+tokens. Not a test: numbers depend on the machine and its load.
 
     python scripts/compare_revisions.py --base 49fcfd7 [--per-category 1] [-n 64] [--repeats 3]
+    python scripts/compare_revisions.py --base HEAD --config auto --config "auto +tree" --per-category 2 -n 128
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ import adaspec
 from adaspec.bench.workloads import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"AR": ([], 5), "suffix k=5": (["suffix"], 5), "prompt-lookup k=5": (["prompt-lookup"], 5)}
+#: name -> ``SpeculativeEngine`` keyword arguments
+CONFIGS = {"AR": {"drafters": [], "k": 5}, "suffix k=5": {"drafters": ["suffix"], "k": 5},
+           "prompt-lookup k=5": {"drafters": ["prompt-lookup"], "k": 5},
+           "suffix k=5 +tree": {"drafters": ["suffix"], "k": 5, "tree": True},
+           "auto": {"pool": False}, "auto +tree": {"tree": True, "pool": False}}
 
 
 def export_base(rev: str, into: Path) -> None:
@@ -55,34 +62,35 @@ def main() -> None:
     export_base(args.base, tmp)
     sys.path.insert(0, str(tmp))
     versions = {"base": importlib.import_module("adaspec_base"), "head": adaspec}
-    engines = {}
-    for tag, pkg in versions.items():
-        models = importlib.import_module(f"{pkg.__name__}.models")
-        target = models.load_model(args.model)
-        engines[tag] = {name: pkg.SpeculativeEngine(target, list(d), k=k)
-                        for name, (d, k) in CONFIGS.items() if not args.config or name in args.config}
+    targets = {tag: importlib.import_module(f"{pkg.__name__}.models").load_model(args.model)
+               for tag, pkg in versions.items()}
+
+    def engine(tag: str, name: str):  # a fresh engine: nothing learnt in an earlier pass
+        return versions[tag].SpeculativeEngine(targets[tag], **CONFIGS[name])
+
+    names = [n for n in CONFIGS if not args.config or n in args.config]
     work = load_workload(args.suite, per_category=args.per_category)
-    encoder = next(iter(engines["head"].values()))
-    prompts = [encoder.encode_prompt(p.text) for p in work]
+    prompts = [engine("head", "AR").encode_prompt(p.text) for p in work]
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.repeats} alternating repeats, "
           f"base {args.base} vs the working tree", flush=True)
-    for name in engines["head"]:
-        secs = {"base": [], "head": []}
-        tokens = 0
-        for i, ids in enumerate(prompts):
-            runs = {"base": [], "head": []}
-            outs = {}
-            for _ in range(args.repeats):
-                for tag in ("base", "head"):
+    for name in names:
+        runs: dict[str, list[list[float]]] = {"base": [[] for _ in prompts], "head": [[] for _ in prompts]}
+        outs: dict[str, list[list[int]]] = {"base": [], "head": []}
+        for rep in range(args.repeats):
+            engines = {tag: engine(tag, name) for tag in versions}
+            order = ("base", "head") if rep % 2 == 0 else ("head", "base")
+            for i, ids in enumerate(prompts):
+                for tag in order:
                     t0 = time.perf_counter()
-                    r = engines[tag][name].generate(ids, max_new_tokens=args.max_new_tokens)
-                    runs[tag].append(time.perf_counter() - t0)
-                    outs[tag] = r.token_ids
-            if outs["base"] != outs["head"]:
+                    r = engines[tag].generate(ids, max_new_tokens=args.max_new_tokens)
+                    runs[tag][i].append(time.perf_counter() - t0)
+                    if rep == 0:
+                        outs[tag].append(r.token_ids)
+        for i, (b, h) in enumerate(zip(outs["base"], outs["head"])):
+            if b != h:
                 print(f"  {name}: prompt {i} differs between the versions", flush=True)
-            tokens += len(outs["head"])
-            for tag in runs:
-                secs[tag].append(statistics.median(runs[tag]))
+        tokens = sum(len(o) for o in outs["head"])
+        secs = {tag: [statistics.median(r) for r in runs[tag]] for tag in runs}
         ratios = [b / h for b, h in zip(secs["base"], secs["head"])]
         tps = {tag: tokens / sum(secs[tag]) for tag in secs}
         print(f"{name:20s} base {tps['base']:6.2f} tok/s  head {tps['head']:6.2f} tok/s  head/base "

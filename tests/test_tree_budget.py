@@ -73,6 +73,90 @@ def test_a_running_rate_drafts_fewer_weak_trees_and_more_of_strong_ones():
     assert nodes_worth_verifying(strong, lambda w: 0.0, rate=2.0) == 3  # no costs known: every node
 
 
+def test_a_prefix_cut_grown_until_it_refuses_cuts_where_the_whole_tree_would():
+    """``PrefixCut`` fed best-first scores: ``add`` gives ``nodes_worth_verifying``'s m, and
+    ``offer`` refuses a node only when no longer prefix could win, so stopping there leaves the
+    cut (and whether it beats a floor) as over every node. Brute force over random scores and
+    curves with cliffs, both objectives."""
+    from adaspec.trees import PrefixCut
+
+    rng = random.Random(11)
+    stopped = 0
+    for _ in range(2000):
+        n = rng.randint(0, 12)
+        scores = sorted((rng.random() ** 2 for _ in range(n)), reverse=True)
+        cost = [1.0] + [1.0 + rng.uniform(0.0, 1.5) for _ in range(n)]  # not monotone: cliffs
+        verify = lambda w, c=cost: c[w - 1]  # noqa: E731
+        fixed = rng.uniform(0.0, 0.2)
+        rate = rng.choice([None, rng.uniform(0.3, 2.0)])
+        floor = rng.uniform(0.5, 2.0) if rate is None and rng.random() < 0.5 else None
+        whole = nodes_worth_verifying(scores, verify, fixed, rate)
+        full = PrefixCut.priced(verify, fixed, n, rate, floor)
+        for s in scores:
+            full.add(s)
+        assert full.best_m == whole
+        cut = PrefixCut.priced(verify, fixed, n, rate, floor)
+        kept = [s for s in scores if cut.offer(s)]
+        assert kept == scores[:len(kept)]  # a refusal is final
+        stopped += cut.stopped
+        m = nodes_worth_verifying(kept, verify, fixed, rate)
+        assert m == cut.best_m
+        if floor is None:
+            assert m == whole
+        else:  # the tree beats the floor in both or in neither, and then with the same m
+            e = lambda k: (1.0 + sum(scores[:k])) / (fixed + verify(k + 1))  # noqa: E731
+            assert (e(m) > floor) == (e(whole) > floor)
+            if e(whole) > floor:
+                assert m == whole
+    assert stopped > 500  # the early stop is exercised
+    assert PrefixCut.priced(lambda w: 0.0, 0.0, 3).offer(0.01)  # no costs known: every node
+
+
+def test_model_free_trees_grown_under_the_cut_are_the_whole_trees_cut(monkeypatch):
+    """The engine's model-free trees, grown until the cut refuses a node, equal the trees
+    grown to the node limit and then cut (``nodes_worth_verifying``), round by round, with
+    static and ``auto`` length policies, while expanding fewer nodes."""
+    import adaspec.engine as engine_mod
+    from adaspec import SpeculativeEngine
+    from adaspec.drafters.lookup import PromptLookupDrafter
+    from adaspec.drafters.suffix import SuffixDrafter
+    from adaspec.trees import PrefixCut
+
+    model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
+    expanded = {True: 0, False: 0}  # candidate lists asked for, growing the whole tree or not
+    grow_all = {"on": False}
+    for cls in (SuffixDrafter, PromptLookupDrafter):
+        def counting_keys(self, limit=None, orig=cls.candidate_keys):
+            expanded[grow_all["on"]] += 1
+            return orig(self, limit)
+
+        monkeypatch.setattr(cls, "candidate_keys", counting_keys)
+    for drafters, selector in ((["suffix"], None), (["suffix", "prompt-lookup", "none"], "auto")):
+        eng = SpeculativeEngine(model, drafters, selector=selector, k=4, tree=True, tree_nodes=12)
+        eng.cost_model.curve = _curve([1.0 + 0.12 * w for w in range(32)])
+        orig = eng._draft_tree
+        compared = []
+
+        def both(index, tokens, cap, room, sampling=None, running=False):
+            grow_all["on"] = True
+            with monkeypatch.context() as m:  # the whole tree: every node offered is taken
+                m.setattr(PrefixCut, "offer", lambda self, s: self.add(s) or True)
+                whole = orig(index, tokens, cap, room, sampling, running)
+            grow_all["on"] = False
+            got = orig(index, tokens, cap, room, sampling, running)
+            compared.append((None if whole is None else (whole.tokens, whole.parents),
+                             None if got is None else (got.tokens, got.parents)))
+            return got
+
+        eng._draft_tree = both
+        for prompt in (BRANCHY * 2, BRANCHY[::-1] + BRANCHY):
+            eng.generate(prompt, max_new_tokens=40)
+        assert len(compared) > 20
+        assert all(w == g for w, g in compared)
+        assert any(g is not None and len(g[0]) for _, g in compared)
+    assert expanded[False] < 0.8 * expanded[True]
+
+
 def test_running_rate_prices_rounds_on_the_surface_and_decays():
     cm = CostModel(_curve([1.0, 1.5, 2.0]))
     cm.round_overhead_s = 0.25

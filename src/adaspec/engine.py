@@ -39,7 +39,7 @@ from .models import DEFAULT_MODEL, as_loaded, load_model
 from .pools import pool_drafters
 from .sampling import process_logits, row_argmax, verify_greedy, verify_sampling
 from .selection import DrafterPolicy, build_policies
-from .trees import (DraftTree, calibrated_scores, node_trials, nodes_worth_verifying, tree_gammas,
+from .trees import (DraftTree, PrefixCut, calibrated_scores, node_trials, nodes_worth_verifying, tree_gammas,
                     verify_tree_greedy, verify_tree_sampling)
 
 log = logging.getLogger(__name__)
@@ -678,7 +678,9 @@ class SpeculativeEngine:
         the tokens left): its nodes cost lookups, and the budget prices each by its calibrated
         score, so a cap chosen for a chain would only cut paths that pay; one less than the
         nodes, so that a tree of one chain means the drafter had no alternative (the nodes ran
-        out of candidates, not the budget).
+        out of candidates, not the budget). Once branched it grows only while a later node
+        could still be verified, or beat the plan's rate (``trees.PrefixCut``): a tree
+        stopped there is cut, never taken for one chain.
 
         A length policy that plans the round's rate (``auto``) planned a chain of ``cap``
         tokens at an expected rate of its own (``LengthPolicy.planned_rate``): a model-free
@@ -688,11 +690,13 @@ class SpeculativeEngine:
         then (``_plain_tree``)."""
         drafter = self.drafters[index]
         costs = self.cost_model
+        verify_cost = costs.verify_row(self.tree_nodes + 1).__getitem__  # every width at once
         scores = None
         # the opportunity cost of a second is the generation's running rate, unless the length
         # policy planned the round's chain on its own rate (auto): the tree then keeps that
         # objective (``running``: a plain step was planned, with no chain to defer to)
         rate = None if self.length.plans_round_rate and not running else costs.running_rate()
+        planned = None if drafter.is_model or rate is not None else self.length.planned_rate(index)
         if drafter.is_model:
             # its q are calibrated on the tree nodes the target saw; a level is one drafter
             # forward: worth it while it may add more expected tokens than its seconds yield
@@ -704,7 +708,7 @@ class SpeculativeEngine:
             def budget(part: DraftTree) -> int:
                 if part.scores is None:
                     return len(part)
-                return nodes_worth_verifying(calibrated_scores(part, f), costs.verify_cost,
+                return nodes_worth_verifying(calibrated_scores(part, f), verify_cost,
                                              costs.round_overhead_s, rate)
 
             tree = drafter.draft_tree(tokens, min(cap, self.tree_nodes), self.tree_nodes, sampling,
@@ -715,17 +719,19 @@ class SpeculativeEngine:
             if tree.scores is not None:
                 scores = calibrated_scores(tree, f)
         else:
+            # grown node by node only while a later node could still be verified, once it
+            # branched (a tree refused early is a cut tree, not one chain the drafter offered)
             depth = min(max(self.tree_nodes - 1, 1), room)
-            tree = drafter.draft_tree(tokens, depth, self.tree_nodes, sampling)
-            if tree.is_chain:
+            cut = PrefixCut.priced(verify_cost, costs.round_overhead_s, self.tree_nodes, rate, planned)
+            tree = drafter.draft_tree(tokens, depth, self.tree_nodes, sampling, cut=cut)
+            if tree.is_chain and not cut.stopped:
                 return tree if not len(tree) else None
             scores = tree.scores
         if scores is None:
             return tree
-        m = nodes_worth_verifying(scores, costs.verify_cost, costs.round_overhead_s, rate)
-        planned = None if drafter.is_model or rate is not None else self.length.planned_rate(index)
+        m = nodes_worth_verifying(scores, verify_cost, costs.round_overhead_s, rate)
         if planned is not None:
-            seconds = costs.round_overhead_s + costs.verify_cost(m + 1)
+            seconds = costs.round_overhead_s + verify_cost(m + 1)
             if seconds > 0.0 and (1.0 + sum(scores[:m])) / seconds <= planned:
                 return None
         return tree.prefix(m)

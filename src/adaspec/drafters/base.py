@@ -19,7 +19,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError
-from ..trees import DraftTree, TreeBudget
+from ..trees import DraftTree, PrefixCut, TreeBudget
 
 
 class Decision(enum.Enum):
@@ -181,14 +181,17 @@ class Drafter(ABC):
 
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
                    sampling: SamplingConfig | None = None, level_gain: float = 0.0,
-                   budget: TreeBudget | None = None) -> DraftTree:
+                   budget: TreeBudget | None = None, cut: PrefixCut | None = None) -> DraftTree:
         """A draft tree after ``context`` (nodes in best-first order, with scores), for drafters
         with ``supports_tree``. Children are chosen deterministically (never sampled), so the
         one-hot rule verifies any tree exactly (``adaspec.trees``); model drafters rank nodes by
         their q processed under ``sampling`` (softmax of the logits when greedy or None).
         ``level_gain``: a drafter that pays a forward per level drafts a level only while it
         may add more expected tokens than that, and expands only nodes that ``budget`` (how many
-        best-first nodes of a tree would be verified) keeps (``trees.dynamic_tree``)."""
+        best-first nodes of a tree would be verified) keeps (``trees.dynamic_tree``). ``cut``:
+        a drafter whose nodes come best-first one at a time (model-free drafters) passes each
+        node to it and, once its tree has branched, stops at the first node it refuses
+        (``trees.PrefixCut``); model drafters grow by levels and use ``budget`` instead."""
         raise AdaspecError(f"drafter {self.name!r} drafts chains only (no draft trees)")
 
     def observe_target(self, inputs: Sequence[int], logits: torch.Tensor) -> None:

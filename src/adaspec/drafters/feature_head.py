@@ -38,7 +38,7 @@ from ..errors import AdaspecError, ModelLoadError
 from ..kernels import linear, linear_mode, use_small_batch_linear
 from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
-from ..trees import DraftTree, TreeBudget, TreeNode, TreeSlots, dynamic_tree
+from ..trees import DraftTree, PrefixCut, TreeBudget, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
 
 FORMAT = "adaspec.feature-head/1"
@@ -469,7 +469,7 @@ class FeatureHeadDrafter(Drafter):
     @torch.inference_mode()
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
                    sampling: SamplingConfig | None = None, level_gain: float = 0.0,
-                   budget: TreeBudget | None = None) -> DraftTree:
+                   budget: TreeBudget | None = None, cut: PrefixCut | None = None) -> DraftTree:
         """EAGLE-2 dynamic tree (Li et al. 2024; ``trees.dynamic_tree``): children are the top
         tokens of each node's q (deterministic: verified by the one-hot rule), one head forward
         per depth over the level's frontier, each node fed its parent's predicted feature with

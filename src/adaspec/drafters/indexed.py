@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..config import SamplingConfig
-from ..trees import DraftTree, TreeBudget
+from ..trees import DraftTree, PrefixCut, TreeBudget
 from .base import Decision, Draft, Drafter, DraftStep, Peek, Proposals, StepDecider
 from .index import NgramIndex
 
@@ -201,7 +201,7 @@ class IndexedDrafter(Drafter):
 
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
                    sampling: SamplingConfig | None = None, level_gain: float = 0.0,
-                   budget: TreeBudget | None = None) -> DraftTree:
+                   budget: TreeBudget | None = None, cut: PrefixCut | None = None) -> DraftTree:
         """A best-first tree of up to ``max_nodes`` nodes, ``max_depth`` deep: a node's score is
         its parent's times its candidate probability (the estimated probability that its path
         is accepted), the highest-scoring open candidate is added next, so nodes come in
@@ -209,7 +209,10 @@ class IndexedDrafter(Drafter):
         ``peek``'s chain exactly. Candidate probabilities are calibrated
         (``CandidateCalibration``): every expanded node's candidates are kept and settled
         against the emitted tokens at the next ``catch_up``. Its levels cost lookups, not
-        forwards: ``level_gain`` and ``budget`` do not apply (the engine cuts the tree)."""
+        forwards: ``level_gain`` and ``budget`` do not apply (the engine cuts the tree). Every
+        node goes to ``cut`` (``trees.PrefixCut``); once some node has offered two or more
+        candidates, the tree stops growing at the first node ``cut`` refuses (no later node
+        could be verified: each scores at most as much). A chain is never cut there."""
         self.catch_up(context)
         index = self._index
         base = len(index)
@@ -220,6 +223,7 @@ class IndexedDrafter(Drafter):
         order = itertools.count()
         offered: dict[tuple[int, ...], list[tuple[int, CandidateKey]]] = {}
         est = self.request_calibration.estimate
+        branched = False  # some node offered two or more candidates
 
         def expand(node: int, score: float, path: tuple[int, ...]) -> None:
             # the path is read as if indexed (a look: ``NgramIndex.look_append``), never added
@@ -229,6 +233,9 @@ class IndexedDrafter(Drafter):
             for t in path:
                 index.look_append(t)
             offered[path] = cands = self.candidate_keys(TREE_BRANCH)
+            if len(cands) > 1:
+                nonlocal branched
+                branched = True
             for tok, key in cands:
                 heapq.heappush(heap, (-score * est(key), next(order), node, tok, path))
 
@@ -236,6 +243,11 @@ class IndexedDrafter(Drafter):
             expand(-1, 1.0, ())
             while heap and len(tokens) < max_nodes:
                 neg, _, parent, tok, path = heapq.heappop(heap)
+                if cut is not None:
+                    if not branched:
+                        cut.add(-neg)
+                    elif not cut.offer(-neg):
+                        break
                 tokens.append(tok)
                 parents.append(parent)
                 scores.append(-neg)

@@ -13,7 +13,7 @@ from ..errors import AdaspecError, VocabularyMismatchError
 from ..backends.base import TargetBackend
 from ..models import TREE_ATTENTION, LoadedModel, _check_tree_cache, cache_arg
 from ..sampling import process_logits, sample
-from ..trees import DraftTree, TreeBudget, TreeNode, TreeSlots, dynamic_tree
+from ..trees import DraftTree, PrefixCut, TreeBudget, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
 
 #: EAGLE-2 tree shape of model drafters: children offered per expanded node, nodes expanded per level
@@ -248,7 +248,7 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def draft_tree(self, context: Sequence[int], max_depth: int, max_nodes: int,
                    sampling: SamplingConfig | None = None, level_gain: float = 0.0,
-                   budget: TreeBudget | None = None) -> DraftTree:
+                   budget: TreeBudget | None = None, cut: PrefixCut | None = None) -> DraftTree:
         """EAGLE-2 dynamic tree (``trees.dynamic_tree``): the children of a node are the top
         ``tree_branch`` tokens of its q (deterministic, so the one-hot rule verifies them
         exactly), one drafter forward per depth over that level's frontier with a tree mask;
