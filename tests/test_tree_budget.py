@@ -35,17 +35,21 @@ def _curve(seconds):
 
 
 # -- the node budget ------------------------------------------------------------------------------
+def _random_case(rng: random.Random, max_nodes: int, spread: float):
+    """Best-first scores, a verify curve with cliffs (not monotone) and a fixed overhead."""
+    n = rng.randint(0, max_nodes)
+    scores = sorted((rng.random() ** 2 for _ in range(n)), reverse=True)
+    cost = [1.0] + [1.0 + rng.uniform(0.0, spread) for _ in range(n)]
+    return n, scores, (lambda w, c=cost: c[w - 1]), rng.uniform(0.0, 0.2)
+
+
 def test_the_rate_budget_maximises_tokens_minus_the_opportunity_cost_of_their_seconds():
     """Brute force over random best-first scores and cost curves with cliffs: the chosen m
     maximises E_m - R T_m; and at R = the best round rate (Dinkelbach's fixed point) it reaches
     that rate, i.e. the two objectives agree on the best round."""
     rng = random.Random(7)
     for _ in range(300):
-        n = rng.randint(0, 9)
-        scores = sorted((rng.random() ** 2 for _ in range(n)), reverse=True)
-        cost = [1.0] + [1.0 + rng.uniform(0.0, 1.2) for _ in range(n)]  # not monotone: cliffs
-        verify = lambda w, c=cost: c[w - 1]  # noqa: E731
-        fixed = rng.uniform(0.0, 0.2)
+        n, scores, verify, fixed = _random_case(rng, 9, 1.2)
         E = [1.0 + sum(scores[:m]) for m in range(n + 1)]
         T = [fixed + verify(m + 1) for m in range(n + 1)]
         rate = rng.uniform(0.3, 2.0)
@@ -83,11 +87,7 @@ def test_a_prefix_cut_grown_until_it_refuses_cuts_where_the_whole_tree_would():
     rng = random.Random(11)
     stopped = 0
     for _ in range(2000):
-        n = rng.randint(0, 12)
-        scores = sorted((rng.random() ** 2 for _ in range(n)), reverse=True)
-        cost = [1.0] + [1.0 + rng.uniform(0.0, 1.5) for _ in range(n)]  # not monotone: cliffs
-        verify = lambda w, c=cost: c[w - 1]  # noqa: E731
-        fixed = rng.uniform(0.0, 0.2)
+        n, scores, verify, fixed = _random_case(rng, 12, 1.5)
         rate = rng.choice([None, rng.uniform(0.3, 2.0)])
         floor = rng.uniform(0.5, 2.0) if rate is None and rng.random() < 0.5 else None
         whole = nodes_worth_verifying(scores, verify, fixed, rate)
