@@ -729,6 +729,8 @@ class SpeculativeEngine:
             scores = tree.scores
         if scores is None:
             return tree
+        # over the nodes drafted (for a drafter that used ``cut``, its ``best_m``; one that
+        # ignores it is cut here all the same)
         m = nodes_worth_verifying(scores, verify_cost, costs.round_overhead_s, rate)
         if planned is not None:
             seconds = costs.round_overhead_s + verify_cost(m + 1)

@@ -228,13 +228,13 @@ class IndexedDrafter(Drafter):
         def expand(node: int, score: float, path: tuple[int, ...]) -> None:
             # the path is read as if indexed (a look: ``NgramIndex.look_append``), never added
             # to the index and rolled back
+            nonlocal branched
             index.look_end(base)
             index.look_begin()
             for t in path:
                 index.look_append(t)
             offered[path] = cands = self.candidate_keys(TREE_BRANCH)
             if len(cands) > 1:
-                nonlocal branched
                 branched = True
             for tok, key in cands:
                 heapq.heappush(heap, (-score * est(key), next(order), node, tok, path))
