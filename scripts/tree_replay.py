@@ -48,7 +48,8 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
 
 class OracleTarget(TargetBackend):
     """A target whose next token after a prefix of the recorded sequence ``seq`` is the
-    recorded one (any other prefix: token 0, never reached by greedy verification's walk)."""
+    recorded one (any other prefix: token 0, never reached by greedy verification's walk, and
+    kept from recycle's table by ``learn_on_path_only``)."""
 
     backend = "transformers"
     supports_trees = True
@@ -101,6 +102,28 @@ class OracleTarget(TargetBackend):
 
     def identity(self) -> str:
         return "oracle"
+
+
+def learn_on_path_only(drafters: Sequence[Any]) -> None:
+    """Drafters that learn from the target's rows (recycle) get only the rows on the recorded
+    path: the oracle's row after a rejected token says token 0, not what the target predicts
+    there (a live round feeds those rows too; the bench's trace leaves them out alike). Rows
+    come in path order and row 0 follows the verified context, so row r + 1 is on the path
+    exactly when row r is and the input after it is row r's argmax (the recorded token)."""
+    for d in drafters:
+        if not d.observes_target:
+            continue
+        learn = d.observe_target
+
+        def observe(inputs: Sequence[int], logits: torch.Tensor, learn: Any = learn) -> None:
+            n = min(len(inputs), logits.shape[0])
+            best = logits[:n].argmax(-1).tolist()
+            on = 1
+            while on < n and inputs[on] == best[on - 1]:
+                on += 1
+            learn(list(inputs[:on]), logits[:on])
+
+        d.observe_target = observe
 
 
 def record(out: str, model: str, suite: str, per_category: int, max_new_tokens: int) -> None:
@@ -206,6 +229,7 @@ def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
     first = work.requests[0]
     target = OracleTarget(work.vocab, work.eos)
     eng = engine_mod.SpeculativeEngine(target, **engine_kw)
+    learn_on_path_only(eng.drafters)
     greedy = SamplingConfig(temperature=0.0)
     target.seq = first["seq"]
     eng.generate(first["prompt"], GenerationConfig(max_new_tokens=16, sampling=greedy))
