@@ -292,7 +292,7 @@ class BenchRun:
         and keep its predicted seconds (total and per category; the policies' measured time is
         shared out by rounds), so every report shows the cost model's error next to the live
         times."""
-        from .replay import oracle_bounds, predict_configs
+        from .replay import oracle_bounds
 
         ks = [c.k for c in self.configs if c.kind == "static"] or [5]
         bounds = oracle_bounds(trace, ks[0])

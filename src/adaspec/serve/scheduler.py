@@ -307,7 +307,7 @@ class BatchExecutor:
     def fail_all(self, error: APIError) -> list[Job]:
         """After an internal error: fail every live job and start over with an empty batch."""
         jobs = [live.job for live in self.live.values()]
-        for rid, live in list(self.live.items()):
+        for live in list(self.live.values()):
             self._commit(live.job.plan, live.learners, None)
             live.job.emit(Failed(error))
         self.live.clear()
