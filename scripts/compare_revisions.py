@@ -12,9 +12,14 @@ tokens. Not a test: numbers depend on the machine and its load. The set-up has a
 own: each version loads its own copy of the model, and with the same code on both sides
 (``--base HEAD`` and a clean tree) `auto` +tree ran 0.986x (median per prompt 0.990x) on the
 2-core EPYC (2026-11-28), so run that A/A next to an A/B and read the ratio of the two.
+``--share-model`` gives both versions the working tree's loaded model (one copy of the weights;
+a change to loading itself is then not compared). It does not remove that bias: its A/A (AR and
+suffix k=5, 8 prompts x 64 tokens, 2 repeats) gave 0.977x and 0.975x on the totals and 0.996x
+and 0.999x as medians per prompt, so read the medians, and an A/A beside every A/B.
 
     python scripts/compare_revisions.py --base 49fcfd7 [--per-category 1] [-n 64] [--repeats 3]
     python scripts/compare_revisions.py --base HEAD --config auto --config "auto +tree" --per-category 2 -n 128
+    python scripts/compare_revisions.py --base HEAD --share-model --config "auto +tree"   # the A/A with one model
 """
 
 from __future__ import annotations
@@ -59,14 +64,21 @@ def main() -> None:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per prompt and version")
     ap.add_argument("--config", action="append", choices=sorted(CONFIGS), help="default: all")
+    ap.add_argument("--share-model", action="store_true",
+                    help="one loaded model (the working tree's) for both versions")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="adaspec-base-"))
     export_base(args.base, tmp)
     sys.path.insert(0, str(tmp))
     versions = {"base": importlib.import_module("adaspec_base"), "head": adaspec}
-    targets = {tag: importlib.import_module(f"{pkg.__name__}.models").load_model(args.model)
-               for tag, pkg in versions.items()}
+    if args.share_model:  # base wraps the working tree's HF model in its own backend class
+        head = adaspec.models.load_model(args.model)
+        base_loaded = importlib.import_module("adaspec_base.models").LoadedModel
+        targets = {"head": head, "base": base_loaded(model=head.model, tokenizer=head.tokenizer, name=head.name)}
+    else:
+        targets = {tag: importlib.import_module(f"{pkg.__name__}.models").load_model(args.model)
+                   for tag, pkg in versions.items()}
 
     def engine(tag: str, name: str):  # a fresh engine: nothing learnt in an earlier pass
         return versions[tag].SpeculativeEngine(targets[tag], **CONFIGS[name])
