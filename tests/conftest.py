@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
@@ -105,17 +106,22 @@ def _no_cached_pool(request, monkeypatch):
         monkeypatch.setattr("adaspec.pools.find_pool", lambda target: None)
 
 
+def real_model_threads() -> int:
+    """Threads for a real-model test: every core, shared out among pytest-xdist workers
+    (``-n N``), since OpenMP pools that together ask for more threads than cores spin against
+    each other and run several times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread_for_fast_tests(request):
     """Fast-suite modules run torch on one thread (tiny models are per-op-overhead bound);
-    modules marked slow (real models) keep the default thread count."""
+    modules marked slow (real models) get ``real_model_threads()``."""
     marks = getattr(request.module, "pytestmark", [])
     marks = marks if isinstance(marks, list) else [marks]
-    if any(m.name == "slow" for m in marks):
-        yield
-        return
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(real_model_threads() if any(m.name == "slow" for m in marks) else 1)
     yield
     torch.set_num_threads(before)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chisquare_gof, make_tiny_model
+from conftest import chisquare_gof, make_tiny_model, real_model_threads
 
 from adaspec import SpeculativeEngine
 from adaspec.backends import TargetBackend, check_backend
@@ -28,7 +28,7 @@ def llama() -> TargetBackend:
         pytest.skip("llama-cpp-python is not installed")
     from adaspec.backends.llamacpp import LlamaCppTarget
 
-    return LlamaCppTarget(embedded_gguf(), name="smollm2", threads=2, n_ctx=2048, n_seq_max=LLAMA_SEQS)
+    return LlamaCppTarget(embedded_gguf(), name="smollm2", threads=real_model_threads(), n_ctx=2048, n_seq_max=LLAMA_SEQS)
 
 
 @pytest.fixture(scope="module")
@@ -207,15 +207,21 @@ def test_llamacpp_qwen_q4_k_m_blocks_are_not_invariant_at_short_lengths():
         pytest.skip("qwen2.5-coder-0.5b is not fetched (adaspec fetch qwen2.5-coder-0.5b)")
     from adaspec.backends.llamacpp import LlamaCppTarget
 
-    target = LlamaCppTarget(path, threads=2, n_ctx=512, n_seq_max=2)
+    target = LlamaCppTarget(path, threads=2, n_ctx=512, n_seq_max=2)  # numerics as at 2 threads
     assert not target.short_blocks_invariant() and target.near_tie_nats_at(50) == NEAR_TIE_NATS_LLAMACPP
 
 
-def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells(llama):
+def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells():
     """Pins llama.cpp's numerics behind ``batch_invariant = False``: a verify block gives the rows
     of one-token forwards bit for bit while the KV cache holds at most 256 cells, and other
     numbers past that (split-KV flash attention for one query), within the near-tie bound. When
-    a llama.cpp release makes them equal, this fails: the flag and the threshold can go."""
+    a llama.cpp release makes them equal, this fails: the flag and the threshold can go. On 2
+    threads, as users run it here (on one thread both kinds of forward give the same numbers)."""
+    if not HAVE_LLAMA:
+        pytest.skip("llama-cpp-python is not installed")
+    from adaspec.backends.llamacpp import LlamaCppTarget
+
+    llama = LlamaCppTarget(embedded_gguf(), name="smollm2", threads=2, n_ctx=2048, n_seq_max=2)
     ids = _ids(llama, 320, 11)
     single, block = _single_and_block_rows(llama, ids[:200], ids[200:205])
     assert torch.equal(single, block)

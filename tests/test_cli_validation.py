@@ -185,6 +185,16 @@ def test_bad_option_fails_before_any_work(case, no_work, tmp_path, monkeypatch):
     assert re.search(pattern, text), f"{args}: {pattern!r} not in {text!r}"
 
 
+@pytest.mark.parametrize("command", [["bench", "--suite"], ["build-datastore", "-o", "ds.jsonl"]])
+def test_an_error_prints_a_long_path_with_brackets_in_one_piece(command, no_work, tmp_path):
+    """Error messages are neither hard-wrapped (a path breaks where the line ends) nor read as
+    rich markup (``[draft]`` would vanish), in the main CLI and the training commands alike."""
+    path = tmp_path / ("long-folder-name-" * 6) / "[draft] missing.jsonl"
+    res = CliRunner().invoke(app, [*command, str(path)])
+    assert res.exit_code == 2, res.output
+    assert str(path) in res.output, res.output
+
+
 def test_every_command_has_a_case():
     commands = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
     covered = {args[0] for args, _ in CASES}

@@ -12,6 +12,7 @@ from adaspec import SpeculativeEngine
 from adaspec.bench.runner import BenchConfig, ConfigResult, PromptRecord, run_bench
 from adaspec.bench.workloads import BenchPrompt
 from adaspec.errors import ConfigError
+from conftest import real_model_threads
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                 reason="llama-cpp-python is not installed")
@@ -24,7 +25,7 @@ REPEAT = ("The meeting is on Tuesday at noon in room 4. Please repeat the senten
 def target():
     from adaspec.models import load_model
 
-    return load_model("smollm2", backend="llama.cpp", threads=2)
+    return load_model("smollm2", backend="llama.cpp", threads=real_model_threads())
 
 
 def test_parse_llamacpp_peers():

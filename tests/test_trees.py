@@ -12,7 +12,7 @@ from adaspec.errors import ConfigError
 from adaspec.models import as_loaded
 from adaspec.trees import (DraftTree, nodes_worth_verifying, tree_attention_mask, tree_gammas,
                            verify_tree_greedy, verify_tree_sampling)
-from conftest import chisquare_gof, make_tiny_model
+from conftest import chisquare_gof, make_tiny_model, real_model_threads
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -494,7 +494,7 @@ def test_smollm2_greedy_trees_equal_plain_decoding(drafters, monkeypatch, tmp_pa
     from adaspec.exactness import check_tie_aware
 
     monkeypatch.setenv("ADASPEC_CACHE", str(__import__("pathlib").Path.home() / ".cache" / "adaspec"))
-    torch.set_num_threads(2)
+    torch.set_num_threads(real_model_threads())
     smol = load_model("smollm2")
     ar = SpeculativeEngine(smol, [])
     eng = _flat_costs(SpeculativeEngine(smol, drafters, k=5, tree=True))

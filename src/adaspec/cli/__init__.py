@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import AdaspecError
-from .options import check_drafters, check_number, check_policies, check_sampling, check_target, check_tree
+from .options import check_drafters, check_number, check_policies, check_sampling, check_target, check_tree, fail
 from .progress import StageProgress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -38,9 +38,6 @@ DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_
                 "model:REF, feature-head:path=FILE, tiny-lm:path=DIR")
 
 
-def _fail(exc: Exception) -> None:
-    err.print(f"[bold red]error:[/] {escape(str(exc))}")
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -102,7 +99,7 @@ def generate(
         sys.stdout.write("\n")
         err.print(f"[dim]{engine.last_stats.summary()}[/]")
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @app.command()
@@ -148,11 +145,11 @@ def serve(
     try:
         from ..serve import DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, default_drafters, run_server
     except ImportError as exc:
-        _fail(AdaspecError(f"{exc}: install the server's dependencies with pip install 'adaspec[serve]'"))
+        fail(AdaspecError(f"{exc}: install the server's dependencies with pip install 'adaspec[serve]'"))
     try:
         drafter = drafter or list(default_drafters(check_backend(backend)))
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
     try:  # every option before the model loads
@@ -175,7 +172,7 @@ def serve(
         if state_file is not None and not no_state and not Path(state_file).expanduser().parent.is_dir():
             raise AdaspecError(f"--state-file {state_file}: the folder {Path(state_file).parent} does not exist")
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
     if threads:
         import torch
 
@@ -195,7 +192,7 @@ def serve(
                              max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, state_file=state_file,
                              save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace)
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
     err.print(f"[dim]serving {config.model_id} on http://{host}:{port}/v1 with {engine.drafter_names}, "
               f"selector {selector}, length {length}, up to {max_batch} request(s) decoded together; "
               f"state file: {state_file}[/]")
@@ -399,7 +396,7 @@ def bench(
                 run.predict_from(trace)
         written = run.save(out_dir, plots=plots)
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
         return
     _print_bench(run, opt, len(work))
     console = Console()
@@ -534,7 +531,7 @@ def costs(
             surface = load_or_measure(loaded, DEFAULT_KS, DEFAULT_CONTEXTS, refresh=refresh,
                                       progress=lambda done, total: bar("measuring the cost grid", done, total))
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
         return
     print(surface.table())
     print(f"{len(surface.contexts)} cache lengths x {len(surface.ks)} widths; measuring the grid took "
@@ -628,7 +625,7 @@ def train_head_cmd(
                                 on_epoch=on_epoch)
         total = _time.perf_counter() - start
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
         return
     f = result.final
     print(f"{result.n_prompts} prompts, {result.n_train} training / {result.n_eval} held-out "
@@ -672,7 +669,7 @@ def vllm_args(
         if export:
             export_hf(export, model_dir)
     except AdaspecError as exc:
-        _fail(exc)
+        fail(exc)
         return
     args = serve_command(model_dir, cfg, port=port, module=module)
     if as_json:

@@ -12,9 +12,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import AdaspecError
+
+
+def fail(exc: Exception) -> NoReturn:
+    """Print a user error on stderr and exit with code 2. Markup-escaped (brackets in a message
+    print as they are) and not hard-wrapped, so a path in it stays one piece to copy."""
+    import typer
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+    raise typer.Exit(2) from None
 
 
 class _NeedsTarget(Exception):

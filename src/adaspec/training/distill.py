@@ -517,7 +517,7 @@ def distill_command(
     """Generate self-distillation data: the target's responses to a domain's prompts (resumable)."""
     from rich.console import Console
 
-    from ..cli.options import check_number, check_sampling, check_target
+    from ..cli.options import check_number, check_sampling, check_target, fail
     from ..cli.progress import StageProgress
     from ..models import cache_dir, load_model, torch_threads
 
@@ -541,8 +541,7 @@ def distill_command(
                                   max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                                   chat_template=not no_chat_template, progress=report)
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     print(f"{run.path}: {run.n_samples} samples ({run.new_samples} new, {run.skipped} already there); "
           f"{run.new_tokens} tokens in {run.seconds:.1f} s ({run.tokens_per_s:.1f} tokens/s)")
 
@@ -554,11 +553,8 @@ def datastore_command(
     min_match: Annotated[int, typer.Option("--min-match", help="shortest suffix match")] = 2,
 ) -> None:
     """Build a suffix-drafter datastore from distilled sets (use it with -d suffix:datastore=FILE)."""
-    from rich.console import Console
+    from ..cli.options import check_number, check_path, fail
 
-    from ..cli.options import check_number, check_path
-
-    err = Console(stderr=True)
     try:
         check_number("--max-tokens", max_tokens, low=1, integer=True)
         check_number("--min-match", min_match, low=1, integer=True)
@@ -566,7 +562,6 @@ def datastore_command(
             check_path("DATA", d, "dir", "pass a directory written by `adaspec distill`")
         info = build_datastore_info(data, out, max_tokens, min_match=min_match)
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     print(f"{info.path}: {info.documents} documents, {info.tokens} tokens; use it with "
           f"-d suffix:datastore={info.path}")

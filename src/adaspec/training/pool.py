@@ -459,7 +459,7 @@ def pool_command(
     from rich.table import Table
 
     from ..models import load_model, torch_threads
-    from ..cli.options import check_number, check_sampling, check_target
+    from ..cli.options import check_number, check_sampling, check_target, fail
     from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
@@ -497,8 +497,7 @@ def pool_command(
                     specialist_opts=specialist_opts, retrain=retrain, heldout=not no_heldout, progress=report,
                     on_stage=report.message)
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     table = Table("entry", "samples", "output tokens", "distill s", "datastore s", "train s", "drafters")
     for name, e in manifest.entries.items():
         train_s = sum(v for k, v in e.times.items() if k.startswith("train_"))

@@ -98,6 +98,7 @@ def train_router_command(
     from rich.console import Console
 
     from ..bench.trace import Trace
+    from ..cli.options import fail
     from ..cli.progress import StageProgress
 
     err = Console(stderr=True)
@@ -117,7 +118,6 @@ def train_router_command(
             model = train_router(trace, k_list, l2, progress=bar)
         model.save(out)
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     print(f"{out}: router over {len(model.classes)} classes trained on {len(trace.prompts)} prompts; "
           f"labels {model.meta['labels']}; use it with -s router:path={out}")
