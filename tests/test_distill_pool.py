@@ -304,6 +304,8 @@ def test_build_pool_with_stub_trainer_writes_a_manifest_whose_specs_build(tmp_pa
     assert stub.calls[1][3] == DEFAULT_POOL_TRAIN_OPTS | SPECIALIST_TRAIN_OPTS | {
         "init_from": str(root / "drafters" / GENERALIST / "feature-head.pt"), "progress": None}
     assert stub.calls[5][3]["init_from"] == str(root / "drafters" / GENERALIST / "tiny-lm")
+    # training stops on epochs, not on a clock, so a pool's weights do not depend on the machine's speed
+    assert not any("max_minutes" in opts for _, _, _, opts in stub.calls)
     code = manifest.entries["code"]
     assert code.n_samples == 6 and code.specs == {
         "suffix": f"suffix:datastore={root / 'datastores' / 'code.jsonl'}",
