@@ -12,7 +12,7 @@ from conftest import make_tiny_model, word_tokenizer
 from adaspec.bench.runner import default_configs, run_bench
 from adaspec.cli import app
 from adaspec.models import as_loaded
-from adaspec.bench.workloads import BenchPrompt
+from adaspec.bench.workloads import BenchPrompt, default_per_category
 
 WORDS = [f"w{i:02d}" for i in range(32)]
 PROMPTS = [BenchPrompt("c1", "copy", ("w01 w02 w03 w04 w01 w02 w03 w04 w01 w02",)),
@@ -160,6 +160,29 @@ def test_cli_bench_runs_and_writes_the_report(model_dir, tmp_path):
     # stderr is not a terminal here: progress comes as plain lines, the first and the last item included
     total = 2 * 7
     assert f"bench: 1/{total} (7%)" in res.output and f"bench: {total}/{total} (100%)" in res.output
+
+
+def test_default_per_category_keeps_all_of_a_users_file():
+    assert default_per_category("mixed") == default_per_category("code+code-editing") == 2
+    assert default_per_category("my.jsonl") is None and default_per_category("humaneval") is None
+    assert default_per_category("code+my.jsonl") is None
+
+
+def test_cli_bench_runs_every_prompt_of_a_file_and_says_how_many(model_dir, tmp_path):
+    """A file's prompts all run unless --per-category says otherwise (2 per category is the
+    built-in suites' default only), and the bench names the workload's size."""
+    suite = tmp_path / "mine.jsonl"
+    suite.write_text("\n".join(json.dumps({"question_id": f"q{i}", "category": "qa", "turns": [f"w0{i + 1} w02 w03 w0{i + 1} w02 w03"]})
+                               for i in range(3)))
+    base = ["bench", "-m", model_dir, "-d", "prompt-lookup", "-k", "3", "-s", "none", "-l", "none", "-p", "none",
+            "--suite", str(suite), "-n", "4", "--no-costs", "--no-record", "--no-plots"]
+    for extra, n, said in (([], 3, "3 prompts (all)"), (["--per-category", "2"], 2, "2 prompts (2 per category)")):
+        out = tmp_path / f"r{n}"
+        res = CliRunner().invoke(app, [*base, *extra, "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert said in res.output
+        data = json.loads((out / "summary.json").read_text())
+        assert data["n_prompts"] == n
 
 
 def test_cli_bench_bad_input(model_dir, tmp_path):

@@ -236,6 +236,14 @@ def load_suite(name: str, per_category: int | None = None, seed: int = 0) -> lis
     return prompts
 
 
+def default_per_category(spec: str) -> int | None:
+    """Prompts per category when the user sets none: 2 for built-in suites (the standard
+    16-prompt ``mixed`` run), every prompt of a user's file or of ``humaneval`` (a file is
+    the user's own selection: none of it is dropped unasked)."""
+    parts = [x.strip().lower() for x in spec.split("+") if x.strip()]
+    return 2 if parts and all(x in SUITES for x in parts) else None
+
+
 def load_workload(spec: str, per_category: int | None = None, seed: int = 0) -> list[BenchPrompt]:
     """Prompts for a workload spec: a built-in suite (a category, ``long-context``, ``all``, ``mixed``),
     ``humaneval``, or a ``.jsonl`` (question format) or ``.txt`` (one prompt per line) file.

@@ -220,7 +220,7 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
 
 
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
-                  "suite": "mixed", "per_category": 2,
+                  "suite": "mixed", "per_category": None,  # None: workloads.default_per_category
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix", "recycle"], "ks": [5], "selectors": ["auto"],
                   "lengths": ["cost-model"], "peers": ["hf-pld", "hf-greedy"], "static": True, "costs": True, "out": None,
@@ -249,7 +249,8 @@ def bench(
     no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
     suite: str | None = typer.Option(None, help="workload: a built-in suite (mixed, all, a category, or long-context), "
                                      "humaneval, or a .jsonl / .txt file [default: mixed]"),
-    per_category: int | None = typer.Option(None, help="prompts per category (0 = all) [default: 2]"),
+    per_category: int | None = typer.Option(None, help="prompts per category (0 = all) [default: 2 for the "
+                                            "built-in suites, all for a file or humaneval]"),
     prompts: int = typer.Option(0, help="use only the first N prompts of the workload (0 = all)"),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
     repeats: int | None = typer.Option(
@@ -293,7 +294,7 @@ def bench(
     from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench, with_pool_rows
     from ..engine import default_drafters
     from ..models import load_model
-    from ..bench.workloads import load_workload
+    from ..bench.workloads import default_per_category, load_workload
 
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
@@ -315,6 +316,8 @@ def bench(
         opt["lengths"] = [x for x in opt["lengths"] if x != "none"]
         check_number("--repeats", opt["repeats"], low=1, integer=True)
         check_number("--max-new-tokens", opt["max_new_tokens"], low=1, integer=True)
+        if opt["per_category"] is None:
+            opt["per_category"] = default_per_category(opt["suite"]) or 0
         check_number("--per-category", opt["per_category"], low=0, integer=True)
         check_number("--prompts", prompts, low=0, integer=True)
         check_sampling(opt["temperature"])
@@ -343,6 +346,9 @@ def bench(
         work = load_workload(opt["suite"], per_category=opt["per_category"] or None, seed=opt["seed"])
         if prompts > 0:
             work = work[:prompts]
+        each = f"{opt['per_category']} per category" if opt["per_category"] else "all"
+        err.print(f"[dim]workload {escape(str(opt['suite']))}: {len(work)} prompts ({each}"
+                  f"{f', the first {prompts}' if prompts > 0 else ''})[/]", soft_wrap=True)
         configs = default_configs(opt["drafters"], opt["ks"], opt["selectors"], opt["lengths"],
                                   static=opt["static"], peers=opt["peers"], tree=bool(opt["tree"]))
         configs += explicit_configs(file_cfg.get("config", []))
