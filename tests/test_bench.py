@@ -310,3 +310,18 @@ def test_verify_probe_samples_after_every_request_without_changing_outputs():
     assert probe._state is None
     with pytest.raises(ConfigError, match="positive number of tokens"):
         VerifyProbe(target, [1, 2], context=0)
+
+
+def test_every_shipped_bench_config_loads():
+    """The config files in benchmarks/ (the commands results.md quotes) stay readable: keys,
+    types and explicit configurations are checked as `adaspec bench --config` checks them."""
+    from pathlib import Path
+
+    from adaspec.bench.runner import explicit_configs, load_bench_file
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.toml"))
+    assert len(files) >= 20
+    for f in files:
+        data = load_bench_file(f)
+        names = [c.name for c in explicit_configs(data.get("config", []))]
+        assert len(names) == len(set(names)), f"{f.name}: repeated configuration names"

@@ -38,8 +38,6 @@ DRAFTER_HELP = ("drafter spec, repeatable: none, prompt-lookup[:max_ngram=3,min_
                 "model:REF, feature-head:path=FILE, tiny-lm:path=DIR")
 
 
-
-
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="the prompt (the chat template is applied)"),
