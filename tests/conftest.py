@@ -106,12 +106,16 @@ def _no_cached_pool(request, monkeypatch):
         monkeypatch.setattr("adaspec.pools.find_pool", lambda target: None)
 
 
+#: torch's own thread count (one per physical core), read before any test changes it
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()
+
+
 def real_model_threads() -> int:
-    """Threads for a real-model test: every core, shared out among pytest-xdist workers
-    (``-n N``), since OpenMP pools that together ask for more threads than cores spin against
-    each other and run several times slower."""
+    """Threads for a real-model test: torch's default (every core), shared out among
+    pytest-xdist workers (``-n N``), since OpenMP pools that together ask for more threads
+    than cores spin against each other and run several times slower."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, (os.cpu_count() or 1) // workers)
+    return max(1, _TORCH_DEFAULT_THREADS // workers)
 
 
 @pytest.fixture(scope="module", autouse=True)
