@@ -185,7 +185,7 @@ def test_bad_option_fails_before_any_work(case, no_work, tmp_path, monkeypatch):
     assert re.search(pattern, text), f"{args}: {pattern!r} not in {text!r}"
 
 
-@pytest.mark.parametrize("command", [["bench", "--suite"], ["build-datastore", "-o", "ds.jsonl"]])
+@pytest.mark.parametrize("command", [["bench", "--suite"], ["build-datastore", "-o", "ds.jsonl"], ["report"]])
 def test_an_error_prints_a_long_path_with_brackets_in_one_piece(command, no_work, tmp_path):
     """Error messages are neither hard-wrapped (a path breaks where the line ends) nor read as
     rich markup (``[draft]`` would vanish), in the main CLI and the training commands alike."""

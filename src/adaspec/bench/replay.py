@@ -777,7 +777,8 @@ def replay_command(
     from rich.markup import escape
     from rich.table import Table
 
-    err = Console(stderr=True)
+    from ..cli.options import fail
+
     try:
         for kk in k:
             validate_k(kk)
@@ -791,8 +792,7 @@ def replay_command(
                    for c in _configs(tr, selector, length, k, drafter or None)]
         bounds = oracle_bounds(tr, k[0], drafter or None, costs=surface) if oracle else None
     except AdaspecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     n_tok = sum(min(p.n_out, tr.max_new_tokens) for p in tr.prompts)
     pools = {tuple(r.drafters) for r in results}
     one_pool = len(pools) == 1

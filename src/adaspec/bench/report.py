@@ -835,6 +835,8 @@ def report_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the tables"),
 ) -> None:
     """Regenerate report.md and the plots from a bench output directory."""
+    from ..cli.options import fail
+
     base = Path(directory)
     summary_path = base if base.suffix == ".json" else base / "summary.json"
     try:
@@ -842,8 +844,7 @@ def report_command(
         rounds = summary_path.parent / "rounds.csv"
         paths = write_report(summary, Path(out) if out else summary_path.parent, rounds)
     except AdaspecError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(exc)
     if not quiet:
         typer.echo(markdown_tables(summary))
     for p in paths:
