@@ -777,8 +777,7 @@ def replay_command(
     from rich.markup import escape
     from rich.table import Table
 
-    from ..cli.options import fail
-
+    err = Console(stderr=True)
     try:
         for kk in k:
             validate_k(kk)
@@ -792,7 +791,9 @@ def replay_command(
                    for c in _configs(tr, selector, length, k, drafter or None)]
         bounds = oracle_bounds(tr, k[0], drafter or None, costs=surface) if oracle else None
     except AdaspecError as exc:
-        fail(exc)
+        # escaped and unwrapped as cli.options.fail prints (bench may not import the cli)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
     n_tok = sum(min(p.n_out, tr.max_new_tokens) for p in tr.prompts)
     pools = {tuple(r.drafters) for r in results}
     one_pool = len(pools) == 1

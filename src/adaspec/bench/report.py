@@ -835,8 +835,6 @@ def report_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the tables"),
 ) -> None:
     """Regenerate report.md and the plots from a bench output directory."""
-    from ..cli.options import fail
-
     base = Path(directory)
     summary_path = base if base.suffix == ".json" else base / "summary.json"
     try:
@@ -844,7 +842,8 @@ def report_command(
         rounds = summary_path.parent / "rounds.csv"
         paths = write_report(summary, Path(out) if out else summary_path.parent, rounds)
     except AdaspecError as exc:
-        fail(exc)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     if not quiet:
         typer.echo(markdown_tables(summary))
     for p in paths:

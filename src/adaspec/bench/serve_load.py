@@ -145,8 +145,6 @@ def bench_serve_command(
     json_out: str | None = typer.Option(None, "--json", help="also write the results as JSON here"),
 ) -> None:
     """Measure a running server's latency and throughput at several concurrency levels."""
-    from ..cli.options import fail
-
     try:
         import openai
     except ImportError:
@@ -160,7 +158,8 @@ def bench_serve_command(
             raise ConfigError(f"--json {json_out}: the folder {Path(json_out).parent} does not exist")
         prompts = load_workload(suite, per_category)
     except AdaspecError as exc:
-        fail(exc)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     if model is None:
         model = openai.OpenAI(base_url=url, api_key="unused").models.list().data[0].id
     asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))  # warm-up
