@@ -470,3 +470,36 @@ def test_bench_serve_drives_a_live_server(live):
     assert result.mat is not None and result.mat >= 1
     assert markdown("tiny", [result]).count("\n") == 2
     assert percentile([1.0, 2.0, 3.0], 50) == 2.0 and percentile([4.0], 95) == 4.0
+
+
+def test_bench_serve_cycles_over_every_prompt_of_a_file(live, tmp_path, monkeypatch):
+    """A file's prompts all take part unless --per-category says otherwise (one per category is
+    the built-in suites' default only), and the command names the workload's size."""
+    from typer.testing import CliRunner
+
+    import adaspec.bench.serve_load as serve_load
+    from adaspec.bench.serve_load import LevelResult
+    from adaspec.cli import app
+
+    seen: list[list[str]] = []
+
+    async def fake_level(url, model, prompts, concurrency, requests, max_tokens):
+        seen.append([p.id for p in prompts])
+        return LevelResult(concurrency, requests, 1, 1.0, *[0.01] * 6, None)
+
+    monkeypatch.setattr(serve_load, "run_level", fake_level)
+    suite = tmp_path / "mine.jsonl"
+    suite.write_text("\n".join(json.dumps({"question_id": f"q{i}", "category": "qa", "turns": [f"w0{i + 1} w02"]})
+                               for i in range(3)))
+    base = ["bench-serve", "--url", f"{live[0]}/v1", "--model", MODEL, "-c", "1"]
+    for extra, ids, said in (([], ["q0", "q1", "q2"], "3 prompts (all)"),
+                             (["--per-category", "2"], ["q0", "q1"], "2 prompts (2 per category)")):
+        seen.clear()
+        res = CliRunner().invoke(app, [*base, "--suite", str(suite), *extra])
+        assert res.exit_code == 0, res.output
+        assert said in res.output and seen[-1] == ids
+    seen.clear()
+    res = CliRunner().invoke(app, [*base, "--suite", "math+qa"])
+    assert res.exit_code == 0 and "2 prompts (1 per category)" in res.output and len(seen[-1]) == 2
+    res = CliRunner().invoke(app, [*base, "--suite", str(suite), "--per-category", "-1"])
+    assert res.exit_code == 2 and "--per-category must be >= 0" in res.output

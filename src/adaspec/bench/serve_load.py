@@ -20,7 +20,7 @@ from statistics import mean, quantiles
 import typer
 
 from ..errors import AdaspecError, ConfigError
-from .workloads import BenchPrompt, load_workload
+from .workloads import BenchPrompt, default_per_category, load_workload
 
 
 @dataclass
@@ -138,7 +138,8 @@ def bench_serve_command(
     model: str | None = typer.Option(None, help="model id (default: the server's first model)"),
     concurrency: list[int] = typer.Option([1, 4, 16], "--concurrency", "-c", help="client count, repeatable"),
     suite: str = typer.Option("mixed", help="prompt workload (a suite, humaneval, .jsonl or .txt)"),
-    per_category: int | None = typer.Option(1, help="prompts per category"),
+    per_category: int | None = typer.Option(None, help="prompts per category (0 = all) [default: 1 for the "
+                                            "built-in suites; every prompt of a file or of humaneval]"),
     requests: int = typer.Option(16, help="requests per concurrency level (cycling over the prompts)"),
     max_tokens: int = typer.Option(64, help="max_tokens of every request (greedy)"),
     label: str = typer.Option("server", help="name of this server in the table"),
@@ -156,10 +157,16 @@ def bench_serve_command(
             raise ConfigError(f"--url {url!r}: give the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
         if json_out and not Path(json_out).expanduser().parent.is_dir():
             raise ConfigError(f"--json {json_out}: the folder {Path(json_out).parent} does not exist")
-        prompts = load_workload(suite, per_category)
+        if per_category is None:  # a built-in suite: one prompt a category; a user's file: all
+            per_category = 1 if default_per_category(suite) is not None else 0
+        if per_category < 0:
+            raise ConfigError(f"--per-category must be >= 0 (0 = every prompt), got {per_category}")
+        prompts = load_workload(suite, per_category or None)
     except AdaspecError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    each = f"{per_category} per category" if per_category else "all"
+    typer.echo(f"workload {suite}: {len(prompts)} prompts ({each}), cycled over {requests} requests a level", err=True)
     if model is None:
         model = openai.OpenAI(base_url=url, api_key="unused").models.list().data[0].id
     asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))  # warm-up
