@@ -292,6 +292,144 @@ def test_llamacpp_forward_errors(llama):
         llama.release(s)
 
 
+@pytest.fixture
+def kept(llama):
+    """The module's llama.cpp target with ``prefix_cache`` on for one test (off again after,
+    with nothing kept)."""
+    llama.prefix_cache = True
+    try:
+        yield llama
+    finally:
+        llama.prefix_cache = False
+        llama._drop_kept()
+
+
+def test_llamacpp_prefix_cache_starts_the_next_prompt_from_the_kept_kv(kept):
+    """A released state's KV is kept; the next prompt that shares its prefix copies those cells
+    and feeds only the rest (the state's tokens follow forwards, truncation and the pending
+    prompt token), and its next row is the one a fresh prefill gives."""
+    llama, ids = kept, _ids(kept, 120, 21)
+    free = llama.free_states()
+    s = llama.new_state()
+    assert llama.prefill(s, ids[:60]) == 0
+    llama.forward(s, ids[59:70], keep=11)
+    llama.truncate(s, 66)  # ids[66:70] rejected
+    llama.forward(s, ids[66:68], keep=1)
+    assert s.tokens == ids[:68] and s.length == 68
+    llama.release(s)
+    assert llama._kept is not None and llama.free_states() == free  # a kept state gives way
+
+    s = llama.new_state()
+    try:
+        assert llama.prefill(s, ids[:90]) == 68 and llama._kept is None
+        assert s.tokens == ids[:90] and s.length == 89 and s.pending is not None
+        row = llama.forward(s, [ids[89]], keep=1)[0][-1].clone()
+    finally:
+        llama.release(s)
+    # the same batches on a fresh state, nothing kept: bit for bit the same row. (A fresh
+    # prefill of all 90 tokens in one batch computes other numbers on llama.cpp's quantized
+    # kernels: up to ~0.3 apart on these random ids, as its own server's cache_prompt does.)
+    llama.prefix_cache = False
+    s = llama.new_state()
+    try:
+        llama.forward(s, ids[:60], keep=1)
+        llama.forward(s, ids[60:70], keep=1)
+        llama.truncate(s, 66)
+        llama.forward(s, ids[66:68], keep=1)
+        assert torch.equal(llama.forward(s, ids[68:90], keep=1)[0][-1], row)
+    finally:
+        llama.release(s)
+
+
+def test_llamacpp_prefix_cache_keeps_the_last_state_only_and_gives_way(kept):
+    llama, ids = kept, _ids(kept, 60, 22)
+    s = llama.new_state()
+    llama.prefill(s, ids[:30])
+    llama.release(s)
+    s = llama.new_state()
+    assert llama.prefill(s, ids[30:]) == 0 and llama._kept is None  # nothing shared: dropped
+    llama.release(s)
+    # the whole prompt kept: all but its last token are reused (its row must be computed)
+    s = llama.new_state()
+    assert llama.prefill(s, ids[30:]) == 29
+    llama.release(s)
+    # a forward that no prefill leads (a fresh state's own tokens) drops the kept state
+    s = llama.new_state()
+    llama.forward(s, ids[:5], keep=1)
+    assert llama._kept is None
+    llama.release(s)
+    # every sequence wanted: the kept one is freed for it
+    states = [llama.new_state() for _ in range(llama.free_states())]
+    assert llama._kept is None and llama.free_states() == 0
+    for st in states:
+        llama.release(st)  # each release keeps its own, dropping the one before
+    assert llama.free_states() == len(states)
+    llama.prefix_cache = False
+    s = llama.new_state()
+    assert llama.prefill(s, ids[:10]) == 0 and llama._kept is None  # off: the kept one is not used
+    llama.release(s)
+    assert llama._kept is None  # nor is anything kept
+
+
+def test_llamacpp_engine_reports_cached_prompt_tokens(kept):
+    """A chat's next turn starts from the previous turn's KV: the engine reports the reused
+    tokens, and the answer is the one a fresh engine gives (greedy)."""
+    from adaspec.backends.llamacpp import gguf_tokenizer
+
+    engine = SpeculativeEngine(kept, ["prompt-lookup"], k=3)
+    engine.encode_prompt = lambda prompt, chat_template=True: list(  # the fixture has no tokenizer
+        gguf_tokenizer(embedded_gguf()).apply_chat_template(prompt, add_generation_prompt=True,
+                                                            tokenize=True, return_dict=False))
+    engine.decode = lambda ids: ""
+    chat = [{"role": "user", "content": "List three colours of the rainbow."}]
+    a = engine.generate(chat, max_new_tokens=16)
+    assert a.stats.cached_prompt_tokens == 0
+    answer = gguf_tokenizer(embedded_gguf()).decode(a.token_ids, skip_special_tokens=True)
+    chat += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And two more?"}]
+    b = engine.generate(chat, max_new_tokens=16)
+    assert len(a.prompt_ids) <= b.stats.cached_prompt_tokens < len(b.prompt_ids)
+    assert b.stats.to_dict()["cached_prompt_tokens"] == b.stats.cached_prompt_tokens
+    kept.prefix_cache = False
+    kept._drop_kept()
+    fresh = engine.generate(chat, max_new_tokens=16)
+    assert fresh.stats.cached_prompt_tokens == 0
+    # the reused KV was computed in other batches than a fresh prefill's: the answers agree up
+    # to a numeric near-tie of llama.cpp's kernels (measured: they part at token 11, 0.1 nats apart)
+    at, gap = divergence_gap(kept, fresh.prompt_ids, fresh.token_ids, b.token_ids)
+    assert gap is None or gap < kept.near_tie_nats, (at, gap)
+
+
+@needs_llama
+def test_llamacpp_fingerprint_names_the_gguf(llama, tiny):
+    """A state file or trained artifact is matched against ``target_fingerprint``: on llama.cpp
+    it comes from the GGUF (shapes, size, a hash of its head), never from a HF config."""
+    from adaspec.models import FINGERPRINT_KEYS, target_fingerprint
+
+    fp = target_fingerprint(llama)
+    assert set(FINGERPRINT_KEYS) <= set(fp) and fp["model_type"] == "gguf"
+    assert (fp["vocab_size"], fp["hidden_size"], fp["num_hidden_layers"]) == (49152, 576, 30)
+    assert fp["weights"].endswith(f"-{embedded_gguf().stat().st_size}") and fp == target_fingerprint(llama)
+    assert target_fingerprint(tiny)["model_type"] != "gguf"
+
+
+@needs_llama
+def test_amx_builds_load_without_the_crashing_repack(monkeypatch):
+    """llama.cpp's AMX matmul dies with SIGSEGV (ggml-org/llama.cpp#20824): where the build runs
+    it, models load without the extra buffer types, for the backend and the peers' Llama alike;
+    elsewhere llama.cpp's defaults stand."""
+    from adaspec.backends.llamacpp import import_llama_cpp, safe_model_params, without_amx
+
+    L = import_llama_cpp()
+    default = L.llama_cpp.llama_model_default_params
+    for info, extra in ((b"AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", False), (b"AVX2 = 1 | REPACK = 1", True)):
+        monkeypatch.setattr(L, "llama_print_system_info", lambda info=info: info)
+        assert without_amx(L, L.llama_model_default_params()).use_extra_bufts is extra
+        with safe_model_params(L):
+            assert L.llama_cpp.llama_model_default_params().use_extra_bufts is extra
+        assert L.llama_cpp.llama_model_default_params is default
+    assert default().use_extra_bufts  # llama.cpp's own default
+
+
 @needs_llama
 def test_load_model_checks_llamacpp_options(tmp_path):
     (tmp_path / "config.json").write_text("{}")

@@ -76,7 +76,9 @@ def test_chat_greedy_equals_generate_with_usage_and_stats(client, reference):
     assert resp.usage.prompt_tokens == len(want.prompt_ids)
     assert resp.usage.completion_tokens == 24 == len(want.token_ids)
     assert resp.usage.total_tokens == len(want.prompt_ids) + 24
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache on transformers
     stats = resp.model_extra["adaspec"]
+    assert stats["cached_prompt_tokens"] == 0
     assert stats["drafters"] == ["prompt-lookup", "suffix"] and stats["rounds"] >= 1
     assert abs(sum(stats["drafter_shares"].values()) - 1) < 1e-9
     assert stats["mat"] == pytest.approx(24 / stats["rounds"])

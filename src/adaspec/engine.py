@@ -448,7 +448,7 @@ class SpeculativeEngine:
             if len(tokens) > 1:
                 features.append(self._forward(cache, tokens[:-1], keep=1, features=True)[1])
         else:
-            self.target.prefill(cache, tokens)
+            stats.cached_prompt_tokens = self.target.prefill(cache, tokens) or 0
         stats.prefill_s = now() - t_start
 
         self._begin_request(prompt_ids)

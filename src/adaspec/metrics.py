@@ -92,6 +92,8 @@ class RequestStats(RoundRates):
     """Statistics of one generate call."""
 
     prompt_tokens: int = 0
+    #: prompt tokens whose KV an earlier request left (the backend's ``prefix_cache``)
+    cached_prompt_tokens: int = 0
     new_tokens: int = 0
     prefill_s: float = 0.0
     total_s: float = 0.0
@@ -154,6 +156,7 @@ class RequestStats(RoundRates):
     def to_dict(self, rounds: bool = False) -> dict:
         out = {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "new_tokens": self.new_tokens,
             "rounds": self.n_rounds,
             "drafted": self.drafted,

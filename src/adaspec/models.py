@@ -191,12 +191,15 @@ def _check_tree_cache(state: Any) -> None:
                           f"{bad[0]} layers (sliding-window or linear attention): drop --tree for this model")
 
 
-def target_fingerprint(target: LoadedModel) -> dict[str, Any]:
+def target_fingerprint(target: TargetBackend) -> dict[str, Any]:
     """Identity of a target for trained artifacts (heads, draft LMs, distilled data).
 
     Architecture fields plus a hash of a slice of the output embedding, so that a file
-    trained for one model is refused by another with the same shapes.
+    trained for one model is refused by another with the same shapes. Other backends give
+    their own (``TargetBackend.fingerprint``).
     """
+    if not isinstance(target, LoadedModel):
+        return target.fingerprint()
     cfg = target.model.config
     w = target.model.get_output_embeddings().weight
     sample = w[:: max(1, w.shape[0] // 64), :32].detach().float().cpu().contiguous()

@@ -51,6 +51,10 @@ class TargetBackend(ABC):
     #: a greedy difference from plain decoding where the two tokens' log-probabilities were this
     #: close (nats) is a numeric near-tie of this backend's kernels, not a verification error
     near_tie_nats: float = NEAR_TIE_NATS
+    #: whether the backend can keep a released state's KV for the next prompt that shares its
+    #: prefix (``prefix_cache``, off unless set: llama.cpp; ``adaspec serve`` turns it on)
+    supports_prefix_cache: bool = False
+    prefix_cache: bool = False
 
     def near_tie_nats_at(self, length: int) -> float:
         """``near_tie_nats`` for a position whose logits were computed on ``length`` tokens."""
@@ -82,6 +86,12 @@ class TargetBackend(ABC):
     def context_window(self) -> int | None:
         """Most tokens a sequence may hold (None: unlimited)."""
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the model, so that a file learnt or trained on one (a server's state,
+        a trained drafter) is refused by another: ``models.target_fingerprint``'s keys."""
+        return {"name": getattr(self, "name", None), "model_type": self.backend, "vocab_size": self.vocab_size,
+                "hidden_size": None, "num_hidden_layers": None, "weights": None}
+
     @abstractmethod
     def model_eos_ids(self) -> set[int]:
         """End-of-sequence ids the model itself declares (besides the tokenizer's)."""
@@ -104,13 +114,15 @@ class TargetBackend(ABC):
         """Append ``ids`` to ``state``; logits of the last ``keep`` of them (and hidden states),
         computed without autograd (the engine does not wrap the call), owned by the caller."""
 
-    def prefill(self, state: Any, prompt: Sequence[int]) -> None:
+    def prefill(self, state: Any, prompt: Sequence[int]) -> int:
         """Feed a prompt into an empty ``state``: every token but the last, which the first round
         feeds with its drafts (``forward(state, [prompt[-1], *drafts])``). A backend may compute
         the last token here too, as its own plain decoding does, and answer that first row from
-        it (llama.cpp: the same batches as its greedy, hence the same numbers)."""
+        it (llama.cpp: the same batches as its greedy, hence the same numbers). Returns how many
+        prompt tokens' KV came from an earlier request (``prefix_cache``) instead of a forward."""
         if len(prompt) > 1:
             self.forward(state, prompt[:-1], keep=1)
+        return 0
 
     def forward_tree(self, state: Any, last: int, tree: DraftTree,
                      hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -54,6 +55,35 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+def amx_build(L: Any) -> bool:
+    """Whether this llama.cpp build runs its AMX kernels (built natively on a CPU with AMX)."""
+    return b"AMX_INT8 = 1" in L.llama_print_system_info()
+
+
+def without_amx(L: Any, params: Any) -> Any:
+    """``params`` (llama.cpp model parameters) with the weight repacking that crashes left out:
+    on a CPU with AMX, llama.cpp repacks the weights for its AMX matmul, which dies with SIGSEGV
+    at the first batched forward (seen here on SmolLM2 Q4_1, a Xeon with AMX, llama-cpp-python
+    0.3.36; upstream ggml-org/llama.cpp#20824, open). Without the extra buffer types the weights
+    stay as in the file and the plain CPU kernels run. Other CPUs keep llama.cpp's defaults."""
+    if amx_build(L) and "use_extra_bufts" in dict(type(params)._fields_):
+        params.use_extra_bufts = False
+    return params
+
+
+@contextlib.contextmanager
+def safe_model_params(L: Any) -> Iterator[None]:
+    """``llama_cpp.Llama(...)`` inside this block loads its model ``without_amx`` (it builds its
+    parameters from llama_cpp's defaults and takes no argument for the extra buffer types)."""
+    module = L.llama_cpp
+    default = module.llama_model_default_params
+    module.llama_model_default_params = lambda: without_amx(L, default())
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
+
+
 @dataclass(eq=False)
 class LlamaSequence:
     """A KV state on a llama.cpp context: its sequence id and the tokens it holds. Its id goes
@@ -66,6 +96,9 @@ class LlamaSequence:
     #: (token, logits row): the prompt's last token, computed by ``prefill`` in the prompt's
     #: batch, whose row answers the next forward that starts with it
     pending: tuple[int, torch.Tensor] | None = None
+    #: the ids whose KV the sequence holds (``length`` of them, and the pending one): what a
+    #: later request's prompt is matched against when the state is kept (``prefix_cache``)
+    tokens: list[int] = field(default_factory=list, repr=False)
 
 
 class RowBuffers:
@@ -110,6 +143,12 @@ class LlamaCppTarget(TargetBackend):
             share the context, the cost measurement's grid).
         n_batch: most tokens per llama_decode call (longer prompts are fed in chunks).
         gpu_layers: layers to offload (0: CPU only; -1: all, on a GPU build of llama.cpp).
+        prefix_cache: keep the KV of the last released state, and let the next ``prefill``
+            start from the longest prefix its prompt shares with it (a chat's next turn, a
+            shared system prompt), as llama.cpp's server does with ``cache_prompt``. Off by
+            default: the reused KV was computed in other batches than a fresh prefill's, so
+            outputs may differ from a fresh run's at numeric near-ties (``adaspec serve``
+            turns it on; benchmarks and exactness checks leave it off).
     """
 
     backend = "llama.cpp"
@@ -126,6 +165,7 @@ class LlamaCppTarget(TargetBackend):
 
     #: the probe of ``short_blocks_invariant``: a prefix this long, then this many tokens
     PROBE_PREFIX, PROBE_BLOCK = 40, 4
+    supports_prefix_cache = True
 
     def near_tie_nats_at(self, length: int) -> float:
         if length <= self.BATCH_INVARIANT_TOKENS and self.short_blocks_invariant():
@@ -158,7 +198,7 @@ class LlamaCppTarget(TargetBackend):
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
-                 n_batch: int = 512, gpu_layers: int = 0):
+                 n_batch: int = 512, gpu_layers: int = 0, prefix_cache: bool = False):
         L = import_llama_cpp()
         self._L = L
         self.path = Path(path)
@@ -168,7 +208,7 @@ class LlamaCppTarget(TargetBackend):
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {threads}")
         L.llama_backend_init()
-        mp = L.llama_model_default_params()
+        mp = without_amx(L, L.llama_model_default_params())
         mp.n_gpu_layers = gpu_layers
         model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not model:
@@ -203,6 +243,9 @@ class LlamaCppTarget(TargetBackend):
         self._scopes, self._torch_threads = 0, torch.get_num_threads()  # see request_scope
         self._short_invariant: bool | None = None  # see short_blocks_invariant
         self._rows = RowBuffers(self._n_vocab)  # the forwards' logits rows, reused when free
+        self.prefix_cache = bool(prefix_cache)
+        #: (sequence id, its tokens): the KV of the last released state, kept for the next prefill
+        self._kept: tuple[int, list[int]] | None = None
         self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
 
     # -- TargetBackend ------------------------------------------------------------------
@@ -225,7 +268,20 @@ class LlamaCppTarget(TargetBackend):
     def model_eos_ids(self) -> set[int]:
         return set(self._eos)
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The GGUF's shapes, its size and a hash of its first MiB (header, metadata and the
+        first tensors): another file, or the same model quantized otherwise, differs."""
+        L = self._L
+        with open(self.path, "rb") as f:
+            digest = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+        return {"name": self.name, "model_type": "gguf", "vocab_size": self.vocab_size,
+                "hidden_size": int(L.llama_model_n_embd(self._model)),
+                "num_hidden_layers": int(L.llama_model_n_layer(self._model)),
+                "weights": f"{digest}-{self.path.stat().st_size}"}
+
     def new_state(self) -> LlamaSequence:
+        if not self._free_ids and self._kept is not None:
+            self._drop_kept()
         if not self._free_ids:
             raise ConfigError(f"all {self._n_seq_max} KV sequences of this llama.cpp "
                               "context are in use: release states, or load with a larger n_seq_max")
@@ -238,16 +294,41 @@ class LlamaCppTarget(TargetBackend):
         self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         self._free_ids.append(seq_id)
 
-    def prefill(self, state: LlamaSequence, prompt: Sequence[int]) -> None:
+    def prefill(self, state: LlamaSequence, prompt: Sequence[int]) -> int:
         """The whole prompt in one batch (chunks of ``n_batch``), as llama.cpp's own decoding
         feeds it: the last token's KV and logits then carry the same numbers as there (batches of
-        other sizes may not), and its row answers the first round (``pending``)."""
+        other sizes may not), and its row answers the first round (``pending``). With
+        ``prefix_cache``, an empty state first takes the longest prefix the prompt shares with
+        the kept state (all but its last token at most, whose row is needed) by copying its KV
+        cells (``llama_memory_seq_cp``: no compute), and the batch is the rest. Returns the
+        number of prompt tokens reused so."""
         prompt = list(prompt)
-        if not prompt:
-            return
-        logits, _ = self.forward(state, prompt, keep=1)
-        state.length -= 1
-        state.pending = (prompt[-1], logits[-1:])
+        self._check_live(state)
+        reused = 0
+        if self._kept is not None:
+            kept_id, kept_tokens = self._kept
+            if self.prefix_cache and state.length == 0 and state.pending is None and len(prompt) > 1:
+                n = min(len(kept_tokens), len(prompt) - 1)
+                while reused < n and kept_tokens[reused] == prompt[reused]:
+                    reused += 1
+                if reused:
+                    self._L.llama_memory_seq_cp(self._mem, kept_id, state.seq_id, 0, reused)
+                    state.length, state.tokens = reused, prompt[:reused]
+            self._drop_kept()  # its other cells would only widen every later forward's attention
+        if len(prompt) > reused:
+            logits, _ = self.forward(state, prompt[reused:], keep=1)
+            state.length -= 1
+            state.pending = (prompt[-1], logits[-1:])
+        return reused
+
+    def _drop_kept(self) -> None:
+        """Free the kept state's sequence (its cells that another state copied stay, as that
+        state's)."""
+        if self._kept is not None:
+            seq_id, _ = self._kept
+            self._kept = None
+            self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            self._free_ids.append(seq_id)
 
     def _resolve_pending(self, state: LlamaSequence, first: int | None) -> torch.Tensor | None:
         """Consume a pending prompt token: its logits row when ``first`` is that token (the KV is
@@ -258,6 +339,7 @@ class LlamaCppTarget(TargetBackend):
             state.length += 1
             return row
         self._L.llama_memory_seq_rm(self._mem, state.seq_id, state.length, -1)
+        del state.tokens[state.length:]
         return None
 
     def forward(self, state: LlamaSequence, ids: Sequence[int], keep: int = 1,
@@ -266,6 +348,8 @@ class LlamaCppTarget(TargetBackend):
             self.require_hidden_states("forward(hidden=True)")
         self._check_live(state)
         ids = list(ids)
+        if self._kept is not None:  # a forward not led by prefill: the kept state is stale
+            self._drop_kept()
         if state.pending is not None and ids:
             row = self._resolve_pending(state, ids[0])
             if row is not None:
@@ -299,6 +383,7 @@ class LlamaCppTarget(TargetBackend):
                 L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
                 raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch")
             state.length += m
+            state.tokens.extend(chunk)
         # one memcpy out of llama.cpp's buffer (overwritten by the next decode) into a free
         # buffer (``RowBuffers``); numpy's ctypeslib.as_array and a copy cost more
         rows = self._rows.take(keep)
@@ -312,14 +397,23 @@ class LlamaCppTarget(TargetBackend):
         if length < state.length:
             self._L.llama_memory_seq_rm(self._mem, state.seq_id, int(length), -1)
             state.length = int(length)
+            del state.tokens[state.length:]
 
     def state_length(self, state: LlamaSequence) -> int:
         return state.length
 
     def release(self, state: LlamaSequence) -> None:
+        """Free the state's sequence; with ``prefix_cache``, keep its KV (in place of the state
+        kept before) for the next ``prefill`` instead."""
         if not state.released:
             state.released = True
-            state.finalizer()  # _reclaim, once
+            if self.prefix_cache and state.tokens:
+                self._drop_kept()
+                state.finalizer.detach()  # the id now belongs to the kept entry
+                self._kept = (state.seq_id, state.tokens)
+                state.tokens = []
+            else:
+                state.finalizer()  # _reclaim, once
 
     @contextlib.contextmanager
     def request_scope(self) -> Iterator[None]:
@@ -339,7 +433,7 @@ class LlamaCppTarget(TargetBackend):
                 torch.set_num_threads(self._torch_threads)
 
     def free_states(self) -> int:
-        return len(self._free_ids)
+        return len(self._free_ids) + (self._kept is not None)  # a kept state gives way to a new one
 
     def _check_live(self, state: Any) -> None:
         if not isinstance(state, LlamaSequence) or state.released:

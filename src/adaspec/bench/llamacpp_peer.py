@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backends.llamacpp import import_llama_cpp
+from ..backends.llamacpp import import_llama_cpp, safe_model_params
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
@@ -104,9 +104,10 @@ class LlamaCppPeer:
         draft = (LlamaPromptLookupDecoding(max_ngram_size=self.spec.max_ngram, num_pred_tokens=self.spec.k)
                  if self.spec.pld else None)
         n = int(threads or getattr(target, "threads", None) or torch.get_num_threads())
-        self.llm = L.Llama(model_path=str(target_gguf(target)), n_ctx=PEER_CTX, n_batch=512,
-                           n_threads=n, n_threads_batch=n, draft_model=draft, flash_attn=self.spec.flash_attn,
-                           verbose=False)
+        with safe_model_params(L):  # the same weights' layout as the target backend's
+            self.llm = L.Llama(model_path=str(target_gguf(target)), n_ctx=PEER_CTX, n_batch=512, n_threads=n,
+                               n_threads_batch=n, draft_model=draft, flash_attn=self.spec.flash_attn,
+                               verbose=False)
         self.widths: list[int] = []
         evaluate = self.llm.eval
 

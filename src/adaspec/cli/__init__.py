@@ -131,6 +131,8 @@ def serve(
                                      "backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    prefix_cache: bool = typer.Option(True, help="start a prompt from the KV of the last request's "
+                                      "shared prefix (a chat's next turn; llama.cpp backend)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
@@ -188,12 +190,14 @@ def serve(
             state_file = cache_dir() / "serve" / f"state-{digest}.json"
         config = ServeConfig(model_id=served_name or model, selector=selector, length=length, k=k,
                              max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, state_file=state_file,
-                             save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace)
+                             save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace,
+                             prefix_cache=prefix_cache)
     except AdaspecError as exc:
         fail(exc)
+    cached = prefix_cache and engine.target.supports_prefix_cache
     err.print(f"[dim]serving {config.model_id} on http://{host}:{port}/v1 with {engine.drafter_names}, "
-              f"selector {selector}, length {length}, up to {max_batch} request(s) decoded together; "
-              f"state file: {state_file}[/]")
+              f"selector {selector}, length {length}, up to {max_batch} request(s) decoded together"
+              f"{', prefix cache' if cached else ''}; state file: {state_file}[/]")
     run_server(engine, config, host=host, port=port, log_level=log_level)
 
 

@@ -65,6 +65,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     shutdown_grace_s: float = 30.0
     max_batch: int = 1  # > 1: continuous batching of up to this many requests (BatchExecutor)
+    prefix_cache: bool = True  # a request starts from the last one's shared prefix, where the backend can
 
 
 class Server:
@@ -76,6 +77,8 @@ class Server:
         if len(set(names)) < len(names):
             log.warning("drafter names %s are not unique: the adaspec request field picks the first "
                         "of each name (give drafters a name=... parameter)", names)
+        # served chats resend their history: reusing its KV makes a long chat's next turn cheap
+        engine.target.prefix_cache = config.prefix_cache and engine.target.supports_prefix_cache
         self.metrics = ServerMetrics()
         self.state = LearntState(shared=engine.cost_model, fingerprint={
             "model": target_fingerprint(engine.target), "drafters": names})
@@ -280,8 +283,8 @@ class Server:
             job.cancel()  # a no-op once finished; stops the engine if the client went away
 
     @staticmethod
-    def _usage(job: Job, event: Finished) -> dict[str, int]:
-        return usage(len(job.plan.prompt_ids), event.completion_tokens)
+    def _usage(job: Job, event: Finished) -> dict[str, Any]:
+        return usage(len(job.plan.prompt_ids), event.completion_tokens, event.stats.cached_prompt_tokens)
 
     def _stats(self, plan: Plan, event: Finished) -> dict[str, Any]:
         """The request's adaspec statistics (the ``adaspec`` response field)."""
@@ -293,6 +296,7 @@ class Server:
                 "drafter_shares": {name: n / total for name, n in counts.items()},
                 "rounds": s.n_rounds, "drafted": s.drafted, "accepted": s.accepted,
                 "mat": s.mat, "acceptance_rate": s.acceptance_rate, "stop_reason": s.stop_reason,
+                "cached_prompt_tokens": s.cached_prompt_tokens,
                 "queue_s": event.queue_s, "ttft_s": event.ttft_s, "generate_s": s.total_s,
                 "tokens_per_s": s.tokens_per_s, "time_split_s": s.time_split}
 

@@ -18,6 +18,8 @@ class ServerMetrics:
         self.requests = Counter("adaspec_requests", "Requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("adaspec_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_prompt_tokens = Counter("adaspec_cached_prompt_tokens",
+                                            "Prompt tokens whose KV came from the prefix cache", registry=r)
         self.completion_tokens = Counter("adaspec_completion_tokens", "Tokens generated", registry=r)
         self.mat = Histogram("adaspec_request_mat", "Mean accepted tokens per target forward, per request",
                              buckets=MAT_BUCKETS, registry=r)

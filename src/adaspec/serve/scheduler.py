@@ -190,6 +190,7 @@ class EngineExecutor:
     def _observe(self, stats: RequestStats, ttft: float, latency: float, endpoint: str) -> None:
         m = self.metrics
         m.prompt_tokens.inc(stats.prompt_tokens)
+        m.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         m.completion_tokens.inc(stats.new_tokens)
         if stats.n_rounds:
             m.mat.observe(stats.mat)
