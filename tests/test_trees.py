@@ -436,7 +436,7 @@ def test_tree_sampling_matches_the_exact_distribution(drafter, monkeypatch):
         orig_plain = eng._plain_tree
         eng._plain_tree = lambda *a, **kw: plain.append(orig_plain(*a, **kw)) or plain[-1]
     else:
-        eng = SpeculativeEngine(model, [drafter], k=3, tree=True)
+        eng = _flat_costs(SpeculativeEngine(model, [drafter], k=3, tree=True))
     tree_rounds = []
     orig = eng._verify_tree
 
@@ -469,7 +469,7 @@ def test_negative_control_tree_sampling_bug_is_detected(monkeypatch):
 
     monkeypatch.setattr(engine_mod, "verify_tree_sampling", wrong_rows)
     model = make_tiny_model(seed=0, vocab=SV, init_std=0.2, lm_head_scale=1.5)
-    eng = SpeculativeEngine(model, ["prompt-lookup"], k=3, tree=True)
+    eng = _flat_costs(SpeculativeEngine(model, ["prompt-lookup"], k=3, tree=True))
     runs = run_engine(eng, SAMPLING_PROMPT, 2, temperature=1.0)
     exact = exact_distribution(model, SAMPLING_PROMPT, SamplingConfig(temperature=1.0), 2)
     assert chisquare_gof(runs.counts, exact)[1] < ALPHA
@@ -761,7 +761,7 @@ def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind):
     else:
         drafter = model_drafters(loaded, [kind])[kind]
     drafter.tree_branch = 2  # 2 of 8 tokens per node: rejections at every depth
-    eng = SpeculativeEngine(loaded, [drafter], k=3, tree=True)
+    eng = _flat_costs(SpeculativeEngine(loaded, [drafter], k=3, tree=True))
     nodes = []
     orig = eng._verify_tree
     eng._verify_tree = lambda *a, **kw: (nodes.append(len(a[2])), orig(*a, **kw))[1]
