@@ -478,8 +478,17 @@ def _shared_widening(rows=(1, 2, 4, 8, 16, 32), widths=(1, 2, 4, 8), contexts=(1
 def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monkeypatch):
     """A width the batch pays once: priced alone (its share of a plain step, 2.5 ms, plus the
     whole widening, 2 ms a token) no row's block pays; priced jointly the rows draft together,
-    every row up to the one width, and stay exact."""
+    every row up to the one width, and stay exact. The costs are the test's alone: live timings
+    (drafting, looks, overheads) are not fed to the cost model and the engine's own rounds are
+    priced on a fixed curve, not this machine's measured one (with them, a loaded CI machine
+    once planned one draft alone)."""
+    from adaspec.costs import VerifyCostCurve
+
+    for observer in ("observe", "observe_overhead", "observe_look", "observe_round", "observe_eval"):
+        monkeypatch.setattr(CostModel, observer, lambda self, *a, **kw: None)
     engine = _engine(model, "auto")
+    engine.cost_model.curve = VerifyCostCurve(ks=list(range(1, 17)), seconds=[0.0025 * (1 + 0.05 * (k - 1))
+                                                                          for k in range(1, 17)], context=0)
     prompts = _prompts(4)
     ref = [engine.generate(p, max_new_tokens=24).token_ids for p in prompts]
 
