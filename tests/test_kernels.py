@@ -17,7 +17,8 @@ from conftest import make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.errors import ConfigError
-from adaspec.kernels import (GQA_ATTENTION, PACKED_MIN_ROWS, SMALL_BATCH_MAX, PackedLinear, SmallBatchLinear, linear,
+from adaspec.kernels import (GQA_ATTENTION, PACKED_MIN_ROWS, SMALL_BATCH_MAX, SMALL_KINDS, PackedLinear,
+                             SmallBatchLinear, linear,
                              linear_mode, small_batch_applies, small_rows_mode, stock_kernels, tune_small_rows,
                              use_gqa_attention, use_small_batch_linear)
 from adaspec.models import as_loaded, check_linear
@@ -63,28 +64,31 @@ def test_packed_layer_equals_f_linear(rows, bias):
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind", SMALL_KINDS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_padded_small_rows_equal_f_linear(rows, bias):
-    """``pad_small``: 1-2 rows padded with zero rows to the packed matmul, the pad cut off."""
-    g = torch.Generator().manual_seed(rows)
+def test_every_small_rows_kernel_equals_f_linear(kind, bias):
+    """``small_plan``: 1-3 rows on each kernel (the packed matmul pads 1-2 rows with zero rows
+    and cuts the pad off), more rows on the packed matmul, all the same product."""
+    g = torch.Generator().manual_seed(len(kind))
     layer = nn.Linear(24, 48, bias=bias)
     use_small_batch_linear(layer, packed=True)
-    layer.pad_small = True
-    for shape in ((rows, 24), (1, rows, 24)):
-        x = torch.randn(*shape, generator=g)
-        with torch.inference_mode():
-            got = layer(x)
-        assert got.shape == (*shape[:-1], 48) and got.is_contiguous()
-        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.small_plan = (kind,) * 3
+    for rows in (1, 2, 3, 5):
+        for shape in ((rows, 24), (1, rows, 24)):
+            x = torch.randn(*shape, generator=g)
+            with torch.inference_mode():
+                got = layer(x)
+            assert got.shape == (*shape[:-1], 48) and got.is_contiguous()
+            torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     with torch.inference_mode():
         assert layer(torch.randn(0, 24)).shape == (0, 48)
 
 
 @needs_onednn
-@pytest.mark.parametrize("slow_path", [True, False])
-def test_tune_small_rows_keeps_the_faster_path(monkeypatch, slow_path):
-    """The padded path is chosen exactly when the transposed one is slower on the timed forward."""
+@pytest.mark.parametrize("fast", [("stock", "transposed", "packed"), ("packed", "stock", "transposed"),
+                                  ("transposed", "packed", "stock")])
+def test_tune_small_rows_keeps_the_fastest_kernel_per_row_count(monkeypatch, fast):
+    """Each row count gets the kernel that is fastest on the timed forward of that many tokens."""
     import time as time_mod
 
     model = make_tiny_model(0, 32)
@@ -92,19 +96,22 @@ def test_tune_small_rows_keeps_the_faster_path(monkeypatch, slow_path):
     real = PackedLinear.forward
 
     def forward(self, x):
-        if self.pad_small != slow_path:  # the path made slow sleeps 2 ms a layer
+        n = x.numel() // x.shape[-1]
+        if n <= 3 and self.small_plan[n - 1] != fast[n - 1]:  # the other kernels sleep 2 ms a layer
             time_mod.sleep(0.002)
         return real(self, x)
 
     monkeypatch.setattr(PackedLinear, "forward", forward)
-    assert tune_small_rows(model, reps=2) is slow_path
-    assert all(m.pad_small is slow_path for m in model.modules() if isinstance(m, PackedLinear))
-    assert small_rows_mode(model) == ("padded" if slow_path else "transposed")
+    assert tune_small_rows(model, reps=2) == fast
+    assert all(m.small_plan == fast for m in model.modules() if isinstance(m, PackedLinear))
+    assert small_rows_mode(model) == ",".join(fast)
     assert tune_small_rows(make_tiny_model(0, 32)) is None  # nothing packed: nothing to tune
+    assert small_rows_mode(make_tiny_model(0, 32)) == "none"
 
 
 @needs_onednn
-def test_greedy_decoding_with_padded_small_rows_equals_hf_generate():
+@pytest.mark.parametrize("kind", SMALL_KINDS)
+def test_greedy_decoding_with_each_small_rows_kernel_equals_hf_generate(kind):
     model = make_tiny_model(0, 32, init_std=0.3, lm_head_scale=3.0)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     with torch.no_grad():
@@ -112,13 +119,13 @@ def test_greedy_decoding_with_padded_small_rows_equals_hf_generate():
     use_small_batch_linear(model, packed=True)
     for m in model.modules():
         if isinstance(m, PackedLinear):
-            m.pad_small = True
+            m.small_plan = (kind,) * 3
     for tree in (False, True):
         engine = SpeculativeEngine(as_loaded(model), ["prompt-lookup", "suffix", "none"], k=4, tree=tree)
         assert engine.generate(prompt, max_new_tokens=40).token_ids == want
     batch = SpeculativeEngine(as_loaded(model), ["prompt-lookup"], k=3)
     assert batch.generate_batch([prompt, [7, 8, 9]], max_new_tokens=24)[0].token_ids == want[:24]
-    assert "|small_rows=padded|" in as_loaded(model).identity()
+    assert f"|small_rows={kind},{kind},{kind}|" in as_loaded(model).identity()
 
 
 @needs_onednn

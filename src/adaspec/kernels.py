@@ -14,8 +14,10 @@ slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 
   (``torch.ops.mkldnn._reorder_linear_weight``, as torch.compile's CPU freezing does for
   dynamic shapes) is faster still from 3 rows to hundreds (3 rows 23 ms, 8 rows 28 ms, 16 rows
   32 ms against 93, 57 and 81 ms with ``F.linear``) at the price of a second copy of the weights:
-  ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which keeps the
-  transposed product for 1-2 rows, where it is the faster of the two.
+  ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which runs 1-3 rows on
+  whichever of the transposed product, the packed matmul and ``F.linear`` a timed forward finds
+  fastest for the model on this CPU (``tune_small_rows``: MKL's ``F.linear`` is slow for one row
+  on an AMD EPYC, the fastest of the three on a Xeon with AMX).
 
 ``scripts/linear_kernels.py`` measures them; docs/kernels.md has the tables. The result is the
 same product up to float rounding (the summation order differs), like any change of BLAS
@@ -109,11 +111,12 @@ class SmallBatchLinear(nn.Linear):
 
 
 class PackedLinear(SmallBatchLinear):
-    """An ``nn.Linear`` computing 1-2 rows by the transposed product and 3 or more (float32 on
-    CPU, no autograd) by oneDNN's matmul on prepacked weights (``pack``). The pack is a plain
-    attribute, outside the state dict, and is made again when the weight changes (its version
-    counter: an optimizer step, ``load_state_dict``) or is replaced; off the CPU or float32 the
-    layer computes ``F.linear``."""
+    """An ``nn.Linear`` computing float32 rows on a CPU (no autograd) by oneDNN's matmul on
+    prepacked weights (``pack``), except 1-3 rows, which take the kernel its ``small_plan`` names
+    (``tune_small_rows`` times them per model and machine). The pack is a plain attribute, outside
+    the state dict, and is made again when the weight changes (its version counter: an optimizer
+    step, ``load_state_dict``) or is replaced; off the CPU or float32 the layer computes
+    ``F.linear``."""
 
     _packed: torch.Tensor | None = None
     #: what the pack was made from: the weight (a weak reference), its data pointer and version
@@ -139,15 +142,21 @@ class PackedLinear(SmallBatchLinear):
         state.pop("_packed_from", None)
         return state
 
-    #: 1-2 rows: padded with zero rows to ``PACKED_MIN_ROWS`` on the packed matmul instead of
-    #: the transposed product (``tune_small_rows`` decides per model: on Qwen2.5-1.5B a padded
-    #: step took 198 ms against 238, on SmolLM2 44 against 34)
-    pad_small = False
+    #: the kernel for 1, 2 and 3 rows (``SMALL_KINDS``; more rows take the packed matmul):
+    #: ``tune_small_rows`` sets it per model, since the fastest differs by weight shape and by
+    #: CPU (SmolLM2's one-token step: transposed 34 ms, padded 44 on an AMD EPYC, where MKL's
+    #: ``F.linear`` is slow; on a Xeon with AMX ``F.linear`` 63 ms, transposed 98, padded 96)
+    small_plan: tuple[str, ...] = ("transposed", "transposed", "packed")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         n = x.numel() // max(1, width)
-        if (n < PACKED_MIN_ROWS and not self.pad_small) or n == 0 or not _cpu_inference(x, self.weight):
+        if n == 0 or not _cpu_inference(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        kind = self.small_plan[n - 1] if n <= len(self.small_plan) else "packed"
+        if kind == "stock":
+            return F.linear(x, self.weight, self.bias)
+        if kind == "transposed":
             return linear(x, self.weight, self.bias)
         rows = x.reshape(n, width)
         if n < PACKED_MIN_ROWS:
@@ -156,41 +165,50 @@ class PackedLinear(SmallBatchLinear):
         return out[:n].reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def tune_small_rows(model: nn.Module, reps: int = 3) -> bool | None:
-    """Time a one-token forward of ``model`` with its ``PackedLinear`` layers taking 1-2 rows
-    by the transposed product and padded to the packed matmul, interleaved (``reps`` each after
-    a warm-up), and keep the faster (``PackedLinear.pad_small``). Which one wins depends on the
-    weights' shapes (measured: the padded path is 17% faster on Qwen2.5-1.5B, 30% slower on
-    SmolLM2), hence a measurement per model. Returns the choice (True: padded), None when the
-    model has no packed layer on a CPU."""
+#: the kernels a ``PackedLinear`` can run 1-3 rows on: the transposed product, the packed matmul
+#: (1-2 rows padded with zero rows to ``PACKED_MIN_ROWS``) and PyTorch's own ``F.linear``
+SMALL_KINDS = ("transposed", "packed", "stock")
+
+
+def tune_small_rows(model: nn.Module, reps: int = 2) -> tuple[str, ...] | None:
+    """Time forwards of 1, 2 and 3 tokens of ``model`` with its ``PackedLinear`` layers running
+    that many rows on each of ``SMALL_KINDS``, interleaved (``reps`` each after a warm-up), and
+    keep the fastest per row count (``PackedLinear.small_plan``). Which one wins depends on the
+    weights' shapes and on the CPU's BLAS (docs/kernels.md: on Qwen2.5-1.5B the padded packed
+    matmul, on SmolLM2 the transposed product on an AMD EPYC and ``F.linear`` on a Xeon with AMX),
+    hence a measurement per model. Returns the plan, None when the model has no packed layer on
+    a CPU."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     if not layers:
         return None
-    ids = torch.ones((1, 1), dtype=torch.long)
-    best: dict[bool, float] = {False: float("inf"), True: float("inf")}
+    plan = list(PackedLinear.small_plan)
+    best = {(n, kind): float("inf") for n in range(1, len(plan) + 1) for kind in SMALL_KINDS}
     with torch.inference_mode():
         for rep in range(reps + 1):
-            for pad in (False, True):
+            for n, kind in best:
+                ids = torch.ones((1, n), dtype=torch.long)
+                plan[n - 1] = kind
                 for m in layers:
-                    m.pad_small = pad
+                    m.small_plan = tuple(plan)
                 t0 = time.perf_counter()
                 model(input_ids=ids, use_cache=False)
-                if rep:  # the first round warms both up
-                    best[pad] = min(best[pad], time.perf_counter() - t0)
-    choice = best[True] < best[False]
+                if rep:  # the first round warms every path up
+                    best[(n, kind)] = min(best[(n, kind)], time.perf_counter() - t0)
+    chosen = tuple(min(SMALL_KINDS, key=lambda kind: best[(n, kind)]) for n in range(1, len(plan) + 1))
     for m in layers:
-        m.pad_small = choice
-    return choice
+        m.small_plan = chosen
+    return chosen
 
 
 def small_rows_mode(model: Any) -> str:
-    """How ``model``'s packed layers take 1-2 rows: ``"padded"`` or ``"transposed"``."""
+    """The kernels ``model``'s packed layers run 1, 2 and 3 rows on, e.g. ``"stock,stock,packed"``;
+    ``"none"`` without packed layers."""
     if isinstance(model, nn.Module):
         for m in model.modules():
             if isinstance(m, PackedLinear):
-                return "padded" if m.pad_small else "transposed"
-    return "transposed"
+                return ",".join(m.small_plan)
+    return "none"
 
 
 #: the attention implementation name ``use_gqa_attention`` registers with transformers

@@ -382,8 +382,8 @@ def load_model(
     ``linear="auto"`` (the default) computes the model's float32 linear layers on a CPU where
     torch has MKL and oneDNN with ``"packed"`` kernels (``adaspec.kernels``: the same product,
     about 1.7x faster decoding and 1.8x faster 16-token verification here, for a second copy of
-    the linear weights in oneDNN's layout; 1-2 rows take the transposed product or are padded
-    to the packed matmul, whichever a timed one-token forward finds faster for this model:
+    the linear weights in oneDNN's layout; 1-3 rows take the transposed product, the packed
+    matmul or ``F.linear``, whichever timed forwards find fastest for this model on this CPU:
     ``kernels.tune_small_rows``); ``"small-batch"`` takes only the transposed product
     (no extra memory, any CPU), ``"stock"`` keeps PyTorch's own ``F.linear``.
     """
