@@ -325,3 +325,52 @@ def test_every_shipped_bench_config_loads():
         data = load_bench_file(f)
         names = [c.name for c in explicit_configs(data.get("config", []))]
         assert len(names) == len(set(names)), f"{f.name}: repeated configuration names"
+
+
+def test_steadiness_is_the_spread_of_plain_step_times_within_each_request():
+    """Each run's plain-step time against the median of its request's runs; the 10th-90th
+    percentile of those ratios is the drift two speed-ups must exceed to be told apart."""
+    from adaspec.bench.runner import steadiness
+
+    st = steadiness([[0.10, 0.10, 0.12, 0.08], [0.20, 0.30], [0.5]])  # a lone run compares with nothing
+    ratios = sorted([1.0, 1.0, 1.2, 0.8, 0.8, 1.2])
+    assert st["runs"] == 6 and st["min"] == pytest.approx(0.8) and st["max"] == pytest.approx(1.2)
+    assert ratios[0] <= st["p10"] <= 1.0 <= st["p90"] <= ratios[-1]
+    assert steadiness([[0.1, 0.1, 0.1, 0.1]]) == {"runs": 4, "p10": 1.0, "p90": 1.0, "min": 1.0, "max": 1.0}
+    assert steadiness([[0.1, 0.2]]) is None and steadiness([]) is None  # too few runs to say
+
+
+def test_plain_step_seconds_reads_plain_rounds_only():
+    from adaspec.bench.runner import STEADY_MIN_ROUNDS, plain_step_seconds
+    from adaspec.metrics import RequestStats, RoundRecord
+
+    def rnd(drafted, verify_s, tree_nodes=0):
+        return RoundRecord("x", 5, drafted, 0, 1, 0.0, verify_s, 0.0, 0, 0.0, 0.0, verify_s, tree_nodes=tree_nodes)
+
+    stats = RequestStats()
+    stats.rounds = [rnd(0, 0.05)] * STEADY_MIN_ROUNDS + [rnd(5, 0.5)] * 9 + [rnd(3, 0.5, tree_nodes=3)] * 9
+    assert plain_step_seconds(stats) == pytest.approx(0.05)  # drafted rounds and trees left out (mean)
+    stats.rounds = stats.rounds[1:]
+    assert plain_step_seconds(stats) is None  # too few plain rounds
+    assert plain_step_seconds(object()) is None  # a peer's run: no rounds
+
+
+def test_bench_reports_the_machines_steadiness(tmp_path):
+    from adaspec.bench.report import markdown_tables, steadiness_line, write_report
+
+    target = as_loaded(make_tiny_model(seed=0), word_tokenizer(WORDS), "tiny")
+    work = [BenchPrompt("t1", "random", ("w07 w19 w03 w22 w11 w05",)),
+            BenchPrompt("t2", "random", ("w09 w01 w13 w02",))]
+    run = run_bench(target, default_configs(["suffix"], [3]), work, max_new_tokens=12, measure_costs=False,
+                    repeats=2)
+    st = run.summary()["steadiness"]
+    assert st is not None and st["runs"] >= 4  # AR's runs alone: 2 prompts x 2 passes
+    assert st["min"] <= st["p10"] <= st["p90"] <= st["max"]
+    line = steadiness_line(run.summary())
+    assert line.startswith("Machine steadiness:") and "--repeats" not in line  # two passes given
+    assert line in markdown_tables(run.summary())
+    write_report(run.summary(), tmp_path)
+    assert line in (tmp_path / "report.md").read_text()
+    one_pass = {**run.summary(), "repeats": 1}
+    assert "--repeats 3" in steadiness_line(one_pass)
+    assert steadiness_line({**run.summary(), "steadiness": None}) is None

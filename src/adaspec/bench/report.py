@@ -362,10 +362,30 @@ def drafter_usage_table(summary: dict[str, Any]) -> str | None:
     return _table(["configuration", "drafter", *map(_cell, cols)], ["---", "---"] + ["---:"] * len(cols), rows)
 
 
+def steadiness_line(summary: dict[str, Any]) -> str | None:
+    """One sentence on how much the machine's speed drifted during the run (``steadiness`` in
+    summary.json): the bound under which two configurations' speed-ups cannot be told apart."""
+    st = summary.get("steadiness")
+    if not st:
+        return None
+    lo, hi = _num(st.get("p10")), _num(st.get("p90"))
+    if lo is None or hi is None:
+        return None
+    spread = max(hi - 1.0, 1.0 - lo)
+    passes = int(_num(summary.get("repeats")) or 1)
+    advice = ("" if passes > 1 else "; `--repeats 3` takes each request's median over three passes")
+    return (f"Machine steadiness: a plain decoding step's time in each run was {lo:.2f}-{hi:.2f}x the "
+            f"median of the same request's runs (10th-90th percentile of {int(st.get('runs') or 0)} runs, "
+            f"extremes {_fmt(st.get('min'), '.2f', 'x')}-{_fmt(st.get('max'), '.2f', 'x')}): speed-ups "
+            f"within about {spread:.0%} of each other are within this machine's drift{advice}.")
+
+
 def markdown_tables(summary: dict[str, Any]) -> str:
-    """The overall and per-category speed-up tables (for the terminal)."""
+    """The overall and per-category speed-up tables (for the terminal), and the machine's
+    steadiness."""
+    steady = steadiness_line(summary)
     return (f"{overall_table(summary)}\n\nSpeed-up vs AR per category (best in bold):\n\n"
-            f"{category_table(summary)}\n")
+            f"{category_table(summary)}\n" + (f"\n{steady}\n" if steady else ""))
 
 
 # -- plots ------------------------------------------------------------------------------------
@@ -777,7 +797,8 @@ def write_report(summary: dict[str, Any], out_dir: Path, rounds_csv: Path | None
     if bad:
         lines += [f"> **MISMATCH**: {len(bad)} configuration(s) produced output "
                   "different from AR. A lossless method must not; see [Mismatches](#mismatches).", ""]
-    lines += ["## Overall", "", overall_table(summary), "", sections["speedup"], "",
+    steady = steadiness_line(summary)
+    lines += ["## Overall", "", overall_table(summary), "", *([steady, ""] if steady else []), sections["speedup"], "",
               "## Speed-up per category", "", "Best per column in bold; `all` is the whole workload.", "",
               category_table(summary), ""]
     oracle = summary.get("oracle")

@@ -221,6 +221,9 @@ class BenchRun:
     #: (``priced_rows``; ``trace.record(live_rows=...)``), and ``predict_from`` leaves each
     #: configuration's own out. Written to ``verify_steps.csv``, so a run can be re-priced offline.
     verify_rows: list[VerifyStep] = field(default_factory=list)
+    #: how much the machine's speed drifted between the runs (``steadiness``); None when too few
+    #: runs had plain rounds
+    steadiness: dict[str, Any] | None = None
 
     def priced_rows(self, leave_out: str | None = None) -> list[tuple[int, int, float]]:
         """(width, cached tokens, seconds) of the verify steps replay's prices come from: those
@@ -478,6 +481,7 @@ class BenchRun:
             "regret": regret,
             "oracle": self.oracle(),
             "round_oracle": self.round_oracle,
+            "steadiness": self.steadiness,
         }
 
     def markdown(self) -> str:
@@ -577,13 +581,14 @@ def with_pool_rows(configs: Sequence[BenchConfig], specs: Sequence[str],
 @dataclass
 class _TurnRuns:
     """One turn of one prompt across passes: its input, every configuration's outputs and
-    times per pass, and the last pass's stats."""
+    times per pass, the last pass's stats and every run's plain-step time (``steadiness``)."""
 
     n: int
     ids: Any = None
     outs: list[list[list[int]]] = field(init=False)
     times: list[list[float]] = field(init=False)
     last: list[Any] = field(init=False)
+    steps: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.outs = [[] for _ in range(self.n)]
@@ -640,6 +645,38 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
         rec.accepted += out.accepted if out.drafted else 0
         for w, c in out.verify_widths.items():
             rec.verify_widths[w] = rec.verify_widths.get(w, 0) + c
+
+
+#: plain rounds a request needs for its step time to count towards ``steadiness``
+STEADY_MIN_ROUNDS = 5
+
+
+def plain_step_seconds(stats: Any) -> float | None:
+    """The mean verify time of a request's plain rounds (nothing drafted, one token): how fast
+    the machine ran during that request, its slow moments included (they are what inflates a
+    request's time), comparable between configurations. None for peers and for requests with
+    fewer than ``STEADY_MIN_ROUNDS`` plain rounds."""
+    if not isinstance(stats, RequestStats):
+        return None
+    times = [r.verify_s for r in stats.rounds if r.drafted == 0 and not r.tree_nodes]
+    return statistics.fmean(times) if len(times) >= STEADY_MIN_ROUNDS else None
+
+
+def steadiness(runs: Sequence[Sequence[float]]) -> dict[str, Any] | None:
+    """How much the machine's speed drifted during a bench: every run's plain-step time
+    (``plain_step_seconds``) relative to the median over the runs of the same request (every
+    configuration and pass). Speed-ups that differ by less than this spread cannot be told
+    apart by one pass. ``runs`` holds one list of step times per request; None with fewer than
+    4 comparable runs."""
+    ratios = []
+    for times in runs:
+        if len(times) >= 2:
+            mid = statistics.median(times)
+            ratios += [t / mid for t in times]
+    if len(ratios) < 4:
+        return None
+    deciles = statistics.quantiles(ratios, n=10, method="inclusive")
+    return {"runs": len(ratios), "p10": deciles[0], "p90": deciles[-1], "min": min(ratios), "max": max(ratios)}
 
 
 @dataclass
@@ -767,6 +804,9 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                         again = f" (pass {rep + 1}/{repeats})" if repeats > 1 else ""
                         progress(f"{prompt.id} [{prompt.category}] {configs[ci].name}{again}")
                     out, secs, tr.last[ci] = r.run(tr.ids, gen, eos)
+                    step = plain_step_seconds(tr.last[ci])
+                    if step is not None:
+                        tr.steps.append(step)
                     tr.outs[ci].append(out)
                     tr.times[ci].append(secs)
                     _verify_rows_into(verify_rows, configs[ci].name, pos, prompt.id, turn, rep, len(tr.ids),
@@ -818,7 +858,8 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         costs = surface.curve(typical).to_dict() | {"surface": surface.to_dict()}
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
                     suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows,
-                    linear=linear_mode(getattr(target, "model", None)))
+                    linear=linear_mode(getattr(target, "model", None)),
+                    steadiness=steadiness([tr.steps for runs in turns for tr in runs]))
 
 
 # -- config files -------------------------------------------------------------------------

@@ -466,6 +466,8 @@ def _prediction_cell(row: dict) -> str:
 
 def _print_bench(run, opt: dict, n_prompts: int) -> None:
     """The overall table on the terminal (report.md has the per-category tables and plots)."""
+    from ..bench.report import steadiness_line
+
     out = Console() if sys.stdout.isatty() else Console(width=150)
     mode = "greedy" if opt["temperature"] == 0 else f"temperature {opt['temperature']}, speed-up from tokens/s"
     table = Table(title=f"adaspec bench: {opt['model']}, {mode}, {n_prompts} prompts ({opt['suite']}) x "
@@ -512,6 +514,9 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
         out.print("  " + "  ".join(f"k={kk}:{ratio:.2f}x" for kk, ratio in zip(c["ks"], c["ratios"])))
         if c["cliffs"]:
             out.print(f"  cost cliffs at k={c['cliffs']}: a longer block is cheaper to verify there")
+    steady = steadiness_line({"steadiness": run.steadiness, "repeats": run.repeats})
+    if steady:
+        out.print(escape(steady))
     out.print("discard = discarded drafts per token, verify = target forwards per token "
               "(SpecDec++ eq. 5.1); peers: MAT from counted target forwards")
 
