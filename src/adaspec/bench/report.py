@@ -373,8 +373,9 @@ def steadiness_line(summary: dict[str, Any]) -> str | None:
         return None
     spread = max(hi - 1.0, 1.0 - lo)
     passes = int(_num(summary.get("repeats")) or 1)
-    advice = ("" if passes > 1 else "; `--repeats 3` takes each request's median over three passes")
-    return (f"Machine steadiness: a plain decoding step's time in each run was {lo:.2f}-{hi:.2f}x the "
+    advice = (f" (each request's time is its median over {passes} passes, which damps it)" if passes > 1
+              else "; `--repeats 3` takes each request's median over three passes")
+    return (f"Machine steadiness: a plain decoding step's mean time in each run was {lo:.2f}-{hi:.2f}x the "
             f"median of the same request's runs (10th-90th percentile of {int(st.get('runs') or 0)} runs, "
             f"extremes {_fmt(st.get('min'), '.2f', 'x')}-{_fmt(st.get('max'), '.2f', 'x')}): speed-ups "
             f"within about {spread:.0%} of each other are within this machine's drift{advice}.")
