@@ -16,8 +16,8 @@ slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 
   32 ms against 93, 57 and 81 ms with ``F.linear``) at the price of a second copy of the weights:
   ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which runs 1-3 rows on
   whichever of the transposed product, the packed matmul and ``F.linear`` a timed forward finds
-  fastest for the model on this CPU (``tune_small_rows``: MKL's ``F.linear`` is slow for one row
-  on an AMD EPYC, the fastest of the three on a Xeon with AMX).
+  fastest for the model on this CPU (``tune_small_rows``: MKL's ``F.linear`` was the slowest for
+  one row on the machine of the numbers above, the fastest of the three on a Xeon with AMX).
 
 ``scripts/linear_kernels.py`` measures them; docs/kernels.md has the tables. The result is the
 same product up to float rounding (the summation order differs), like any change of BLAS
@@ -144,8 +144,9 @@ class PackedLinear(SmallBatchLinear):
 
     #: the kernel for 1, 2 and 3 rows (``SMALL_KINDS``; more rows take the packed matmul):
     #: ``tune_small_rows`` sets it per model, since the fastest differs by weight shape and by
-    #: CPU (SmolLM2's one-token step: transposed 34 ms, padded 44 on an AMD EPYC, where MKL's
-    #: ``F.linear`` is slow; on a Xeon with AMX ``F.linear`` 63 ms, transposed 98, padded 96)
+    #: CPU (SmolLM2's one-token step: transposed 34 ms, padded 44 on the first machine measured,
+    #: where MKL's ``F.linear`` is slow; on a Xeon with AMX ``F.linear`` 63 ms, transposed 98,
+    #: padded 96)
     small_plan: tuple[str, ...] = ("transposed", "transposed", "packed")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ def tune_small_rows(model: nn.Module, reps: int = 2) -> tuple[str, ...] | None:
     that many rows on each of ``SMALL_KINDS``, interleaved (``reps`` each after a warm-up), and
     keep the fastest per row count (``PackedLinear.small_plan``). Which one wins depends on the
     weights' shapes and on the CPU's BLAS (docs/kernels.md: on Qwen2.5-1.5B the padded packed
-    matmul, on SmolLM2 the transposed product on an AMD EPYC and ``F.linear`` on a Xeon with AMX),
+    matmul, on SmolLM2 the transposed product on the first machine and ``F.linear`` on a Xeon with AMX),
     hence a measurement per model. Returns the plan, None when the model has no packed layer on
     a CPU."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)
