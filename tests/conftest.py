@@ -130,6 +130,14 @@ def _one_thread_for_fast_tests(request):
     torch.set_num_threads(before)
 
 
+def flat_cost_curve(seconds: Sequence[float]):
+    """A verify-cost curve from seconds per width 1, 2, ... (no cache-length term): tests price
+    rounds on it instead of this machine's measured surface."""
+    from adaspec.costs import VerifyCostCurve
+
+    return VerifyCostCurve(ks=list(range(1, len(seconds) + 1)), seconds=list(seconds), context=0)
+
+
 def word_tokenizer(words: Sequence[str], **special):
     """A whitespace-split word-level fast tokenizer: token i is ``words[i]``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import chisquare_gof, make_tiny_model, word_tokenizer
+from conftest import chisquare_gof, flat_cost_curve, make_tiny_model, word_tokenizer
 
 from adaspec import SpeculativeEngine
 from adaspec.batch import BatchEngine, batch_attention_mask
@@ -482,13 +482,10 @@ def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monk
     (drafting, looks, overheads) are not fed to the cost model and the engine's own rounds are
     priced on a fixed curve, not this machine's measured one (with them, a loaded CI machine
     once planned one draft alone)."""
-    from adaspec.costs import VerifyCostCurve
-
     for observer in ("observe", "observe_overhead", "observe_look", "observe_round", "observe_eval"):
         monkeypatch.setattr(CostModel, observer, lambda self, *a, **kw: None)
     engine = _engine(model, "auto")
-    engine.cost_model.curve = VerifyCostCurve(ks=list(range(1, 17)), seconds=[0.0025 * (1 + 0.05 * (k - 1))
-                                                                          for k in range(1, 17)], context=0)
+    engine.cost_model.curve = flat_cost_curve([0.0025 * (1 + 0.05 * (k - 1)) for k in range(1, 17)])
     prompts = _prompts(4)
     ref = [engine.generate(p, max_new_tokens=24).token_ids for p in prompts]
 

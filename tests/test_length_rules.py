@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import flat_cost_curve, make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.config import SamplingConfig
@@ -228,7 +228,7 @@ def test_hf_heuristic_schedule():
 
 # -- cost-model rule -------------------------------------------------------------------------
 def curve(*seconds: float) -> VerifyCostCurve:
-    return VerifyCostCurve(ks=list(range(1, len(seconds) + 1)), seconds=list(seconds), context=0)
+    return flat_cost_curve(seconds)
 
 
 def cost_rule(seconds, draft_s, **kw) -> CostModelRule:

@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from adaspec.costs import CostModel, VerifyCostCurve
+from adaspec.costs import CostModel
 from adaspec.drafters import Draft
 from adaspec.feedback import RoundFeedback
 from adaspec.config import SamplingConfig
 from adaspec.selection.auto import Plan
 from adaspec.trees import nodes_worth_verifying
-from conftest import make_tiny_model
+from conftest import flat_cost_curve, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -31,7 +31,7 @@ def _private_cache(monkeypatch, tmp_path):
 
 
 def _curve(seconds):
-    return VerifyCostCurve(ks=list(range(1, len(seconds) + 1)), seconds=list(seconds), context=0)
+    return flat_cost_curve(seconds)
 
 
 # -- the node budget ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from adaspec.errors import ConfigError
 from adaspec.models import as_loaded
 from adaspec.trees import (DraftTree, nodes_worth_verifying, tree_attention_mask, tree_gammas,
                            verify_tree_greedy, verify_tree_sampling)
-from conftest import chisquare_gof, make_tiny_model, real_model_threads
+from conftest import chisquare_gof, flat_cost_curve, make_tiny_model, real_model_threads
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -356,9 +356,7 @@ def test_a_tree_of_one_chain_is_the_chain_path(monkeypatch, temperature):
 def _flat_costs(eng):
     """Price every verify width alike, so the node budget keeps the calibrated trees whatever
     this machine's measured surface says (the exactness tests must really verify trees)."""
-    from adaspec.costs import VerifyCostCurve
-
-    eng.cost_model.curve = VerifyCostCurve(ks=list(range(1, 17)), seconds=[1.0] * 16, context=0)
+    eng.cost_model.curve = flat_cost_curve([1.0] * 16)
     return eng
 
 
