@@ -412,22 +412,69 @@ def test_llamacpp_fingerprint_names_the_gguf(llama, tiny):
     assert target_fingerprint(tiny)["model_type"] != "gguf"
 
 
-@needs_llama
-def test_amx_builds_load_without_the_crashing_repack(monkeypatch):
-    """llama.cpp's AMX matmul dies with SIGSEGV (ggml-org/llama.cpp#20824): where the build runs
-    it, models load without the extra buffer types, for the backend and the peers' Llama alike;
-    elsewhere llama.cpp's defaults stand."""
-    from adaspec.backends.llamacpp import import_llama_cpp, safe_model_params, without_amx
+class _Run:
+    """A stand-in for ``subprocess.run`` in ``amx_kernels_run``: exits with ``rc`` (0: after the
+    child's forward ran), counts calls."""
 
-    L = import_llama_cpp()
+    def __init__(self, rc: int):
+        self.rc, self.calls = rc, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return type("Done", (), {"returncode": self.rc, "stdout": b"forward ran" if self.rc == 0 else b""})()
+
+
+@needs_llama
+@pytest.mark.parametrize("rc, works, cached", [(-11, False, True), (0, True, True), (3, False, False)])
+def test_amx_kernels_are_tried_in_a_child_once_per_build_and_model(monkeypatch, tmp_path, rc, works, cached):
+    """GCC <= 12.2 miscompiles llama.cpp's AMX tile configuration (the forward dies with SIGSEGV):
+    where the build has AMX kernels, a child process tries a batched forward of the model first;
+    killed by a signal, the model loads without the AMX repacking (backend and peers alike), else
+    with llama.cpp's defaults. The verdict is cached per build and model file; a child that fails
+    otherwise gives no verdict (not cached, AMX left off). Builds without AMX never try."""
+    import subprocess
+
+    from adaspec.backends import llamacpp as lc
+
+    L = lc.import_llama_cpp()
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    run = _Run(rc)
+    monkeypatch.setattr(subprocess, "run", run)
     default = L.llama_cpp.llama_model_default_params
-    for info, extra in ((b"AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", False), (b"AVX2 = 1 | REPACK = 1", True)):
-        monkeypatch.setattr(L, "llama_print_system_info", lambda info=info: info)
-        assert without_amx(L, L.llama_model_default_params()).use_extra_bufts is extra
-        with safe_model_params(L):
-            assert L.llama_cpp.llama_model_default_params().use_extra_bufts is extra
-        assert L.llama_cpp.llama_model_default_params is default
+    monkeypatch.setattr(L, "llama_print_system_info", lambda: b"AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1")
+    assert lc.amx_kernels_run(L, model) is works and run.calls == 1
+    assert lc.model_params(L, model).use_extra_bufts is works
+    with lc.safe_model_params(L, model):
+        assert L.llama_cpp.llama_model_default_params().use_extra_bufts is works
+    assert L.llama_cpp.llama_model_default_params is default
+    assert run.calls == (1 if cached else 3)
+    model.write_bytes(b"GGUF2")  # another model file: tried again
+    lc.amx_kernels_run(L, model)
+    assert run.calls == (2 if cached else 4)
+    monkeypatch.setattr(L, "llama_print_system_info", lambda: b"AVX2 = 1 | REPACK = 1")
+    assert lc.model_params(L, model).use_extra_bufts and not lc.uses_amx(L, model)
+    assert run.calls == (2 if cached else 4)
     assert default().use_extra_bufts  # llama.cpp's own default
+
+
+@needs_llama
+@pytest.mark.slow
+def test_amx_probe_survives_a_crashing_build(tmp_path, monkeypatch):
+    """On SmolLM2's GGUF the child's verdict is a bool whatever the build does (on Debian 12's
+    GCC 12.2 build on a CPU with AMX, the child dies with SIGSEGV and this process goes on), and
+    a target loaded after it runs greedy decoding either way."""
+    from adaspec.backends import llamacpp as lc
+
+    L = lc.import_llama_cpp()
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    assert isinstance(lc.amx_kernels_run(L, embedded_gguf()), bool)
+    target = lc.LlamaCppTarget(embedded_gguf(), threads=real_model_threads(), n_ctx=256)
+    assert target.amx == lc.uses_amx(L, embedded_gguf())
+    assert ("|amx" in target.identity()) == target.amx
+    state = target.new_state()
+    assert target.forward(state, [1, 2, 3, 4], keep=4)[0].shape[0] == 4
 
 
 @needs_llama

@@ -15,7 +15,9 @@ it the logits differ by up to 0.55); past 256, one query takes flash attention's
 and a verify block does not: the margin between the two best tokens moves by up to 1.2 nats
 (p99 0.42) over the built-in prompts. Other quantizations take other matrix kernels: on
 Qwen2.5-Coder's Q4_K_M files a block differs from one-token forwards at every length, so the
-short-sequence bound is probed per model (``short_blocks_invariant``).
+short-sequence bound is probed per model (``short_blocks_invariant``; still bit-identical on
+SmolLM2's Q4_1 with llama.cpp's AMX kernels, whose blocks take the tile path and one token the
+VNNI path). Builds whose AMX kernels crash are detected first (``amx_kernels_run``).
 The prompt is fed in one batch as llama.cpp feeds it (``prefill``). Greedy speculative output
 therefore equals llama.cpp's own greedy decoding except where its margin between the two best
 tokens is within that noise (``near_tie_nats``; docs/llamacpp.md has the measurement).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -39,6 +42,8 @@ import torch
 from ..errors import ConfigError, ModelLoadError
 from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from .base import TargetBackend
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'adaspec[llamacpp]' "
                 "(it builds llama.cpp from source: cmake and a C++ compiler must be installed)")
@@ -56,28 +61,113 @@ def import_llama_cpp() -> Any:
 
 
 def amx_build(L: Any) -> bool:
-    """Whether this llama.cpp build runs its AMX kernels (built natively on a CPU with AMX)."""
+    """Whether this llama.cpp build has its AMX kernels (built natively on a CPU with AMX)."""
     return b"AMX_INT8 = 1" in L.llama_print_system_info()
 
 
-def without_amx(L: Any, params: Any) -> Any:
-    """``params`` (llama.cpp model parameters) with the weight repacking that crashes left out:
-    on a CPU with AMX, llama.cpp repacks the weights for its AMX matmul, which dies with SIGSEGV
-    at the first batched forward (seen here on SmolLM2 Q4_1, a Xeon with AMX, llama-cpp-python
-    0.3.36; upstream ggml-org/llama.cpp#20824, open). Without the extra buffer types the weights
-    stay as in the file and the plain CPU kernels run. Other CPUs keep llama.cpp's defaults."""
-    if amx_build(L) and "use_extra_bufts" in dict(type(params)._fields_):
+#: the child process of ``amx_kernels_run``: loads the model with llama.cpp's defaults (its
+#: weights repacked for the AMX matmul) and runs one forward over 4 tokens, the first batched
+#: shape that takes the AMX tile kernels (one token takes their AVX512-VNNI path)
+_AMX_PROBE = """
+import os, sys
+import llama_cpp as L
+L.llama_backend_init()
+model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 64, 8, 8, 1, 1
+ctx = L.llama_init_from_model(model, cp) if model else None
+if not ctx:
+    os._exit(3)
+batch = L.llama_batch_init(4, 0, 1)
+batch.n_tokens = 4
+for i in range(4):
+    batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = i + 1, i, 1, True
+    batch.seq_id[i][0] = 0
+if L.llama_decode(ctx, batch) != 0:
+    os._exit(4)
+os.write(1, b"forward ran")
+os._exit(0)
+"""
+
+
+def _build_key(L: Any) -> str:
+    """The llama.cpp build's identity: its shared libraries' names, sizes and times."""
+    lib = Path(L.__file__).parent / "lib"
+    files = sorted(lib.glob("*.so*")) if lib.is_dir() else []
+    return "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files) or L.__version__
+
+
+def amx_kernels_run(L: Any, path: Path, *, timeout: float = 600.0) -> bool:
+    """Whether llama.cpp's AMX matmul survives a batched forward of the model at ``path`` in this
+    build. GCC up to 12.2 compiles ggml's tile configuration wrong (its ``_tile_loadconfig``
+    tells the compiler the instruction reads 8 bytes, so the stores of the tiles' shapes are
+    dropped as dead and ``ldtilecfg`` faults): the first forward over 2 or more tokens dies with
+    SIGSEGV (seen on Debian 12's GCC 12.2, llama-cpp-python 0.3.36; upstream
+    ggml-org/llama.cpp#20824). A crash cannot be caught in this process, so the forward is
+    tried in a child process, once per build and model file (``cache_dir()/llamacpp-amx.json``)."""
+    import json
+    import os
+    import subprocess
+
+    from ..artifacts import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{_build_key(L)}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    cache = cache_dir() / "llamacpp-amx.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return bool(known[key])
+    try:
+        done = subprocess.run([sys.executable, "-c", _AMX_PROBE, str(path)], timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        rc, ran = done.returncode, b"forward ran" in (done.stdout or b"")
+    except subprocess.TimeoutExpired:
+        rc, ran = None, False
+    if not ran and (rc is None or rc >= 0):  # no verdict (no model, or a hang): not cached
+        log.warning("could not try llama.cpp's AMX kernels on %s (%s): running without them", path.name,
+                    "timed out" if rc is None else f"exit code {rc}")
+        return False
+    works = ran  # else killed by a signal in the forward
+    known[key] = works
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(cache)
+    if not works:
+        log.warning("llama.cpp's AMX kernels crash in this llama-cpp-python build (a GCC <= 12.2 "
+                    "miscompile): %s runs without them, on the AVX-512 kernels. For AMX, rebuild it "
+                    "with CMAKE_ARGS=\"-DCMAKE_C_FLAGS=-fno-dse -DCMAKE_CXX_FLAGS=-fno-dse\" "
+                    "(docs/llamacpp.md, 'CPUs with AMX')", path.name)
+    return works
+
+
+def uses_amx(L: Any, path: Path) -> bool:
+    """Whether ``path`` loads with llama.cpp's AMX weight repacking: where the build has AMX
+    kernels and they run (``amx_kernels_run``)."""
+    return amx_build(L) and amx_kernels_run(L, path)
+
+
+def model_params(L: Any, path: Path, params: Any = None) -> Any:
+    """llama.cpp's model parameters for ``path`` (``params``, or the defaults), without the extra
+    buffer types (the AMX weight repacking) where the build has AMX kernels that crash
+    (``amx_kernels_run``); the weights then stay as in the file and the AVX-512 kernels run."""
+    params = L.llama_model_default_params() if params is None else params
+    if amx_build(L) and "use_extra_bufts" in dict(type(params)._fields_) and not amx_kernels_run(L, path):
         params.use_extra_bufts = False
     return params
 
 
 @contextlib.contextmanager
-def safe_model_params(L: Any) -> Iterator[None]:
-    """``llama_cpp.Llama(...)`` inside this block loads its model ``without_amx`` (it builds its
-    parameters from llama_cpp's defaults and takes no argument for the extra buffer types)."""
+def safe_model_params(L: Any, path: Path) -> Iterator[None]:
+    """``llama_cpp.Llama(model_path=path)`` inside this block loads with ``model_params`` (it
+    builds its parameters from llama_cpp's defaults and takes no argument for the extra buffer
+    types)."""
     module = L.llama_cpp
     default = module.llama_model_default_params
-    module.llama_model_default_params = lambda: without_amx(L, default())
+    module.llama_model_default_params = lambda: model_params(L, path, default())
     try:
         yield
     finally:
@@ -208,7 +298,8 @@ class LlamaCppTarget(TargetBackend):
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {threads}")
         L.llama_backend_init()
-        mp = without_amx(L, L.llama_model_default_params())
+        mp = model_params(L, self.path)
+        self.amx = bool(getattr(mp, "use_extra_bufts", False)) and amx_build(L)
         mp.n_gpu_layers = gpu_layers
         model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not model:
@@ -443,7 +534,7 @@ class LlamaCppTarget(TargetBackend):
     def identity(self) -> str:
         st = self.path.stat()
         return (f"llama.cpp|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|threads={self.threads}|"
-                f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}")
+                f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}" + ("|amx" if self.amx else ""))
 
 
 def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:

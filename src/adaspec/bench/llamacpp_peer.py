@@ -104,8 +104,9 @@ class LlamaCppPeer:
         draft = (LlamaPromptLookupDecoding(max_ngram_size=self.spec.max_ngram, num_pred_tokens=self.spec.k)
                  if self.spec.pld else None)
         n = int(threads or getattr(target, "threads", None) or torch.get_num_threads())
-        with safe_model_params(L):  # the same weights' layout as the target backend's
-            self.llm = L.Llama(model_path=str(target_gguf(target)), n_ctx=PEER_CTX, n_batch=512, n_threads=n,
+        path = target_gguf(target)
+        with safe_model_params(L, path):  # the same weights' layout as the target backend's
+            self.llm = L.Llama(model_path=str(path), n_ctx=PEER_CTX, n_batch=512, n_threads=n,
                                n_threads_batch=n, draft_model=draft, flash_attn=self.spec.flash_attn,
                                verbose=False)
         self.widths: list[int] = []
