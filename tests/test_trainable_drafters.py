@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import chisquare_gof, make_tiny_model
 
@@ -237,19 +238,57 @@ def test_feature_head_file_holds_the_trained_weights_and_round_trips(target, tra
 
 def test_feature_head_follows_its_targets_linear_kernels(trained):
     """A head on a small-batch target drafts with the small-batch kernel (adaspec.kernels), one on
-    a stock target with PyTorch's; both stay exact (greedy output = plain decoding)."""
-    from adaspec.kernels import SmallBatchLinear, use_small_batch_linear
+    a stock target with PyTorch's, one on a packed target with that target's timed small-row plan
+    (its layers and its output matrix: the target's own layer for the full vocabulary, a packed
+    slice otherwise); all stay exact (greedy output = plain decoding)."""
+    from adaspec.kernels import PackedLinear, SmallBatchLinear, use_small_batch_linear
 
-    stock_target, fast_target = _target(0), _target(0)
+    stock_target, fast_target, packed_target = _target(0), _target(0), _target(0)
     use_small_batch_linear(fast_target.model)
-    for t, small in ((stock_target, False), (fast_target, True)):
+    if torch.backends.mkldnn.is_available():
+        use_small_batch_linear(packed_target.model, packed=True)
+        plan = ("stock", "packed", "transposed")
+        for m in packed_target.model.modules():
+            if isinstance(m, PackedLinear):
+                m.small_plan = plan
+    cases = [(stock_target, False, None), (fast_target, True, None)]
+    if torch.backends.mkldnn.is_available():
+        cases.append((packed_target, True, plan))
+    for t, small, want_plan in cases:
         head = FeatureHead.load(trained["feature-head"], t)
-        assert head.small_batch is small
-        assert any(type(m) is SmallBatchLinear for m in head.net.modules()) is small
+        assert head.small_batch is small and head.small_plan == want_plan
+        assert any(type(m) is SmallBatchLinear for m in head.net.modules()) is (small and want_plan is None)
+        if want_plan is not None:
+            layers = [m for m in head.net.modules() if isinstance(m, PackedLinear)]
+            assert layers and all(m.small_plan == want_plan for m in layers)
+            assert head._lm.small_plan == want_plan
+            if head.full_vocab:
+                assert head._lm is t.model.get_output_embeddings()
+            with torch.inference_mode():
+                for rows in (1, 2, 3, 5):
+                    x = torch.randn(rows, head.hidden_size)
+                    torch.testing.assert_close(head.subset_logits(x), F.linear(x, head.lm_weight, head.lm_bias),
+                                               rtol=1e-5, atol=1e-5)
         plain = SpeculativeEngine(t, ["none"]).generate(_prompts(1, seed=2)[0], max_new_tokens=MAX_NEW)
         got = SpeculativeEngine(t, [FeatureHeadDrafter(head)], k=4).generate(_prompts(1, seed=2)[0],
                                                                              max_new_tokens=MAX_NEW)
         assert got.token_ids == plain.token_ids
+
+
+def test_packed_linear_over_shared_tensors_follows_its_plan():
+    """``kernels.packed_linear`` wraps existing tensors without copying them and computes
+    ``F.linear`` on every small-row kernel its plan may name."""
+    from adaspec.kernels import SMALL_KINDS, packed_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
+    for kind in SMALL_KINDS:
+        layer = packed_linear(w, b, (kind, kind, kind))
+        assert layer.weight.data_ptr() == w.data_ptr() and not layer.weight.requires_grad
+        with torch.inference_mode():
+            for rows in (1, 2, 3, 4, 9):
+                x = torch.randn(rows, 16, generator=g)
+                torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_tiny_lm_directory_round_trips(target, trained, tmp_path):

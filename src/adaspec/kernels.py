@@ -202,14 +202,43 @@ def tune_small_rows(model: nn.Module, reps: int = 2) -> tuple[str, ...] | None:
     return chosen
 
 
-def small_rows_mode(model: Any) -> str:
-    """The kernels ``model``'s packed layers run 1, 2 and 3 rows on, e.g. ``"stock,stock,packed"``;
-    ``"none"`` without packed layers."""
+def small_plan_of(model: Any) -> tuple[str, ...] | None:
+    """The ``small_plan`` of ``model``'s packed layers (``tune_small_rows``), None without any."""
     if isinstance(model, nn.Module):
         for m in model.modules():
             if isinstance(m, PackedLinear):
-                return ",".join(m.small_plan)
-    return "none"
+                return m.small_plan
+    return None
+
+
+def small_rows_mode(model: Any) -> str:
+    """The kernels ``model``'s packed layers run 1, 2 and 3 rows on, e.g. ``"stock,stock,packed"``;
+    ``"none"`` without packed layers."""
+    plan = small_plan_of(model)
+    return "none" if plan is None else ",".join(plan)
+
+
+def follow_plan(module: nn.Module, plan: tuple[str, ...]) -> int:
+    """Switch ``module``'s plain linear layers to ``PackedLinear`` with ``plan`` as their small-row
+    kernels (a drafter running beside a target: the target's timed plan, not a second timing;
+    the fastest kernel depends on the CPU and on the width, which a head shares with its target).
+    Returns how many layers were switched."""
+    n = use_small_batch_linear(module, packed=True)
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            m.small_plan = plan
+    return n
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple[str, ...]) -> PackedLinear:
+    """A ``PackedLinear`` over existing tensors (shared, not copied; no gradient) computing with
+    ``plan`` for 1-3 rows, e.g. a head's output matrix: a slice of its target's."""
+    layer = PackedLinear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    layer.small_plan = plan
+    return layer
 
 
 #: the attention implementation name ``use_gqa_attention`` registers with transformers
