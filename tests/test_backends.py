@@ -477,6 +477,39 @@ def test_amx_probe_survives_a_crashing_build(tmp_path, monkeypatch):
     assert target.forward(state, [1, 2, 3, 4], keep=4)[0].shape[0] == 4
 
 
+_TORCH_AMX_BETWEEN_FORWARDS = """
+import sys, torch
+from adaspec.backends.llamacpp import LlamaCppTarget
+from adaspec.bench.llamacpp_peer import LlamaCppPeer
+from adaspec.models import embedded_gguf
+target = LlamaCppTarget(embedded_gguf(), threads=2, n_ctx=256)
+peer = LlamaCppPeer(target, "llama.cpp")
+ids = list(range(100, 140))
+first = (target.forward(target.new_state(), ids, keep=1)[0], peer.run(ids, 4, set()).token_ids)
+a = torch.randn(256, 256, dtype=torch.bfloat16)
+(a @ a).sum()  # oneDNN's AMX kernel on this thread, which releases the tiles after it
+again = (target.forward(target.new_state(), ids, keep=1)[0], peer.run(ids, 4, set()).token_ids)
+assert torch.equal(first[0], again[0]) and first[1] == again[1]
+print("amx" if target.amx else "no amx")
+"""
+
+
+@needs_llama
+@pytest.mark.slow
+def test_llamacpp_forwards_survive_torch_amx_kernels_between_them():
+    """ggml configures the AMX tiles once per thread; PyTorch's oneDNN releases them after a
+    bfloat16 matmul, so a llama.cpp forward on a thread where torch ran one since died with
+    SIGILL. With the AMX kernels on, the backend's forwards and the peers' evaluations run on a
+    thread of their own: run in a child, a crash fails this test instead of the suite's worker."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TORCH_AMX_BETWEEN_FORWARDS], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() in ("amx", "no amx")
+
+
 @needs_llama
 def test_load_model_checks_llamacpp_options(tmp_path):
     (tmp_path / "config.json").write_text("{}")

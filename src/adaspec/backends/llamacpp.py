@@ -32,6 +32,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,13 @@ class LlamaCppTarget(TargetBackend):
         self.prefix_cache = bool(prefix_cache)
         #: (sequence id, its tokens): the KV of the last released state, kept for the next prefill
         self._kept: tuple[int, list[int]] | None = None
-        self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
+        #: with llama.cpp's AMX kernels, forwards run on a thread of their own: ggml loads its tile
+        #: configuration once per thread, and PyTorch's oneDNN releases the tiles after its own AMX
+        #: kernels (bfloat16 matmuls), so a forward on a thread where torch ran one since died with
+        #: SIGILL (tile instructions on unconfigured tiles; seen in the test suite). A thread that
+        #: runs nothing but llama.cpp keeps its configuration; the hand-over costs ~0.05 ms a forward
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="llama-decode") if self.amx else None
+        self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch, self._decoder)
 
     # -- TargetBackend ------------------------------------------------------------------
     @property
@@ -468,7 +475,8 @@ class LlamaCppTarget(TargetBackend):
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
                 b.logits[i] = i >= first_out
-            rc = L.llama_decode(self._ctx, b)
+            rc = L.llama_decode(self._ctx, b) if self._decoder is None else self._decoder.submit(
+                L.llama_decode, self._ctx, b).result()
             if rc != 0:
                 # the failed batch may have left cells behind: drop everything past the old length
                 L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
@@ -537,7 +545,9 @@ class LlamaCppTarget(TargetBackend):
                 f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}" + ("|amx" if self.amx else ""))
 
 
-def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
+def _free(L: Any, model: Any, ctx: Any, batch: Any, decoder: ThreadPoolExecutor | None = None) -> None:
+    if decoder is not None:  # idle: every forward waits for its decode (not joined: this may run on it)
+        decoder.shutdown(wait=False)
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)

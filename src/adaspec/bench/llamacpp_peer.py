@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backends.llamacpp import import_llama_cpp, safe_model_params
+from ..backends.llamacpp import import_llama_cpp, safe_model_params, uses_amx
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
@@ -111,10 +112,16 @@ class LlamaCppPeer:
                                verbose=False)
         self.widths: list[int] = []
         evaluate = self.llm.eval
+        # with llama.cpp's AMX kernels, evaluations on a thread of their own, as the backend's
+        # forwards (``LlamaCppTarget._decoder``: torch's oneDNN releases the tiles ggml configured)
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="llama-peer") if uses_amx(L, path) else None
 
         def counted(tokens: Any) -> None:  # generate() calls self.eval once per target evaluation
             self.widths.append(len(tokens))
-            evaluate(tokens)
+            if self._decoder is None:
+                evaluate(tokens)
+            else:
+                self._decoder.submit(evaluate, tokens).result()
 
         self.llm.eval = counted  # type: ignore[method-assign]
 
