@@ -100,12 +100,13 @@ def _build_key(L: Any) -> str:
 
 def amx_kernels_run(L: Any, path: Path, *, timeout: float = 600.0) -> bool:
     """Whether llama.cpp's AMX matmul survives a batched forward of the model at ``path`` in this
-    build. GCC up to 12.2 compiles ggml's tile configuration wrong (its ``_tile_loadconfig``
-    tells the compiler the instruction reads 8 bytes, so the stores of the tiles' shapes are
-    dropped as dead and ``ldtilecfg`` faults): the first forward over 2 or more tokens dies with
-    SIGSEGV (seen on Debian 12's GCC 12.2, llama-cpp-python 0.3.36; upstream
-    ggml-org/llama.cpp#20824). A crash cannot be caught in this process, so the forward is
-    tried in a child process, once per build and model file (``cache_dir()/llamacpp-amx.json``)."""
+    build. GCC 12.2 (Debian 12's; other versions not checked) compiles ggml's tile configuration
+    wrong (its ``_tile_loadconfig`` tells the compiler the instruction reads 8 bytes, so the
+    stores of the tiles' shapes are dropped as dead and ``ldtilecfg`` faults): the first forward
+    over 2 or more tokens dies with SIGSEGV (llama-cpp-python 0.3.36; perhaps upstream
+    ggml-org/llama.cpp#20824). A crash cannot be caught in this process, so the forward is tried
+    in a child process, once per build and model file (``cache_dir()/llamacpp-amx.json``); any
+    crash there, whatever its cause, leaves the AMX kernels off."""
     import json
     import os
     import subprocess
@@ -133,13 +134,16 @@ def amx_kernels_run(L: Any, path: Path, *, timeout: float = 600.0) -> bool:
         return False
     works = ran  # else killed by a signal in the forward
     known[key] = works
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=1))
-    tmp.replace(cache)
+    try:  # a verdict that cannot be kept is found again at the next load
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache)
+    except OSError as exc:
+        log.debug("could not write %s: %s", cache, exc)
     if not works:
-        log.warning("llama.cpp's AMX kernels crash in this llama-cpp-python build (a GCC <= 12.2 "
-                    "miscompile): %s runs without them, on the AVX-512 kernels. For AMX, rebuild it "
+        log.warning("llama.cpp's AMX kernels crash in this llama-cpp-python build (as GCC 12.2's builds "
+                    "do): %s runs without them, on the AVX-512 kernels. For AMX, rebuild it "
                     "with CMAKE_ARGS=\"-DCMAKE_C_FLAGS=-fno-dse -DCMAKE_CXX_FLAGS=-fno-dse\" "
                     "(docs/llamacpp.md, 'CPUs with AMX')", path.name)
     return works
