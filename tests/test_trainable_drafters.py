@@ -241,16 +241,13 @@ def test_feature_head_follows_its_targets_linear_kernels(trained):
     a stock target with PyTorch's, one on a packed target with that target's timed small-row plan
     (its layers and its output matrix: the target's own layer for the full vocabulary, a packed
     slice otherwise); all stay exact (greedy output = plain decoding)."""
-    from adaspec.kernels import PackedLinear, SmallBatchLinear, use_small_batch_linear
+    from adaspec.kernels import PackedLinear, SmallBatchLinear, follow_plan, use_small_batch_linear
 
     stock_target, fast_target, packed_target = _target(0), _target(0), _target(0)
     use_small_batch_linear(fast_target.model)
+    plan = ("stock", "packed", "transposed")
     if torch.backends.mkldnn.is_available():
-        use_small_batch_linear(packed_target.model, packed=True)
-        plan = ("stock", "packed", "transposed")
-        for m in packed_target.model.modules():
-            if isinstance(m, PackedLinear):
-                m.small_plan = plan
+        follow_plan(packed_target.model, plan)  # as load_model's packing and timing would leave it
     cases = [(stock_target, False, None), (fast_target, True, None)]
     if torch.backends.mkldnn.is_available():
         cases.append((packed_target, True, plan))

@@ -28,7 +28,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import logging
+import os
+import subprocess
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -107,10 +110,6 @@ def amx_kernels_run(L: Any, path: Path, *, timeout: float = 600.0) -> bool:
     ggml-org/llama.cpp#20824). A crash cannot be caught in this process, so the forward is tried
     in a child process, once per build and model file (``cache_dir()/llamacpp-amx.json``); any
     crash there, whatever its cause, leaves the AMX kernels off."""
-    import json
-    import os
-    import subprocess
-
     from ..artifacts import cache_dir
 
     st = path.stat()
@@ -163,6 +162,15 @@ def model_params(L: Any, path: Path, params: Any = None) -> Any:
     if amx_build(L) and "use_extra_bufts" in dict(type(params)._fields_) and not amx_kernels_run(L, path):
         params.use_extra_bufts = False
     return params
+
+
+def amx_thread(amx: bool, name: str) -> ThreadPoolExecutor | None:
+    """With llama.cpp's AMX kernels (``amx``), a thread of their own for its forwards, else None:
+    ggml loads its tile configuration once per thread, and PyTorch's oneDNN releases the tiles
+    after its own AMX kernels (bfloat16 matmuls), so a forward on a thread where torch ran one
+    since died with SIGILL (tile instructions on unconfigured tiles; seen in the test suite). A
+    thread that runs nothing but llama.cpp keeps its configuration; the hand-over costs ~0.05 ms."""
+    return ThreadPoolExecutor(1, thread_name_prefix=name) if amx else None
 
 
 @contextlib.contextmanager
@@ -342,12 +350,7 @@ class LlamaCppTarget(TargetBackend):
         self.prefix_cache = bool(prefix_cache)
         #: (sequence id, its tokens): the KV of the last released state, kept for the next prefill
         self._kept: tuple[int, list[int]] | None = None
-        #: with llama.cpp's AMX kernels, forwards run on a thread of their own: ggml loads its tile
-        #: configuration once per thread, and PyTorch's oneDNN releases the tiles after its own AMX
-        #: kernels (bfloat16 matmuls), so a forward on a thread where torch ran one since died with
-        #: SIGILL (tile instructions on unconfigured tiles; seen in the test suite). A thread that
-        #: runs nothing but llama.cpp keeps its configuration; the hand-over costs ~0.05 ms a forward
-        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="llama-decode") if self.amx else None
+        self._decoder = amx_thread(self.amx, "llama-decode")
         self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch, self._decoder)
 
     # -- TargetBackend ------------------------------------------------------------------

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backends.llamacpp import import_llama_cpp, safe_model_params, uses_amx
+from ..backends.llamacpp import amx_thread, import_llama_cpp, safe_model_params, uses_amx
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
@@ -112,9 +111,7 @@ class LlamaCppPeer:
                                verbose=False)
         self.widths: list[int] = []
         evaluate = self.llm.eval
-        # with llama.cpp's AMX kernels, evaluations on a thread of their own, as the backend's
-        # forwards (``LlamaCppTarget._decoder``: torch's oneDNN releases the tiles ggml configured)
-        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="llama-peer") if uses_amx(L, path) else None
+        self._decoder = amx_thread(uses_amx(L, path), "llama-peer")  # as the backend's forwards
 
         def counted(tokens: Any) -> None:  # generate() calls self.eval once per target evaluation
             self.widths.append(len(tokens))
