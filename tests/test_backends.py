@@ -511,6 +511,42 @@ def test_llamacpp_forwards_survive_torch_amx_kernels_between_them():
 
 
 @needs_llama
+def test_llamacpp_objects_with_amx_compute_on_one_thread(monkeypatch):
+    """With the AMX kernels, every llama.cpp load, context and decode of the process (the
+    target's and a peer's) runs on one thread, never the caller's (``LlamaThread``): with a
+    thread per object libgomp throttled its spin-waits and every forward, adaspec's and the
+    peer's, ran 1.5x slower. Any build: the AMX verdict is faked, the repacking is llama.cpp's."""
+    import threading
+
+    import llama_cpp
+
+    from adaspec.backends import llamacpp as lc
+    from adaspec.bench.llamacpp_peer import LlamaCppPeer
+
+    monkeypatch.setattr(lc, "amx_build", lambda L: True)
+    monkeypatch.setattr(lc, "amx_kernels_run", lambda L, path: True)
+    seen: dict[str, set[int]] = {}
+    for name in ("llama_model_load_from_file", "llama_init_from_model", "llama_decode"):
+        real = getattr(llama_cpp.llama_cpp, name)
+
+        def record(*args, _real=real, _name=name):
+            seen.setdefault(_name, set()).add(threading.get_ident())
+            return _real(*args)
+
+        for module in (llama_cpp, llama_cpp.llama_cpp):  # the package re-exports the bindings
+            monkeypatch.setattr(module, name, record)
+    target = lc.LlamaCppTarget(embedded_gguf(), threads=2, n_ctx=256, n_seq_max=1)
+    peer = LlamaCppPeer(target, "llama.cpp")
+    assert target.amx and target._decoder is peer._decoder is not None
+    ids = list(range(100, 120))
+    target.forward(target.new_state(), ids, keep=1)
+    assert len(peer.run(ids, 3, set()).token_ids) == 3
+    threads = set().union(*seen.values())
+    assert set(seen) == {"llama_model_load_from_file", "llama_init_from_model", "llama_decode"}, seen
+    assert len(threads) == 1 and threading.get_ident() not in threads, seen
+
+
+@needs_llama
 def test_load_model_checks_llamacpp_options(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="not one: pass a .gguf"):

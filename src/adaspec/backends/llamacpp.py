@@ -33,6 +33,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -164,13 +165,55 @@ def model_params(L: Any, path: Path, params: Any = None) -> Any:
     return params
 
 
-def amx_thread(amx: bool, name: str) -> ThreadPoolExecutor | None:
-    """With llama.cpp's AMX kernels (``amx``), a thread of their own for its forwards, else None:
-    ggml loads its tile configuration once per thread, and PyTorch's oneDNN releases the tiles
-    after its own AMX kernels (bfloat16 matmuls), so a forward on a thread where torch ran one
-    since died with SIGILL (tile instructions on unconfigured tiles; seen in the test suite). A
-    thread that runs nothing but llama.cpp keeps its configuration; the hand-over costs ~0.05 ms."""
-    return ThreadPoolExecutor(1, thread_name_prefix=name) if amx else None
+class LlamaThread:
+    """The one thread that runs llama.cpp's compute (model loads, context set-up, decodes) for
+    every llama.cpp object of the process that uses the AMX kernels: backends, GGUF draft
+    models and the bench's peers alike. ``run`` calls a function there and waits for it.
+
+    Why a thread: ggml loads its AMX tile configuration once per thread, and PyTorch's oneDNN
+    releases the tiles after its own AMX kernels (bfloat16 matmuls), so a forward on a thread
+    where torch ran one since died with SIGILL (seen in the test suite). Why *one*: llama.cpp
+    computes with OpenMP, whose thread teams belong to the thread that starts them, and
+    libgomp (one copy per process, shared with torch) cuts every team's spin-wait to ~100
+    iterations once its threads outnumber the CPUs; each forward then waits for sleeping
+    workers. With a thread per llama.cpp object, a bench with a llama.cpp peer ran every
+    forward 1.5x slower, adaspec's and the peer's alike (SmolLM2, 2 cores: 11.8 -> 18 ms a
+    token; a model loaded on another thread than its decodes: 10.4-11.9 -> 15-27 ms)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llama-cpp", initializer=self._mark)
+        self._ident: int | None = None
+
+    def _mark(self) -> None:
+        self._ident = threading.get_ident()
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the thread (inline when already on it), its result or its exception."""
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        return self._pool.submit(fn, *args).result()
+
+
+_LLAMA_THREAD: LlamaThread | None = None
+_LLAMA_THREAD_LOCK = threading.Lock()
+
+
+def llama_thread(amx: bool) -> LlamaThread | None:
+    """With llama.cpp's AMX kernels (``amx``), the process's ``LlamaThread`` (made at first
+    use), else None: llama.cpp then runs on the caller's thread, as torch does (one OpenMP
+    team). Process-wide by necessity: OpenMP's thread accounting is."""
+    global _LLAMA_THREAD
+    if not amx:
+        return None
+    with _LLAMA_THREAD_LOCK:
+        if _LLAMA_THREAD is None:
+            _LLAMA_THREAD = LlamaThread()
+        return _LLAMA_THREAD
+
+
+def on_thread(thread: LlamaThread | None, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on ``thread``, or here when there is none."""
+    return fn(*args) if thread is None else thread.run(fn, *args)
 
 
 @contextlib.contextmanager
@@ -313,8 +356,10 @@ class LlamaCppTarget(TargetBackend):
         L.llama_backend_init()
         mp = model_params(L, self.path)
         self.amx = bool(getattr(mp, "use_extra_bufts", False)) and amx_build(L)
+        # loads repack weights with OpenMP: on the thread the decodes run on (``LlamaThread``)
+        self._decoder = llama_thread(self.amx)
         mp.n_gpu_layers = gpu_layers
-        model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        model = on_thread(self._decoder, L.llama_model_load_from_file, str(self.path).encode(), mp)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a GGUF model file "
                                  "of an architecture this llama.cpp build knows?")
@@ -331,10 +376,10 @@ class LlamaCppTarget(TargetBackend):
         # flash attention (llama.cpp's own choice on CPUs): measured here, it makes a forward over
         # k tokens give bit-identical logits to k one-token forwards, so verification is exact
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        ctx = L.llama_init_from_model(model, cp)
+        ctx = on_thread(self._decoder, L.llama_init_from_model, model, cp)
         if not ctx:  # a model or build without flash attention: llama.cpp's automatic choice
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_AUTO
-            ctx = L.llama_init_from_model(model, cp)
+            ctx = on_thread(self._decoder, L.llama_init_from_model, model, cp)
         if not ctx:
             L.llama_model_free(model)
             raise ModelLoadError(f"llama.cpp could not create a context of {cp.n_ctx} tokens for "
@@ -350,8 +395,7 @@ class LlamaCppTarget(TargetBackend):
         self.prefix_cache = bool(prefix_cache)
         #: (sequence id, its tokens): the KV of the last released state, kept for the next prefill
         self._kept: tuple[int, list[int]] | None = None
-        self._decoder = amx_thread(self.amx, "llama-decode")
-        self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch, self._decoder)
+        self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
 
     # -- TargetBackend ------------------------------------------------------------------
     @property
@@ -482,8 +526,7 @@ class LlamaCppTarget(TargetBackend):
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
                 b.logits[i] = i >= first_out
-            rc = L.llama_decode(self._ctx, b) if self._decoder is None else self._decoder.submit(
-                L.llama_decode, self._ctx, b).result()
+            rc = on_thread(self._decoder, L.llama_decode, self._ctx, b)
             if rc != 0:
                 # the failed batch may have left cells behind: drop everything past the old length
                 L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
@@ -552,9 +595,7 @@ class LlamaCppTarget(TargetBackend):
                 f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}" + ("|amx" if self.amx else ""))
 
 
-def _free(L: Any, model: Any, ctx: Any, batch: Any, decoder: ThreadPoolExecutor | None = None) -> None:
-    if decoder is not None:  # idle: every forward waits for its decode (not joined: this may run on it)
-        decoder.shutdown(wait=False)
+def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backends.llamacpp import amx_thread, import_llama_cpp, safe_model_params, uses_amx
+from ..backends.llamacpp import import_llama_cpp, llama_thread, on_thread, safe_model_params, uses_amx
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
@@ -105,20 +105,18 @@ class LlamaCppPeer:
                  if self.spec.pld else None)
         n = int(threads or getattr(target, "threads", None) or torch.get_num_threads())
         path = target_gguf(target)
+        # built and run on the target's llama.cpp thread, if it has one (``LlamaThread``)
+        self._decoder = llama_thread(uses_amx(L, path))
         with safe_model_params(L, path):  # the same weights' layout as the target backend's
-            self.llm = L.Llama(model_path=str(path), n_ctx=PEER_CTX, n_batch=512, n_threads=n,
-                               n_threads_batch=n, draft_model=draft, flash_attn=self.spec.flash_attn,
-                               verbose=False)
+            self.llm = on_thread(self._decoder, lambda: L.Llama(
+                model_path=str(path), n_ctx=PEER_CTX, n_batch=512, n_threads=n, n_threads_batch=n,
+                draft_model=draft, flash_attn=self.spec.flash_attn, verbose=False))
         self.widths: list[int] = []
         evaluate = self.llm.eval
-        self._decoder = amx_thread(uses_amx(L, path), "llama-peer")  # as the backend's forwards
 
         def counted(tokens: Any) -> None:  # generate() calls self.eval once per target evaluation
             self.widths.append(len(tokens))
-            if self._decoder is None:
-                evaluate(tokens)
-            else:
-                self._decoder.submit(evaluate, tokens).result()
+            on_thread(self._decoder, evaluate, tokens)
 
         self.llm.eval = counted  # type: ignore[method-assign]
 
