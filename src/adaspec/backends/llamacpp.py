@@ -46,6 +46,7 @@ import torch
 
 from ..errors import ConfigError, ModelLoadError
 from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
+from ..kernels import release_own_openmp_threads
 from .base import TargetBackend
 
 log = logging.getLogger(__name__)
@@ -569,10 +570,15 @@ class LlamaCppTarget(TargetBackend):
         """torch on one thread while requests run: the engine's few torch ops per round (argmax,
         softmax over the vocabulary) would otherwise start torch's thread pool, whose threads
         spin after each op on the cores llama.cpp's own threads compute on (measured on 2 cores:
-        AR 57 tok/s with torch on 2 threads, 73 on 1, llama.cpp's own greedy 69)."""
+        AR 57 tok/s with torch on 2 threads, 73 on 1, llama.cpp's own greedy 69). Where
+        llama.cpp computes on its own thread (``LlamaThread``), the caller's OpenMP workers from
+        earlier torch work are released too: with them alive, libgomp throttles llama.cpp's
+        team, and a SmolLM2 step after one torch matmul on the caller took 43-71 ms, not 12."""
         if self._scopes == 0:
             self._torch_threads = torch.get_num_threads()
             torch.set_num_threads(1)
+            if self._decoder is not None:  # the caller's idle OpenMP workers (``LlamaThread``)
+                release_own_openmp_threads()
         self._scopes += 1
         try:
             yield
