@@ -548,6 +548,36 @@ def test_a_quick_grid_gets_more_timed_passes_within_the_budget(monkeypatch, budg
     assert passes[-1] == (1 + timed, 1 + timed) and len(passes) == 1 + timed
 
 
+def test_the_grid_is_timed_inside_the_backends_request_scope(monkeypatch):
+    """Every timed forward runs inside ``request_scope``, as a request's do: the llama.cpp
+    backend releases the caller's idle OpenMP workers there, and a grid timed outside it had
+    noise cliffs (V(1) at 32 cached tokens 56 ms against ~10)."""
+    import contextlib
+
+    import adaspec.costs as costs_mod
+
+    fake = _GraphReusingBackend()
+    fake.reuses_graphs = False
+    inside, outside = [], []
+    fake.scopes = 0
+
+    @contextlib.contextmanager
+    def scope():
+        fake.scopes += 1
+        try:
+            yield
+        finally:
+            fake.scopes -= 1
+
+    forward = fake.forward
+    fake.request_scope = scope
+    fake.forward = lambda state, ids, keep=1: ((inside if fake.scopes else outside).append(len(ids)),
+                                               forward(state, ids, keep))
+    monkeypatch.setattr(costs_mod.time, "perf_counter", fake.clock)
+    costs_mod.measure_verify_surface(fake, contexts=(8, 16), ks=(1, 2), repeats=1)
+    assert inside and not outside and fake.scopes == 0
+
+
 def test_engine_tells_the_cost_model_the_last_width():
     """The engine sets ``last_width`` to each round's verify width (0 at a request's start)."""
     from adaspec import SpeculativeEngine

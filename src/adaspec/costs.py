@@ -13,6 +13,7 @@ what drives them (``LinearCost``: tokens and context length), fitted from live r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -473,33 +474,37 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
             if rep >= warmup:
                 times[(c, k)].append(dt)
 
+    # timed as requests run (``TargetBackend.request_scope``): on llama.cpp with AMX, outside
+    # it the caller's idle OpenMP workers throttled every forward and put cliffs in the grid
+    scope = getattr(loaded, "request_scope", None)
     try:
         rep = 0
-        while rep < total:
-            t_pass = time.perf_counter()
-            if together and rep <= warmup:  # prefills: untimed in the warm-up, then timed once
-                for cache in caches:
-                    loaded.release(cache)
-                caches = [loaded.new_state() for _ in contexts]
-                pre = [timed(prefix[:c], cache, 1) for c, cache in zip(contexts, caches)]
-            for j, c in enumerate(contexts):
-                if together:
-                    measure(caches[j], c, rep)
-                    continue
-                cache = loaded.new_state()
-                try:
-                    t = timed(prefix[:c], cache, 1)
-                    pre[j] = t if rep == warmup else pre[j]
-                    measure(cache, c, rep)
-                finally:
-                    loaded.release(cache)
-            if rep == 0 and budget_s:
-                pass_s = max(time.perf_counter() - t_pass, 1e-9)
-                fit = int((budget_s - pass_s * warmup) // pass_s)
-                total = warmup + max(repeats, min(MAX_GRID_REPEATS, fit))
-            rep += 1
-            if progress is not None:
-                progress(rep, total)
+        with scope() if scope is not None else contextlib.nullcontext():
+            while rep < total:
+                t_pass = time.perf_counter()
+                if together and rep <= warmup:  # prefills: untimed in the warm-up, then timed once
+                    for cache in caches:
+                        loaded.release(cache)
+                    caches = [loaded.new_state() for _ in contexts]
+                    pre = [timed(prefix[:c], cache, 1) for c, cache in zip(contexts, caches)]
+                for j, c in enumerate(contexts):
+                    if together:
+                        measure(caches[j], c, rep)
+                        continue
+                    cache = loaded.new_state()
+                    try:
+                        t = timed(prefix[:c], cache, 1)
+                        pre[j] = t if rep == warmup else pre[j]
+                        measure(cache, c, rep)
+                    finally:
+                        loaded.release(cache)
+                if rep == 0 and budget_s:
+                    pass_s = max(time.perf_counter() - t_pass, 1e-9)
+                    fit = int((budget_s - pass_s * warmup) // pass_s)
+                    total = warmup + max(repeats, min(MAX_GRID_REPEATS, fit))
+                rep += 1
+                if progress is not None:
+                    progress(rep, total)
     finally:
         for cache in caches:
             loaded.release(cache)
