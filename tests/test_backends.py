@@ -557,6 +557,28 @@ def test_llamacpp_objects_with_amx_compute_on_one_thread(monkeypatch):
     assert released == ["target", "peer"]
 
 
+def test_llama_thread_is_one_per_process_and_refuses_a_forked_copy(monkeypatch):
+    """``llama_thread`` gives every caller the same thread, runs calls on it (inline when already
+    there, exceptions passed on), none without AMX, and a forked child gets a new one, while a
+    model loaded before the fork gets a clear error instead of a submit that would hang."""
+    import threading
+
+    from adaspec.backends import llamacpp as lc
+
+    monkeypatch.setattr(lc, "_LLAMA_THREAD", lc._LLAMA_THREAD)  # the process's thread, restored after
+    t = lc.llama_thread(True)
+    assert t is lc.llama_thread(True) and lc.llama_thread(False) is None
+    there = t.run(threading.get_ident)
+    assert there != threading.get_ident() and t.run(lambda: t.run(threading.get_ident)) == there
+    with pytest.raises(ZeroDivisionError):
+        t.run(lambda: 1 / 0)
+    monkeypatch.setattr(lc.os, "getpid", lambda: t.pid + 1)
+    with pytest.raises(ConfigError, match="forked"):
+        t.run(threading.get_ident)
+    fresh = lc.llama_thread(True)
+    assert fresh is not t and fresh.run(threading.get_ident) != threading.get_ident()
+
+
 @needs_llama
 def test_load_model_checks_llamacpp_options(tmp_path):
     (tmp_path / "config.json").write_text("{}")

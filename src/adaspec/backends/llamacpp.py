@@ -184,6 +184,7 @@ class LlamaThread:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llama-cpp", initializer=self._mark)
         self._ident: int | None = None
+        self.pid = os.getpid()
 
     def _mark(self) -> None:
         self._ident = threading.get_ident()
@@ -192,6 +193,9 @@ class LlamaThread:
         """``fn(*args)`` on the thread (inline when already on it), its result or its exception."""
         if threading.get_ident() == self._ident:
             return fn(*args)
+        if os.getpid() != self.pid:  # a forked child has no copy of the thread: submit would hang
+            raise ConfigError("this llama.cpp model was loaded before the process forked: load it "
+                              "again in the child process")
         return self._pool.submit(fn, *args).result()
 
 
@@ -207,7 +211,7 @@ def llama_thread(amx: bool) -> LlamaThread | None:
     if not amx:
         return None
     with _LLAMA_THREAD_LOCK:
-        if _LLAMA_THREAD is None:
+        if _LLAMA_THREAD is None or _LLAMA_THREAD.pid != os.getpid():
             _LLAMA_THREAD = LlamaThread()
         return _LLAMA_THREAD
 
