@@ -198,6 +198,12 @@ class LlamaThread:
                               "again in the child process")
         return self._pool.submit(fn, *args).result()
 
+    @staticmethod
+    def free_caller() -> None:
+        """Before a request or a peer run: release the calling thread's idle OpenMP workers (left
+        by torch's work there), which would count against this thread's team and throttle it."""
+        release_own_openmp_threads()
+
 
 _LLAMA_THREAD: LlamaThread | None = None
 _LLAMA_THREAD_LOCK = threading.Lock()
@@ -581,8 +587,8 @@ class LlamaCppTarget(TargetBackend):
         if self._scopes == 0:
             self._torch_threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            if self._decoder is not None:  # the caller's idle OpenMP workers (``LlamaThread``)
-                release_own_openmp_threads()
+            if self._decoder is not None:
+                self._decoder.free_caller()
         self._scopes += 1
         try:
             yield

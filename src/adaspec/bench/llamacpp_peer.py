@@ -24,7 +24,6 @@ from typing import Any
 from ..backends.llamacpp import import_llama_cpp, llama_thread, on_thread, safe_model_params, uses_amx
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
-from ..kernels import release_own_openmp_threads
 from ..models import locate_model
 from .peers import PeerRun
 
@@ -132,8 +131,8 @@ class LlamaCppPeer:
         if len(prompt_ids) + max_new_tokens > PEER_CTX:
             raise PromptError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                               f"the llama.cpp peers' window ({PEER_CTX})")
-        if self._decoder is not None:  # the caller's idle OpenMP workers would slow its team
-            release_own_openmp_threads()
+        if self._decoder is not None:
+            self._decoder.free_caller()
         self.llm.reset()  # no prefix reuse between runs: every run prefills its prompt
         self.widths = []
         out: list[int] = []
