@@ -805,11 +805,13 @@ def test_model_drafters_whose_plan_keeps_losing_rest_from_planning():
     for r in range(40):
         priced.append([])
         c.observe_proposals({1: Peek([], 0)})  # the lookup is looked at (and has nothing)
-        c.choose()
+        assert c.choose() == (2, 0, 1.0)  # a plain step at rate 1 / V(1)
+        assert 1 not in c.rest_until and 2 not in c.rest_until  # looked-at and `none`: never rested
         c.observe(round_fb(r, scored=r == 26))
     head = [r for r, ds in enumerate(priced) if 0 in ds]
     assert head == [0, 1, 3, 7, 15, 23, 27, 35], head  # the score at round 26 ends a rest
-    assert all(1 in ds and 2 in ds for ds in priced)  # looked-at and `none`: every round
+    # while the head rests nothing can draft (the lookup has nothing): a plain step, unpriced
+    assert all(ds == ([0, 1, 2] if r in head else []) for r, ds in enumerate(priced)), priced
     assert MAX_PLAN_REST == 7
     c.begin_request(["head", "lookup", "none"], is_model=[True, False, False])
     assert not c.rest_until and not c.plan_losses  # a request starts with everyone priced
@@ -1003,3 +1005,34 @@ def test_to_score_is_evaluate_over_every_drafter_in_one_call():
         assert got == want and a.eval_losses == b.eval_losses, r
         admitted += len(got)
     assert admitted > 200
+
+
+def test_choose_reads_the_verify_row_only_as_wide_as_a_plan_can_go():
+    """``choose`` prices widths up to the longest block (``_plan_width``), and takes a plain
+    step unpriced when nothing can draft: the same plans as pricing every width up to max_k,
+    over random counts, blocks (empty, short, cut at the look's depth, unlooked) and
+    verify curves (steep, flat, with dips)."""
+    rng = random.Random(7)
+    names = ["lookup", "suffix", "head", "none"]
+    for trial in range(300):
+        c = AutoController(shrink=rng.choice([0.0, 1.0]), max_k=rng.choice([4, 8, 16]))
+        curve = {w: 1.0 + rng.uniform(0.0, 0.6) * (w - 1) ** rng.uniform(0.5, 1.2) + rng.uniform(-0.1, 0.1) * (w > 1)
+                 for w in range(1, c.max_k + 2)}
+        c.costs = FixedCosts(curve, {0: 0.0, 1: 0.0, 2: rng.uniform(0.0, 0.2)})
+        with_head = rng.random() < 0.3
+        c.begin_request(names, is_model=[False, False, True, False])
+        c.first_scored[2] = 99
+        for d in range(4):
+            s = [rng.uniform(0, 50) for _ in range(3)]
+            c.global_counts[d].s, c.global_counts[d].t = s, [x + rng.uniform(0, 50) for x in s]
+        if not with_head:
+            c.rest_until[2] = 10  # resting: only the looked-at blocks are priced
+        blocks = {d: [1] * rng.choice([0, 0, 1, 2, 3, c.max_k]) for d in (0, 1)}
+        c.observe_proposals({d: Peek(b, rng.randint(0, 9)) for d, b in blocks.items()})
+        want = max((c.best_k(d) for d in range(4) if with_head or d != 2), key=lambda p: (p.rate, p.k))
+        if want.k == 0:
+            want = Plan(3, 0, want.rate)
+        assert c._plan_width() == (c.max_k if with_head or c.max_k in map(len, blocks.values())
+                                   else max(map(len, blocks.values()))), trial
+        got = c.choose()
+        assert (got.drafter, got.k) == (want.drafter, want.k) and got.rate == pytest.approx(want.rate), trial

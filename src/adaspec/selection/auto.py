@@ -376,6 +376,8 @@ class AutoController:
         #: model drafters, and the model-free ones but ``none`` (``to_score``)
         self._models = [d for d, m in enumerate(self.is_model) if m]
         self._free = [d for d, n in enumerate(names) if not self.is_model[d] and n not in NONE_NAMES]
+        #: the first ``none`` drafter (a plain step's), or None
+        self._none = next((d for d, n in enumerate(names) if n in NONE_NAMES), None)
         self.request_counts = [ChainCounts(clock=self.request_clock) for _ in names]
         self.request_ctx = [{} for _ in names]
         self.rounds = 0
@@ -511,21 +513,22 @@ class AutoController:
             best, self.forced = self.forced, None
         else:
             verify, draft, overhead = self._cost_fns()
+            need = self._plan_width()
             row = getattr(self.costs, "verify_row", None) if self.objective == "time" else None
-            if row is not None:  # V(w) at this round's context, once
-                widths = row(self.max_k + 1)
+            if row is not None:  # V(w) at this round's context, once, as wide as a plan can go
+                widths = row(need + 1)
             else:
-                widths = [0.0] + [verify(w) for w in range(1, self.max_k + 2)]
-            floor = verify_floor(widths)
-            rest = self.rest_until
-            plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))
-                     if not rest or rest.get(d, 0) <= self.rounds]
-            best = max(plans, key=lambda p: (p.rate, p.k))
-        if best.k == 0:
-            for d, name in enumerate(self.names):
-                if name in NONE_NAMES:
-                    best = Plan(d, 0, best.rate)
-                    break
+                widths = [0.0] + [verify(w) for w in range(1, need + 2)]
+            if need == 0 and self._none is not None:  # nothing can draft: a plain step, unplanned
+                best = Plan(self._none, 0, 1.0 / max(overhead + widths[1], 1e-12))  # best_k's rate
+            else:
+                floor = verify_floor(widths)
+                rest = self.rest_until
+                plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))
+                         if not rest or rest.get(d, 0) <= self.rounds]
+                best = max(plans, key=lambda p: (p.rate, p.k))
+        if best.k == 0 and self._none is not None:
+            best = Plan(self._none, 0, best.rate)
         if plans is not None:
             self._rest_losers(plans, best)
         if looked and best.k == 0 and self.names[best.drafter] in NONE_NAMES:
@@ -535,6 +538,26 @@ class AutoController:
             self.idle_looks = 0
         self.plan = best
         return best
+
+    def _plan_width(self) -> int:
+        """The widest cap ``best_k`` may plan this round (its ``top``) over the drafters
+        ``choose`` prices: 0 when each is ``none``, rests or proposed nothing, ``max_k`` when
+        one was not looked at. The verify row is read this wide only: a round of short or empty
+        blocks (most of them where nothing is copied) prices a few widths, not ``max_k``
+        (on llama.cpp's SmolLM2, planning was ~70 us a round with only ``none``; 2026-11-29)."""
+        need, peeked, rest, depth, top = 0, self.peeked, self.rest_until, self.peek_depth, self.max_k
+        for d, name in enumerate(self.names):
+            if name in NONE_NAMES or (rest and rest.get(d, 0) > self.rounds):
+                continue
+            block = peeked.get(d)
+            if block is None:
+                return top
+            n = len(block)
+            if n >= depth:  # a look cut at the depth: the drafter may go on to max_k
+                return top
+            if n > need:
+                need = min(n, top)
+        return need
 
     def _rest_losers(self, plans: Sequence[Plan], best: Plan) -> None:
         """Model drafters (not looked at) whose plan lost this round rest from planning: after
