@@ -647,3 +647,27 @@ def test_engine_policies_price_the_denoised_surface(tmp_path, monkeypatch):
     assert fitted[0] == pytest.approx([0.975, 0.975, 1.2, 0.6]) and fitted[1] == pytest.approx([1.0, 1.015, 1.015, 1.1])
     assert eng.cost_model.surface.cliffs(32) == [1, 2, 3]  # the 50% drop to 4 tokens stays a cliff
     assert fitted[1] == sorted(fitted[1])  # the 7% dip at 256 is pooled as noise
+
+
+@pytest.mark.parametrize("repeats", [2, 3])
+def test_one_slow_forward_leaves_its_cell_at_the_quiet_time(monkeypatch, repeats):
+    """A cell is the low median of its timed passes (of two, the faster): machine noise only
+    adds time, and one slow forward in a 2-pass grid (llama.cpp's usual count within the
+    budget) moved the cell's mean by half its delay."""
+    import adaspec.costs as costs_mod
+
+    fake = _GraphReusingBackend()
+    fake.reuses_graphs = False
+    forward, calls = fake.forward, []
+
+    def slow_once(state, ids, keep=1):
+        calls.append((state[0], len(ids)))
+        forward(state, ids, keep)
+        if (state[0] - len(ids), len(ids)) == (16, 1) and calls.count((16, 1)) == 2:  # 1st timed pass
+            fake.now += 5e-3
+
+    fake.forward = slow_once
+    monkeypatch.setattr(costs_mod.time, "perf_counter", fake.clock)
+    s = costs_mod.measure_verify_surface(fake, contexts=(8, 16), ks=(1, 2, 4), repeats=repeats)
+    assert calls.count((16, 1)) == 1 + repeats  # the warm-up and the timed passes
+    assert [v for row in s.seconds for v in row] == pytest.approx([1.4e-3, 2.4e-3, 4.4e-3] * 2)
