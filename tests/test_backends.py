@@ -576,6 +576,7 @@ def test_llama_thread_is_one_per_process_and_refuses_a_forked_copy(monkeypatch):
         t.run(threading.get_ident)
     fresh = lc.llama_thread(True)
     assert fresh is not t and fresh.run(threading.get_ident) != threading.get_ident()
+    fresh._pool.shutdown()  # the test's own thread: not left behind
 
 
 @needs_llama

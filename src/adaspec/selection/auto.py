@@ -506,7 +506,7 @@ class AutoController:
         if self.skipping:
             self.skip_left -= 1
             self.peeked, self.contexts = {}, {}
-            self.plan = Plan(self.names.index(NONE_NAMES[0]), 0, 0.0)
+            self.plan = Plan(self._none, 0, 0.0)  # skipping follows plain steps: there is a none
             return self.plan
         plans: list[Plan] | None = None
         if self.forced is not None:  # a batch chose this round's width for every row (``commit``)
@@ -527,7 +527,7 @@ class AutoController:
                 plans = [self.best_k(d, widths.__getitem__, draft, overhead, floor) for d in range(len(self.names))
                          if not rest or rest.get(d, 0) <= self.rounds]
                 best = max(plans, key=lambda p: (p.rate, p.k))
-        if best.k == 0 and self._none is not None:
+        if best.k == 0 and self._none is not None and best.drafter != self._none:
             best = Plan(self._none, 0, best.rate)
         if plans is not None:
             self._rest_losers(plans, best)
