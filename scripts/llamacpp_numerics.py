@@ -10,7 +10,10 @@ much the margin between the two best tokens moves (nats), below and above 256 ca
 A greedy speculative output can only differ from plain decoding where the plain margin is
 below that bound: the bench's near-tie threshold on llama.cpp (``NEAR_TIE_NATS_LLAMACPP``).
 
-    python scripts/llamacpp_numerics.py [--suite all] [--per-category 2] [-n 128] [--block 5]
+    python scripts/llamacpp_numerics.py [--suite all] [--per-category 2] [-n 128] [--block 5] [--flash-attn on|off]
+
+``--flash-attn``: the backend's flash attention (default: the backend's, off on a CPU). Without
+it the non-flash attention kernels differ between a block and one token at every length.
 """
 
 from __future__ import annotations
@@ -38,8 +41,12 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--block", type=int, default=5, help="verify block: the last token + block-1 drafts")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default=None,
+                    help="llama.cpp's flash attention (default: the backend's, off on a CPU)")
     args = ap.parse_args()
-    target = load_model(args.model, backend="llama.cpp")
+    flash = None if args.flash_attn is None else args.flash_attn == "on"
+    target = load_model(args.model, backend="llama.cpp", flash_attn=flash)
+    print(f"flash attention: {target.flash_attn}")
     engine = SpeculativeEngine(target, [])
     work = load_workload(args.suite, per_category=args.per_category)
     moved: dict[str, list[float]] = {"<=256": [], ">256": []}

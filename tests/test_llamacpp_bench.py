@@ -32,7 +32,9 @@ def test_parse_llamacpp_peers():
     from adaspec.bench.llamacpp_peer import parse_llamacpp_peer
     from adaspec.bench.peers import check_peer
 
-    assert parse_llamacpp_peer("llama.cpp").flash_attn and not parse_llamacpp_peer("llama.cpp").pld
+    # flash attention: the target's unless given
+    assert parse_llamacpp_peer("llama.cpp").flash_attn is None and not parse_llamacpp_peer("llama.cpp").pld
+    assert parse_llamacpp_peer("llama.cpp:flash_attn=1").flash_attn is True
     spec = parse_llamacpp_peer("llama.cpp-pld:k=4,max_ngram=3,flash_attn=0")
     assert (spec.pld, spec.k, spec.max_ngram, spec.flash_attn) == (True, 4, 3, False)
     assert parse_llamacpp_peer("llama.cpp-pld").k == 10  # llama-cpp-python's default
@@ -52,15 +54,17 @@ def test_hf_peers_are_refused_on_llamacpp(target):
 
 def test_peers_equal_adaspec_on_llamacpp(target):
     """llama.cpp's own greedy (plain and prompt lookup) and adaspec's AR and speculative runs on
-    the llama.cpp backend give the same tokens (same kernels: flash attention, the prompt in
-    one batch); the plain peer runs one target evaluation per token."""
+    the llama.cpp backend give the same tokens (same kernels: the target's flash attention
+    setting, the prompt in one batch); the plain peer runs one target evaluation per token."""
     from adaspec.bench.llamacpp_peer import LlamaCppPeer
 
     ar = SpeculativeEngine(target, [])
     ids = ar.encode_prompt(REPEAT)
     eos = ar.eos_ids()
     want = ar.generate(ids, max_new_tokens=24).token_ids
-    plain = LlamaCppPeer(target, "llama.cpp").run(ids, 24, eos)
+    plain = LlamaCppPeer(target, "llama.cpp")
+    assert plain.flash_attn is target.flash_attn is False
+    plain = plain.run(ids, 24, eos)
     assert plain.error is None and plain.token_ids == want
     assert plain.rounds == len(want) and plain.drafted == 0 and plain.prefill_tokens == len(ids)
     pld = LlamaCppPeer(target, "llama.cpp-pld:k=4").run(ids, 24, eos)

@@ -221,12 +221,14 @@ class SpeculativeEngine:
                         drafters: Sequence[str | Drafter] | None = None, *,
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
                         backend: str = DEFAULT_BACKEND, threads: int | None = None,
-                        linear: str = "auto", **kwargs: Any) -> SpeculativeEngine:
+                        linear: str = "auto", flash_attn: bool | None = None,
+                        **kwargs: Any) -> SpeculativeEngine:
         """Load ``model`` (``"smollm2"``, a HF id, a directory or a .gguf file) and build the
         engine; ``backend="llama.cpp"`` runs a GGUF target on llama.cpp (``threads``: its
-        thread count); ``linear="stock"`` keeps PyTorch's own linear kernels (``load_model``)."""
+        thread count; ``flash_attn``: its flash attention, off on a CPU by default);
+        ``linear="stock"`` keeps PyTorch's own linear kernels (``load_model``)."""
         return cls(load_model(model, device=device, dtype=dtype, backend=backend, threads=threads,
-                              linear=linear), drafters, **kwargs)
+                              linear=linear, flash_attn=flash_attn), drafters, **kwargs)
 
     # -- properties -----------------------------------------------------------------------------
     @property

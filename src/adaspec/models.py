@@ -367,6 +367,7 @@ def load_model(
     backend: str = DEFAULT_BACKEND,
     threads: int | None = None,
     linear: str = "auto",
+    flash_attn: bool | None = None,
 ) -> TargetBackend:
     """Load a causal LM and its tokenizer.
 
@@ -375,7 +376,8 @@ def load_model(
     directory saved by ``save_pretrained``, or a Hugging Face model id (found in the local
     Hugging Face cache, or downloaded when the hub is reachable). ``backend="llama.cpp"`` runs
     a GGUF model on llama.cpp (``backends.llamacpp``; ``threads`` its thread count, default
-    torch's) instead of de-quantising it for PyTorch.
+    torch's; ``flash_attn`` its flash attention, default off on a CPU, where ggml's was slower)
+    instead of de-quantising it for PyTorch.
 
     On a CPU, a model on transformers' SDPA attention gets ``kernels.GQA_ATTENTION`` (the
     same attention, without copying the keys and values per query group in masked blocks).
@@ -395,10 +397,13 @@ def load_model(
     if backend == "llama.cpp":
         from .backends.llamacpp import load_llamacpp
 
-        return load_llamacpp(spec, gguf, device=device, dtype=dtype, threads=threads)
+        return load_llamacpp(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn)
     if threads is not None:
         raise ConfigError("threads= is for the llama.cpp backend: on transformers, set torch's "
                           "threads (torch.set_num_threads or --threads)")
+    if flash_attn is not None:
+        raise ConfigError("flash_attn= is for the llama.cpp backend: on transformers the attention is "
+                          "PyTorch's SDPA; leave flash_attn unset")
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
     spec = str(spec)

@@ -9,11 +9,13 @@ kept, never recomputed). The tokenizer is the Hugging Face one read from the sam
 (chat templates and token ids as on the transformers backend).
 
 Exactness: quantized kernels need not give a batched forward of k tokens bit-identical logits
-to k one-token forwards. Measured on SmolLM2 Q4_1 with 2 threads: with flash attention (used
-here) they are bit-identical for k = 2..16 while the KV cache holds at most 256 cells (without
-it the logits differ by up to 0.55); past 256, one query takes flash attention's split-KV path
-and a verify block does not: the margin between the two best tokens moves by up to 1.2 nats
-(p99 0.42) over the built-in prompts. Other quantizations take other matrix kernels: on
+to k one-token forwards. Measured on SmolLM2 Q4_1 with 2 threads: with flash attention
+(``flash_attn=True``) they are bit-identical for k = 2..16 while the KV cache holds at most 256
+cells; past 256, one query takes flash attention's split-KV path and a verify block does not:
+the margin between the two best tokens moves by up to 1.2 nats (p99 0.42) over the built-in
+prompts. Without it (the CPU default: ggml's flash attention is slower on CPUs) they differ at
+every length, by up to 0.75 nats of margin (p99 0.45; 1.8% of argmaxes flip, all at such
+near-ties). Other quantizations take other matrix kernels: on
 Qwen2.5-Coder's Q4_K_M files a block differs from one-token forwards at every length, so the
 short-sequence bound is probed per model (``short_blocks_invariant``; still bit-identical on
 SmolLM2's Q4_1 with llama.cpp's AMX kernels, whose blocks take the tile path and one token the
@@ -300,6 +302,13 @@ class LlamaCppTarget(TargetBackend):
             share the context, the cost measurement's grid).
         n_batch: most tokens per llama_decode call (longer prompts are fed in chunks).
         gpu_layers: layers to offload (0: CPU only; -1: all, on a GPU build of llama.cpp).
+        flash_attn: llama.cpp's flash attention. None (default): off on the CPU, llama.cpp's
+            automatic choice with layers offloaded. On this project's CPUs ggml's flash attention
+            made every forward past ~128 cached tokens slower, and verify blocks most of all
+            (SmolLM2 Q4_1, 2 threads, 400 cached tokens: one token 15 ms off against 23 ms on,
+            8 tokens 34 ms against 109; docs/llamacpp.md, "Flash attention off"). True: on
+            (then verify blocks give one-token forwards' logits bit for bit while the sequence
+            holds at most 256 tokens, on SmolLM2's file); False: off.
         prefix_cache: keep the KV of the last released state, and let the next ``prefill``
             start from the longest prefix its prompt shares with it (a chat's next turn, a
             shared system prompt), as llama.cpp's server does with ``cache_prompt``. Off by
@@ -355,7 +364,8 @@ class LlamaCppTarget(TargetBackend):
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
-                 n_batch: int = 512, gpu_layers: int = 0, prefix_cache: bool = False):
+                 n_batch: int = 512, gpu_layers: int = 0, prefix_cache: bool = False,
+                 flash_attn: bool | None = None):
         L = import_llama_cpp()
         self._L = L
         self.path = Path(path)
@@ -384,11 +394,17 @@ class LlamaCppTarget(TargetBackend):
         cp.n_seq_max = int(n_seq_max)
         cp.kv_unified = True  # sequences share the cells: any one may use the whole window
         cp.n_threads = cp.n_threads_batch = self.threads
-        # flash attention (llama.cpp's own choice on CPUs): measured here, it makes a forward over
-        # k tokens give bit-identical logits to k one-token forwards, so verification is exact
-        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if flash_attn is not None and not isinstance(flash_attn, bool):
+            raise ConfigError(f"flash_attn must be True, False or None (the default), got {flash_attn!r}")
+        if flash_attn is None:  # off on the CPU, where ggml's is slower (see the docstring)
+            flash_attn = None if gpu_layers else False
+        cp.flash_attn_type = {None: L.LLAMA_FLASH_ATTN_TYPE_AUTO, True: L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              False: L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         ctx = on_thread(self._decoder, L.llama_init_from_model, model, cp)
-        if not ctx:  # a model or build without flash attention: llama.cpp's automatic choice
+        if not ctx and flash_attn:  # a model or build without flash attention: llama.cpp's choice
+            log.warning("llama.cpp could not create a context with flash attention for %s: using "
+                        "llama.cpp's automatic choice", self.path)
+            flash_attn = None
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_AUTO
             ctx = on_thread(self._decoder, L.llama_init_from_model, model, cp)
         if not ctx:
@@ -396,6 +412,8 @@ class LlamaCppTarget(TargetBackend):
             raise ModelLoadError(f"llama.cpp could not create a context of {cp.n_ctx} tokens for "
                                  f"{self.path}: pass a smaller n_ctx")
         self._n_ctx, self._n_batch, self._n_seq_max = int(cp.n_ctx), int(n_batch), int(n_seq_max)
+        #: the flash attention asked of llama.cpp: True, False, or None (llama.cpp's own choice)
+        self.flash_attn = flash_attn
         self._ctx, self._model = ctx, model
         self._mem = L.llama_get_memory(ctx)
         self._batch = L.llama_batch_init(self._n_batch, 0, 1)
@@ -608,7 +626,8 @@ class LlamaCppTarget(TargetBackend):
     def identity(self) -> str:
         st = self.path.stat()
         return (f"llama.cpp|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|threads={self.threads}|"
-                f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}" + ("|amx" if self.amx else ""))
+                f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}" + ("|amx" if self.amx else "")
+                + {True: "|fa=on", False: "|fa=off", None: "|fa=auto"}[self.flash_attn])
 
 
 def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
@@ -634,7 +653,7 @@ def gguf_tokenizer(path: Path) -> Any:
 
 
 def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: Any = None,
-                  threads: int | None = None) -> LlamaCppTarget:
+                  threads: int | None = None, flash_attn: bool | None = None) -> LlamaCppTarget:
     """``load_model(spec, backend="llama.cpp")``: checks that the model is a GGUF file and that
     the options make sense on llama.cpp before loading."""
     if gguf is None:
@@ -654,4 +673,4 @@ def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: A
         raise ConfigError(f"device {dev!r} on the llama.cpp backend: this llama.cpp build runs on the "
                           "CPU only: use device cpu (or a GPU build of llama-cpp-python for cuda)")
     return LlamaCppTarget(gguf, name=str(spec), tokenizer=gguf_tokenizer(gguf), threads=threads,
-                          gpu_layers=gpu_layers)
+                          gpu_layers=gpu_layers, flash_attn=flash_attn)

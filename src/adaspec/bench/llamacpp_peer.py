@@ -1,12 +1,12 @@
 """llama.cpp's own decoding as peers in ``adaspec bench``: what a CPU user runs without adaspec.
 
-* ``llama.cpp[:flash_attn=1]``: plain greedy ``Llama.generate`` of llama-cpp-python;
-* ``llama.cpp-pld[:k=10,max_ngram=2,flash_attn=1]``: the same with its prompt lookup decoding
+* ``llama.cpp[:flash_attn=0|1]``: plain greedy ``Llama.generate`` of llama-cpp-python;
+* ``llama.cpp-pld[:k=10,max_ngram=2,flash_attn=0|1]``: the same with its prompt lookup decoding
   (``LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=max_ngram)``, its defaults).
 
-Both load the target's GGUF file with the target's thread count and, unlike
-llama-cpp-python's default but like llama.cpp's own on CPUs and adaspec's llama.cpp backend,
-flash attention (``flash_attn=0`` for llama-cpp-python's default): the same kernels, so the
+Both load the target's GGUF file with the target's thread count and, unless ``flash_attn`` is
+given, the target's flash attention setting (the llama.cpp backend's: off on a CPU, as
+llama-cpp-python's own default; off against a transformers target): the same kernels, so the
 greedy outputs can be compared token for token. Counting follows the HF
 peers: ``rounds`` are the target evaluations that emit tokens (the first is the prompt's). A
 run that raises inside llama-cpp-python (its prompt lookup has failed on long prompts) is
@@ -27,7 +27,7 @@ from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
 from .peers import PeerRun
 
-LLAMACPP_PEER_NAMES = ("llama.cpp[:flash_attn=1]", "llama.cpp-pld[:k=10,max_ngram=2,flash_attn=1]")
+LLAMACPP_PEER_NAMES = ("llama.cpp[:flash_attn=0|1]", "llama.cpp-pld[:k=10,max_ngram=2,flash_attn=0|1]")
 _PLD_K, _PLD_NGRAM = 10, 2  # LlamaPromptLookupDecoding's defaults
 PEER_CTX = 4096  # the peer's window: llama-cpp-python keeps n_ctx x vocab floats of scores for PLD
 
@@ -42,11 +42,11 @@ class LlamaCppPeerSpec:
     pld: bool
     k: int | None = None
     max_ngram: int | None = None
-    flash_attn: bool = True
+    flash_attn: bool | None = None  # None: the target's setting (``LlamaCppPeer``)
 
     def settings(self) -> dict[str, Any]:
         pld = {"num_pred_tokens": self.k, "max_ngram_size": self.max_ngram} if self.pld else {}
-        return pld | {"flash_attn": self.flash_attn}
+        return pld | ({} if self.flash_attn is None else {"flash_attn": self.flash_attn})
 
 
 def parse_llamacpp_peer(text: str) -> LlamaCppPeerSpec:
@@ -56,10 +56,11 @@ def parse_llamacpp_peer(text: str) -> LlamaCppPeerSpec:
         params = parse_params(rest, f"peer {text!r}")
     except AdaspecError as exc:
         raise ConfigError(str(exc)) from None
-    flash = params.pop("flash_attn", "1").strip().lower()
-    if flash not in ("0", "1", "true", "false"):
+    flash = params.pop("flash_attn", None)
+    flash = None if flash is None else flash.strip().lower()
+    if flash not in (None, "0", "1", "true", "false"):
         raise ConfigError(f"peer {text!r}: flash_attn must be 0 or 1, got {flash!r}")
-    flash_attn = flash in ("1", "true")
+    flash_attn = None if flash is None else flash in ("1", "true")
     if name == "llama.cpp":
         if params:
             raise ConfigError(f"unknown parameter(s) {sorted(params)} for peer {text!r}: allowed: flash_attn")
@@ -105,12 +106,16 @@ class LlamaCppPeer:
                  if self.spec.pld else None)
         n = int(threads or getattr(target, "threads", None) or torch.get_num_threads())
         path = target_gguf(target)
+        flash = self.spec.flash_attn
+        if flash is None:  # the target's own, so that both run the same kernels
+            flash = bool(getattr(target, "flash_attn", False))
+        self.flash_attn = flash
         # built and run on the target's llama.cpp thread, if it has one (``LlamaThread``)
         self._decoder = llama_thread(uses_amx(L, path))
         with safe_model_params(L, path):  # the same weights' layout as the target backend's
             self.llm = on_thread(self._decoder, lambda: L.Llama(
                 model_path=str(path), n_ctx=PEER_CTX, n_batch=512, n_threads=n, n_threads_batch=n,
-                draft_model=draft, flash_attn=self.spec.flash_attn, verbose=False))
+                draft_model=draft, flash_attn=flash, verbose=False))
         self.widths: list[int] = []
         evaluate = self.llm.eval
 

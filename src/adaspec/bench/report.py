@@ -706,6 +706,11 @@ def _linear_note(linear: Any) -> str:
     return f", linear kernels {linear}" if linear else ""
 
 
+def _flash_note(flash_attn: Any) -> str:
+    """llama.cpp's flash attention in the run (target and llama.cpp peers alike)."""
+    return {True: ", flash attention on", False: ", flash attention off"}.get(flash_attn, "")
+
+
 def _header(summary: dict[str, Any]) -> list[str]:
     g = summary.get
     temp = _num(g("temperature"))
@@ -714,7 +719,7 @@ def _header(summary: dict[str, Any]) -> list[str]:
     cats = ", ".join(summary["categories"]) or "none"
     return [f"# adaspec bench report: {g('model', '?')}", "",
             f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}, backend "
-            f"`{g('backend', 'transformers')}`{_linear_note(g('linear'))}), {mode}",
+            f"`{g('backend', 'transformers')}`{_linear_note(g('linear'))}{_flash_note(g('flash_attn'))}), {mode}",
             f"- suite `{g('suite', '?')}`: {g('n_prompts', '?')} prompts, categories: {cats}",
             f"- max {g('max_new_tokens', '?')} new tokens, {g('repeats', '?')} timed pass(es) over the "
             "workload (median per prompt), configurations interleaved",

@@ -210,6 +210,9 @@ class BenchRun:
     backend: str = "transformers"  # what ran the target (``backends``)
     #: adaspec's linear kernels (``kernels.linear_mode``): "packed", "small-batch" or "stock"
     linear: str = "stock"
+    #: llama.cpp's flash attention as the target ran it (True, False; None: llama.cpp's own
+    #: choice, or another backend)
+    flash_attn: bool | None = None
     #: replay's predictions from a trace of this workload (``predict_from``): config -> {"seconds",
     #: "tokens", "per_category": {category: seconds}} or {"unavailable": reason}
     predictions: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -467,6 +470,7 @@ class BenchRun:
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "adaspec_version": __version__, "model": self.model, "device": self.device,
             "dtype": self.dtype, "backend": self.backend, "linear": self.linear,
+            **({"flash_attn": self.flash_attn} if self.backend == "llama.cpp" else {}),
             "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens,
             "speedup_basis": "per_token" if self.per_token else "seconds",
@@ -859,13 +863,14 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
                     suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows,
                     linear=linear_mode(getattr(target, "model", None)),
+                    flash_attn=getattr(target, "flash_attn", None),
                     steadiness=steadiness([tr.steps for runs in turns for tr in runs]))
 
 
 # -- config files -------------------------------------------------------------------------
 #: keys a bench config file may set (TOML or YAML); CLI flags override them
-FILE_KEYS = {"model", "device", "dtype", "backend", "linear", "suite", "per_category", "seed", "max_new_tokens",
-             "repeats",
+FILE_KEYS = {"model", "device", "dtype", "backend", "linear", "flash_attn", "suite", "per_category", "seed",
+             "max_new_tokens", "repeats",
              "temperature", "drafters", "ks", "selectors", "lengths", "peers", "static", "costs",
              "out", "config", "tree"}
 

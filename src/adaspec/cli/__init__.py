@@ -25,6 +25,8 @@ err = Console(stderr=True)
 
 BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF models on llama.cpp's "
                 "kernels; pip install 'adaspec\\[llamacpp]')")
+FLASH_HELP = ("llama.cpp's flash attention [default: off on a CPU, where ggml's made forwards past ~128 "
+              "cached tokens slower here; llama.cpp's own choice on a GPU]; llama.cpp backend only")
 LINEAR_HELP = ("linear kernels on CPU float32: auto (packed where torch has MKL and oneDNN: same product, "
                "~1.7x faster decoding and ~1.8x faster 16-token verification here, a second copy of the "
                "weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
@@ -61,6 +63,7 @@ def generate(
                                      "batch-invariant); transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     tree: bool = typer.Option(False, "--tree", help=TREE_HELP),
     tree_nodes: int = typer.Option(15, "--tree-nodes", help="with --tree: most nodes of a draft tree "
                                    "(the verify-cost rule keeps the best-first prefix that pays)"),
@@ -79,11 +82,12 @@ def generate(
                                chat_template=not no_chat_template,
                                sampling=SamplingConfig(temperature, top_k, top_p, seed))
         check_tree(tree, backend, tree_nodes)
-        check_target(model, device, dtype, backend, linear)
+        check_target(model, device, dtype, backend, linear, flash_attn)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
-                                                   backend=backend, linear=linear, selector=selector,
+                                                   backend=backend, linear=linear, flash_attn=flash_attn,
+                                                   selector=selector,
                                                    length=length, k=k,
                                                    tree=tree, tree_nodes=tree_nodes,
                                                    pool=False if pool == "none" else pool)
@@ -131,6 +135,7 @@ def serve(
                                      "backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     prefix_cache: bool = typer.Option(True, help="start a prompt from the KV of the last request's "
                                       "shared prefix (a chat's next turn; llama.cpp backend)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
@@ -153,7 +158,7 @@ def serve(
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
     try:  # every option before the model loads
-        check_target(model, device, dtype, backend, linear)
+        check_target(model, device, dtype, backend, linear, flash_attn)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         check_number("--port", port, low=1, high=65535, integer=True)
@@ -179,7 +184,8 @@ def serve(
         torch.set_num_threads(threads)
     try:
         engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
-                                                   backend=backend, linear=linear, selector=selector,
+                                                   backend=backend, linear=linear, flash_attn=flash_attn,
+                                                   selector=selector,
                                                    length=length, k=k)
         max_batch = serve_batch_size(engine, max_batch)
         if no_state:
@@ -222,6 +228,7 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
 
 
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
+                  "flash_attn": None,
                   "suite": "mixed", "per_category": None,  # None: workloads.default_per_category
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix", "recycle"], "ks": [5], "selectors": ["auto"],
@@ -265,6 +272,7 @@ def bench(
     backend: str | None = typer.Option(None, "--backend", help=BACKEND_HELP + " [default: transformers; "
                                        "on llama.cpp the default peers are llama.cpp and llama.cpp-pld]"),
     linear: str | None = typer.Option(None, "--linear", help=LINEAR_HELP + " [default: auto]"),
+    flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     costs: bool | None = typer.Option(None, "--costs/--no-costs", help="measure the verify-cost curve"),
     out: str | None = typer.Option(None, "--out", "-o",
                                    help="report directory [default: adaspec-bench/<date-time>]"),
@@ -301,7 +309,8 @@ def bench(
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
              "repeats": repeats, "temperature": temperature, "seed": seed, "device": device,
-             "dtype": dtype, "backend": backend, "linear": linear, "costs": costs, "out": out, "tree": tree}
+             "dtype": dtype, "backend": backend, "linear": linear, "flash_attn": flash_attn, "costs": costs,
+             "out": out, "tree": tree}
     try:
         file_cfg = load_bench_file(config_file) if config_file else {}
         opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
@@ -324,7 +333,7 @@ def bench(
         check_number("--prompts", prompts, low=0, integer=True)
         check_sampling(opt["temperature"])
         check_tree(opt["tree"], opt["backend"])
-        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"], opt["linear"])
+        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"], opt["linear"], opt["flash_attn"])
         check_policies(opt["selectors"], opt["lengths"], opt["ks"])
         for p in opt["peers"]:
             check_peer(p)
@@ -367,7 +376,7 @@ def bench(
                 record = str(Path(out_dir) / "trace.npz")
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"],
-                            linear=opt["linear"])
+                            linear=opt["linear"], flash_attn=opt["flash_attn"])
         if pool is None and opt["selectors"]:
             from ..pools import find_pool
 
@@ -528,6 +537,7 @@ def costs(
     dtype: str | None = typer.Option(None, help="float32 (the default) or bfloat16; transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
     png: str | None = typer.Option("verify_cost_surface.png", "--png",
                                    help="write the heat map here ('' for none)"),
@@ -538,8 +548,9 @@ def costs(
     from ..models import load_model
 
     try:
-        check_target(model, device, dtype, backend, linear)
-        loaded = load_model(model, device=device, dtype=dtype, backend=backend, linear=linear)
+        check_target(model, device, dtype, backend, linear, flash_attn)
+        loaded = load_model(model, device=device, dtype=dtype, backend=backend, linear=linear,
+                            flash_attn=flash_attn)
         with StageProgress(err) as bar:
             surface = load_or_measure(loaded, DEFAULT_KS, DEFAULT_CONTEXTS, refresh=refresh,
                                       progress=lambda done, total: bar("measuring the cost grid", done, total))

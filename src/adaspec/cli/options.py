@@ -41,9 +41,9 @@ class _TargetProbe:
 
 
 def check_target(model: str, device: str = "cpu", dtype: str | None = None,
-                 backend: str = "transformers", linear: str = "auto") -> None:
-    """``--model``, ``--device``, ``--dtype``, ``--backend`` and ``--linear`` of a command that
-    loads a target."""
+                 backend: str = "transformers", linear: str = "auto", flash_attn: bool | None = None) -> None:
+    """``--model``, ``--device``, ``--dtype``, ``--backend``, ``--linear`` and ``--flash-attn`` of
+    a command that loads a target."""
     import importlib.util
 
     from ..backends.base import check_backend
@@ -51,6 +51,8 @@ def check_target(model: str, device: str = "cpu", dtype: str | None = None,
 
     backend = check_backend(backend)
     check_linear(linear, backend)
+    if flash_attn is not None and not isinstance(flash_attn, bool):
+        raise AdaspecError(f"flash_attn must be true or false, got {flash_attn!r}")
     gguf = locate_model(model)
     if backend == "llama.cpp":
         from ..backends.llamacpp import INSTALL_HINT
@@ -66,6 +68,9 @@ def check_target(model: str, device: str = "cpu", dtype: str | None = None,
         if importlib.util.find_spec("llama_cpp") is None:
             raise AdaspecError(f"--backend llama.cpp: {INSTALL_HINT}")
         return
+    if flash_attn is not None:
+        raise AdaspecError("--flash-attn/--no-flash-attn is for --backend llama.cpp (transformers runs "
+                           "PyTorch's attention): drop it, or add --backend llama.cpp")
     check_device(device, "--device")
     resolve_dtype(dtype)
 
