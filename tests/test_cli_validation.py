@@ -82,6 +82,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "--max-queue", "0"], r"--max-queue 0: must be"),
         (["serve", "--max-batch", "0"], r"--max-batch 0: must be an integer >= 1"),
         (["serve", "--max-batch", "4", "--backend", "llama.cpp"], r"--max-batch > 1 .* transformers backend"),
+        (["serve", "--flash-attn"], r"--flash-attn/--no-flash-attn is for --backend llama.cpp"),
         (["serve", "--timeout", "0"], r"--timeout 0.0: must be"),
         (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),
         # bench-serve
@@ -107,6 +108,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["generate", "hi", "--tree", "--tree-nodes", "0"], r"--tree-nodes 0: must be an integer >= 1"),
         (["generate", "hi", "--tree", "--backend", "llama.cpp"], r"--tree: draft trees are verified on the "
          r"transformers backend, not llama.cpp"),
+        (["generate", "hi", "--flash-attn"], r"--flash-attn/--no-flash-attn is for --backend llama.cpp"),
         # bench
         (["bench", "--record", str(tmp / "t2.npz"), "-d", "none"], r"--record: drafter 'none' cannot be recorded"),
         (["bench", "--record", str(tmp / "t.json")], r"a trace is a .npz file"),
@@ -127,6 +129,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench", "--suite", f"{missing}.jsonl"], r"prompt file not found: .*missing.jsonl"),
         # costs
         (["costs", "--device", "cuda"], r"--device cuda: this torch build has no CUDA"),
+        (["costs", "--no-flash-attn"], r"--flash-attn/--no-flash-attn is for --backend llama.cpp"),
+        (["bench", "--flash-attn", "--backend", "transformers"], r"--flash-attn/--no-flash-attn is for --backend"),
         (["costs", "--dtype", "int3"], r"unknown dtype 'int3'"),
         # train-head
         (["train-head", "--device", "cuda"], r"--device cuda: this torch build has no CUDA"),

@@ -18,8 +18,9 @@ import torch
 #: this close (nats) differs at a numeric near-tie (batched vs one-token forwards, bf16, quantized
 #: kernels), not from a verification error
 NEAR_TIE_NATS = 0.05
-#: the same on llama.cpp, whose CPU kernels are not batch-invariant once the KV cache holds more
-#: than 256 cells (one query takes flash attention's split-KV path, a verify block does not): the
+#: the same on llama.cpp, whose CPU kernels are not batch-invariant (without flash attention, the
+#: CPU default, at any length: max 0.75 nats; with it, once the KV cache holds more than 256 cells,
+#: where one query takes flash attention's split-KV path and a verify block does not: max 1.18): the
 #: largest move of the two best tokens' margin between one-token decoding and verify blocks,
 #: measured over the built-in suites (scripts/llamacpp_numerics.py, docs/llamacpp.md), rounded up
 NEAR_TIE_NATS_LLAMACPP = 1.25
