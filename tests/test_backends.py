@@ -228,11 +228,7 @@ def test_llamacpp_blocks_without_flash_attention_move_logits_within_the_bound(ll
     single, block = _single_and_block_rows(llama, ids[:100], ids[100:108])  # 9 wide (measured: 0.37)
     assert not torch.equal(single, block)
     _same_argmax_up_to_near_ties(llama, single, block)
-    lp_s, lp_b = torch.log_softmax(single.double(), -1), torch.log_softmax(block.double(), -1)
-    top2 = torch.topk(lp_s, 2, dim=-1).indices
-    move = ((lp_s.gather(1, top2) @ torch.tensor([1.0, -1.0], dtype=torch.float64))
-            - (lp_b.gather(1, top2) @ torch.tensor([1.0, -1.0], dtype=torch.float64))).abs()
-    assert move.max() < llama.near_tie_nats
+    assert _margin_move(single, block).max() < llama.near_tie_nats
 
 
 @pytest.mark.slow
@@ -257,8 +253,8 @@ def test_llamacpp_qwen_q4_k_m_blocks_are_not_invariant_at_short_lengths():
 def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells():
     """Pins llama.cpp's numerics with flash attention behind ``batch_invariant = False``: a
     verify block gives the rows of one-token forwards bit for bit while the KV cache holds at
-    most 256 cells, and other
-    numbers past that (split-KV flash attention for one query), within the near-tie bound. When
+    most 256 cells, and other numbers past that (split-KV flash attention for one query),
+    within the near-tie bound. When
     a llama.cpp release makes them equal, this fails: the flag and the threshold can go. On 2
     threads, as users run it here (on one thread both kinds of forward give the same numbers)."""
     if not HAVE_LLAMA:
@@ -272,11 +268,7 @@ def test_llamacpp_blocks_equal_one_token_forwards_only_up_to_256_cells():
     assert torch.equal(single, block)
     single, block = _single_and_block_rows(llama, ids[:300], ids[300:305])
     assert not torch.equal(single, block) and torch.equal(single.argmax(-1), block.argmax(-1))
-    lp_s, lp_b = torch.log_softmax(single.double(), -1), torch.log_softmax(block.double(), -1)
-    top2 = torch.topk(lp_s, 2, dim=-1).indices
-    move = ((lp_s.gather(1, top2) @ torch.tensor([1.0, -1.0], dtype=torch.float64))
-            - (lp_b.gather(1, top2) @ torch.tensor([1.0, -1.0], dtype=torch.float64))).abs()
-    assert move.max() < llama.near_tie_nats
+    assert _margin_move(single, block).max() < llama.near_tie_nats
 
 
 def test_divergence_gap_is_the_margin_plain_decoding_saw(llama):
@@ -709,6 +701,15 @@ def test_llamacpp_sampling_is_exact(llama):
     exp = [*p[top].tolist(), 1 - p[top].sum().item()]
     _, pval, _ = chisquare_gof(obs, exp)
     assert pval > 1e-3
+
+
+def _margin_move(single: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """Per row, how far ``block`` moves the log-probability margin between ``single``'s two
+    best tokens (nats): what the near-tie bound has to cover."""
+    lp_s, lp_b = torch.log_softmax(single.double(), -1), torch.log_softmax(block.double(), -1)
+    top2 = torch.topk(lp_s, 2, dim=-1).indices
+    sign = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    return ((lp_s.gather(1, top2) @ sign) - (lp_b.gather(1, top2) @ sign)).abs()
 
 
 def _same_argmax_up_to_near_ties(backend: TargetBackend, a: torch.Tensor, b: torch.Tensor) -> None:
