@@ -18,6 +18,7 @@ AR is priced alike. The engine's policies read the surface the live engines read
     python scripts/tree_replay.py TRACE.npz --only "suffix k=5 +tree" --tree-nodes 31  # a larger node budget
     python scripts/tree_replay.py TRACE.npz --suffix suffix:datastore=$HOME/.cache/adaspec/pool/smollm2/datastores/generalist.jsonl
     python scripts/tree_replay.py TRACE.npz --only auto --add suffix:datastore=$HOME/.cache/adaspec/pool/smollm2/datastores/generalist.jsonl
+    python scripts/tree_replay.py TRACE.npz --only auto --costs GRID.json --by-category  # per category, on llama.cpp's grid
 """
 
 from __future__ import annotations
@@ -264,10 +265,11 @@ def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
 
 
 def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rounds_csv: str | None = None,
-           suffix: str | None = None, add: Sequence[str] = (), **engine_kw: Any) -> None:
+           suffix: str | None = None, add: Sequence[str] = (), by_category: bool = False,
+           **engine_kw: Any) -> None:
     """Replay every configuration (``names``: only these); ``suffix``: another suffix spec in
     their place (e.g. ``suffix:datastore=FILE``, a datastore's candidates in the trees); ``add``:
-    more drafters for ``auto`` (a pool's datastores)."""
+    more drafters for ``auto`` (a pool's datastores); ``by_category``: speed-ups per category too."""
     work = load_workload(path, costs, rounds_csv)
     for name, kw in CONFIGS:
         if names and name not in names:
@@ -280,6 +282,8 @@ def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rou
         print(f"{name:26s} MAT {r['mat']:.3f}  identical to AR: {r['identical']}  nodes/round "
               f"{r['nodes_per_round']:.2f}  drafting rounds {r['drafting_share']:.2f}  python "
               f"{r['python_ms']:.2f} ms/round  est. {r['tokens_per_s']:.2f} tok/s, {r['speedup']:.3f}x AR")
+        if by_category:
+            print("    " + ", ".join(f"{c} {ar / secs:.3f}x" for c, (secs, ar) in sorted(r["by_category"].items())))
 
 
 def main() -> None:
@@ -304,6 +308,7 @@ def main() -> None:
                     "suffix:datastore=FILE (a datastore built by adaspec build-pool)")
     ap.add_argument("--add", action="append", default=[], metavar="SPEC",
                     help="add a drafter to auto's (repeatable), e.g. a pool's suffix:datastore=FILE")
+    ap.add_argument("--by-category", action="store_true", help="predicted speed-ups per prompt category too")
     args = ap.parse_args()
     if args.record:
         record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
@@ -311,7 +316,7 @@ def main() -> None:
         if not args.wall_clock:
             time.perf_counter = time.process_time  # the engine's timers, in this process only
         kw = {} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}
-        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, args.add, **kw)
+        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, args.add, args.by_category, **kw)
     else:
         ap.error("give --record OUT, or a trace (or a recording and --costs)")
 
