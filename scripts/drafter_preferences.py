@@ -84,11 +84,11 @@ def main() -> None:
     for label, path in args.costs:
         print(f"{label} verify curve, {curve(path, args.context)}")
     labels = list(tables)
-    cats = [c for c in dict.fromkeys(c for t in tables.values() for c in t) if c != "all"] + ["all"]
+    cats = sorted({c for t in tables.values() for c in t} - {"all"}) + ["all"]
     print("\n| category | " + " | ".join(f"{lb}: drafting rounds, mean block, accepted, drafter shares"
                                       for lb in labels) + " |")
     print("|---|" + "---|" * len(labels))
-    for cat in sorted(cats[:-1]) + ["all"]:
+    for cat in cats:
         cells = []
         for lb in labels:
             p = tables[lb].get(cat)
