@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import csv
 import gzip
-import json
 from collections import defaultdict
 from pathlib import Path
+
+from adaspec.bench.replay import load_surface
 
 
 def _labelled(text: str) -> tuple[str, Path]:
@@ -61,11 +62,9 @@ def preferences(rows: list[dict[str, str]]) -> dict[str, dict[str, float | dict[
 
 
 def curve(path: Path, context: int) -> str:
-    """The verify-cost ratios (k tokens against one) at the grid's cache length nearest ``context``."""
-    grid = json.loads(path.read_text(encoding="utf-8"))
-    i = min(range(len(grid["contexts"])), key=lambda j: abs(grid["contexts"][j] - context))
-    row = grid["seconds"][i]
-    return f"cache {grid['contexts'][i]}: " + ", ".join(f"k={k} {s / row[0]:.2f}x" for k, s in zip(grid["ks"], row))
+    """The verify-cost ratios (k tokens against one) of a grid at ``context`` cached tokens."""
+    c = load_surface(str(path)).curve(context)
+    return f"cache {context}: " + ", ".join(f"k={k} {s / c.seconds[0]:.2f}x" for k, s in zip(c.ks, c.seconds))
 
 
 def main() -> None:
