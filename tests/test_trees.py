@@ -321,6 +321,58 @@ def test_trees_offer_the_most_frequent_tokens_after_an_unseen_token(drafter):
     assert [t for t, _ in frequent_candidates(d._index, 2)] == [2, 1]
 
 
+def test_frequent_tokens_follow_every_change_of_the_index():
+    """``NgramIndex.frequent`` keeps its ranking between changes: after appends, a rollback to
+    the same length with other tokens, and inside a look, it equals a ranking from scratch."""
+    import random
+
+    from adaspec.drafters.index import NgramIndex
+
+    def brute(tokens, n):
+        last = {}
+        count = {}
+        for i, t in enumerate(tokens[:-1]):  # a 1-gram is indexed once its continuation is known
+            count[t] = count.get(t, 0) + 1
+            last[t] = i + 1
+        return sorted(count, key=lambda t: (-count[t], -last[t]))[:n]
+
+    rng = random.Random(0)
+    index = NgramIndex([2, 1])
+    seq: list[int] = []
+    for step in range(300):
+        if step % 7 == 6 and len(seq) > 3:  # roll back, then grow again with other tokens
+            cut = len(seq) - rng.randint(1, 3)
+            seq = seq[:cut]
+            index.truncate(cut)
+        t = rng.randint(0, 12)
+        seq.append(t)
+        index.append(t)
+        assert index.frequent(4) == brute(seq, 4)
+        if step % 5 == 0:
+            base = len(index)
+            index.look_begin()
+            extra = [rng.randint(0, 12) for _ in range(3)]
+            for e in extra:
+                index.look_append(e)
+            assert index.frequent(4) == brute(seq + extra, 4)
+            index.look_end(base)
+            assert index.frequent(4) == brute(seq, 4)
+
+
+def test_level_candidates_stop_reading_levels_once_known():
+    """With a limit, levels after those that fill it change nothing (their tokens rank below),
+    and each token's bucket is that of the first level it appears at."""
+    from adaspec.drafters.indexed import candidate_key, level_candidates
+
+    levels = [(4, [3, 5, 3]), (2, [5, 6, 7, 3]), (1, [8, 9, 9, 3, 2])]
+    assert level_candidates(3, levels, 3) == level_candidates(3, levels[:2], 3)
+    assert level_candidates(3, levels, 3) == [(3, candidate_key(4, 2, 3, False)),
+                                              (5, candidate_key(4, 1, 3, False)),
+                                              (6, candidate_key(2, 1, 4, True))]
+    assert [t for t, _ in level_candidates(3, levels)] == [3, 5, 6, 7, 9, 8, 2]
+    assert [t for t, _ in level_candidates(11, levels, 2)] == [3, 5]  # `first` without a match
+
+
 class ChainOnly:
     """Patch: every tree node gets only its top candidate, so trees are chains."""
 

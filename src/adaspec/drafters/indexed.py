@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import itertools
 from abc import abstractmethod
@@ -35,6 +36,12 @@ def _bucket(edges: Sequence[float], x: float) -> int:
     return max(bisect_right(edges, x) - 1, 0)
 
 
+@functools.lru_cache(maxsize=8192)
+def _key(match: int, count: int, total: int, late: bool) -> CandidateKey:
+    """``candidate_key``, memoised: a tree asks for a few buckets at every node."""
+    return candidate_key(match, count, total, late)
+
+
 def candidate_key(match: int, count: int, total: int, late: bool) -> CandidateKey:
     """The calibration bucket of a continuation seen ``count`` times among the ``total``
     matches of length ``match`` (``late``: a longer match level did not contain it)."""
@@ -50,28 +57,29 @@ def level_candidates(first: int, levels: Sequence[tuple[int, Sequence[int]]], li
     at. ``first`` (the chain's proposal) leads, the others follow in level order, most frequent
     first (ties: the order of the level, i.e. most recent first). ``limit``: the first that
     many only (a tree node's branching), whose buckets alone are computed (bucketing every
-    distinct continuation was half of a 15-node tree's time)."""
+    distinct continuation was half of a 15-node tree's time), and levels are read only until
+    they are known."""
     seen: dict[int, tuple[int, int, int, bool]] = {}  # token -> (match, count, total, late)
-    order: list[tuple[int, int, int, int]] = []  # (level, -count, position, token)
-    seen_level = False
-    for j, (match, level) in enumerate(levels):
+    ranked: list[int] = []  # tokens but `first`, in rank order: (level, -count, first position)
+    late = False
+    for match, level in levels:
         if not level:
             continue
-        counts = Counter(level)
         total = len(level)
-        for pos, tok in enumerate(dict.fromkeys(level)):
+        # most_common: by count, ties in first-occurrence order (a Counter keeps insertion order
+        # and its sort is stable), i.e. most recent first
+        for tok, c in ((level[0], 1),) if total == 1 else Counter(level).most_common():
             if tok not in seen:
-                c = counts[tok]
-                seen[tok] = (match, c, total, seen_level)
-                order.append((j, -c, pos, tok))
-        seen_level = True
-    head = [first] if first in seen else []
-    if limit is None:
-        ranked = sorted(order)
-    else:  # `first`, if it leads, is among the `limit` best too
-        ranked = heapq.nsmallest(limit, order)
-    out = (head + [t for *_, t in ranked if t != first])[:limit]
-    return [(t, candidate_key(*seen[t])) for t in out]
+                seen[tok] = (match, c, total, late)
+                if tok != first:
+                    ranked.append(tok)
+        late = True
+        # the later levels rank below: done once `limit` tokens but `first`, and `first`'s own
+        # bucket, are known (on a match the 1-gram level's 64 tokens are skipped)
+        if limit is not None and len(ranked) >= limit and first in seen:
+            break
+    out = ([first] + ranked)[:limit] if first in seen else ranked[:limit]
+    return [(t, _key(*seen[t])) for t in out]
 
 
 def frequent_candidates(index: NgramIndex, n: int | None = None) -> list[tuple[int, CandidateKey]]:
@@ -81,21 +89,7 @@ def frequent_candidates(index: NgramIndex, n: int | None = None) -> list[tuple[i
     rounds began there, and the next token was among the 4 most frequent 10% of the time (8:
     20%); a node costs little on a flat verify curve and the budget prices it by its
     calibrated score. Needs the index's 1-grams."""
-    ones = index.maps.get(1)
-    if not ones:
-        return []
-    n = TREE_BRANCH if n is None else n
-    rank = (lambda kv: (len(kv[1]), kv[1][-1]))
-    look = {k: v for k, v in index.look.items() if len(k) == 1} if index.look else None
-    if not look:
-        top = heapq.nlargest(n, ones.items(), key=rank)
-    else:  # a look's tokens count as indexed: the top n + |look| of the map hold the top n
-        # tokens the look does not touch, so merging the look into them ranks exactly
-        merged = dict(heapq.nlargest(n + len(look), ones.items(), key=rank))
-        for key, extra in look.items():
-            merged[key] = ones.get(key, []) + extra
-        top = heapq.nlargest(n, merged.items(), key=rank)
-    return [(key[0], (0, 0, 0)) for key, _ in top]
+    return [(tok, (0, 0, 0)) for tok in index.frequent(TREE_BRANCH if n is None else n)]
 
 
 class CandidateCalibration:
