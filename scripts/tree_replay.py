@@ -14,6 +14,7 @@ AR is priced alike. The engine's policies read the surface the live engines read
     python scripts/tree_replay.py docs/results/smollm2-auto-trees-v3/trace.npz   # a bench trace
     python scripts/tree_replay.py TRACE.npz --live-ratios RESULTS/rounds.csv --only "suffix k=5 +tree"
     python scripts/tree_replay.py --record ar.json              # or: AR outputs of SmolLM2 (mixed suite)
+    python scripts/tree_replay.py --record qa.json --backend llama.cpp --suite qa --per-category 8
     python scripts/tree_replay.py ar.json --costs surface.json  # priced on a surface JSON, 2 ms a round
     python scripts/tree_replay.py TRACE.npz --only "suffix k=5 +tree" --tree-nodes 31  # a larger node budget
     python scripts/tree_replay.py TRACE.npz --suffix suffix:datastore=$HOME/.cache/adaspec/pool/smollm2/datastores/generalist.jsonl
@@ -127,13 +128,15 @@ def learn_on_path_only(drafters: Sequence[Any]) -> None:
         d.observe_target = observe
 
 
-def record(out: str, model: str, suite: str, per_category: int, max_new_tokens: int) -> None:
-    """Greedy AR outputs of the suite (turns in order, as ``adaspec bench`` encodes them)."""
+def record(out: str, model: str, suite: str, per_category: int, max_new_tokens: int,
+           backend: str = "transformers") -> None:
+    """Greedy AR outputs of the suite (turns in order, as ``adaspec bench`` encodes them) on
+    ``backend`` (llama.cpp: its own greedy outputs, for ``look_ceiling.py``)."""
     from adaspec.bench.runner import _turn_prompt
     from adaspec.bench.workloads import load_suite
     from adaspec.models import load_model
 
-    target = load_model(model)
+    target = load_model(model, backend=backend)
     eng = engine_mod.SpeculativeEngine(target, [])
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0))
     reqs: list[dict[str, Any]] = []
@@ -291,6 +294,7 @@ def main() -> None:
     ap.add_argument("recording", nargs="?", help="a bench trace (.npz) or AR outputs recorded with --record")
     ap.add_argument("--record", metavar="OUT", help="record AR outputs to OUT and stop")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--backend", default="transformers", help="with --record: the target's backend (llama.cpp)")
     ap.add_argument("--suite", default="mixed")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -311,7 +315,7 @@ def main() -> None:
     ap.add_argument("--by-category", action="store_true", help="predicted speed-ups per prompt category too")
     args = ap.parse_args()
     if args.record:
-        record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens)
+        record(args.record, args.model, args.suite, args.per_category, args.max_new_tokens, args.backend)
     elif args.recording:
         if not args.wall_clock:
             time.perf_counter = time.process_time  # the engine's timers, in this process only
