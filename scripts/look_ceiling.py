@@ -3,15 +3,16 @@
 At every position of recorded greedy outputs, the model-free drafters are looked at as ``auto``
 looks at them (``Drafter.peek``, 16 tokens), and the position gets the key ``auto`` conditions
 its estimates on: per drafter, whether it proposes, agrees or disagrees with the other's first
-token, and its match bucket (``selection.auto.peek_context``). A policy maps each key to a plain
-step or a (drafter, cap), the block cut to what the drafter proposes; its speed is walked over the outputs on a verify-cost grid (each
-block charged its verify width and two graph rebuilds, ``VerifyCostSurface.switch_s``, as an
-isolated block is on llama.cpp; no policy or drafting time). The best such policy is fitted on
-the positions it is scored on (Dinkelbach iterations on the rate), per prompt and per category:
-an in-sample, optimistic ceiling for policies of those keys that are fixed within a prompt,
-with their own time left out (``auto`` also learns within a request; fitted per prompt, the
-ceiling covers what it could learn between them). The per-round oracle (``tree_replay``'s) knows each round's outcome; this one
-only what the looks show.
+token, and its match bucket (``selection.auto.peek_context``). A policy maps each key to a
+plain step or a (drafter, cap), the block cut to what the drafter proposes; its speed is
+walked over the outputs on a verify-cost grid (each block charged its verify width and two
+graph rebuilds, ``VerifyCostSurface.switch_s``, as an isolated block is on llama.cpp; no
+policy or drafting time). The best such policy is fitted on the positions it is scored on
+(Dinkelbach iterations on the rate), per prompt and per category: an in-sample, optimistic
+ceiling for policies of those keys that are fixed within a prompt, with their own time left
+out (``auto`` also learns within a request; fitted per prompt, the ceiling covers what it
+could learn between them). The per-round oracle (``tree_replay``'s) knows each round's
+outcome; this one only what the looks show.
 
     python scripts/tree_replay.py --record qa.json --backend llama.cpp --suite qa --per-category 8
     python scripts/look_ceiling.py qa.json --costs docs/results/smollm2-backend-preferences/llamacpp-costs.json
