@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from adaspec.bench.replay import load_surface
 from adaspec.costs import VerifyCostSurface
 from adaspec.drafters import PromptLookupDrafter, SuffixDrafter
-from adaspec.selection.auto import match_bucket
+from adaspec.selection.auto import peek_chain, peek_context
 
 #: block lengths a policy may choose (cut to the block a drafter proposes)
 BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -40,13 +40,8 @@ Position = tuple[tuple, dict[tuple[int, int], tuple[int, float]], float]
 
 
 def matched(block: Sequence[int], truth: Sequence[int]) -> int:
-    """Leading tokens of ``block`` equal to ``truth`` (greedy acceptance)."""
-    n = 0
-    for a, b in zip(block, truth):
-        if a != b:
-            break
-        n += 1
-    return n
+    """Leading tokens of ``block`` equal to ``truth`` (greedy acceptance: ``peek_chain``'s hits)."""
+    return int(sum(peek_chain(block, truth)))
 
 
 def positions(prompt: Sequence[int], output: Sequence[int], surface: VerifyCostSurface) -> list[Position]:
@@ -63,11 +58,8 @@ def positions(prompt: Sequence[int], output: Sequence[int], surface: VerifyCostS
             d.catch_up(ctx)
             peek = d.peek(ctx, LOOK_DEPTH)
             looks.append((peek.tokens, peek.match) if peek is not None and peek.tokens else ([], 0))
-        key = []
-        for j, (block, match) in enumerate(looks):
-            other = looks[1 - j][0]
-            rel = None if not block else "alone" if not other else "agree" if other[0] == block[0] else "disagree"
-            key.append(None if rel is None else (rel, match_bucket(match)))
+        blocks = {j: block for j, (block, _) in enumerate(looks) if block}
+        key = [peek_context(j, blocks, looks[j][1]) if j in blocks else None for j in range(len(looks))]
         row = surface.row(t, LOOK_DEPTH + 1)
         acts: dict[tuple[int, int], tuple[int, float]] = {}
         for j, (block, _) in enumerate(looks):

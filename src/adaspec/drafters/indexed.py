@@ -37,14 +37,10 @@ def _bucket(edges: Sequence[float], x: float) -> int:
 
 
 @functools.lru_cache(maxsize=8192)
-def _key(match: int, count: int, total: int, late: bool) -> CandidateKey:
-    """``candidate_key``, memoised: a tree asks for a few buckets at every node."""
-    return candidate_key(match, count, total, late)
-
-
 def candidate_key(match: int, count: int, total: int, late: bool) -> CandidateKey:
     """The calibration bucket of a continuation seen ``count`` times among the ``total``
-    matches of length ``match`` (``late``: a longer match level did not contain it)."""
+    matches of length ``match`` (``late``: a longer match level did not contain it).
+    Memoised: a tree asks for a few buckets at every node."""
     return (CALIBRATION_MATCH[_bucket(CALIBRATION_MATCH, match)],
             _bucket(CALIBRATION_SHARE, count / total), int(late))
 
@@ -79,7 +75,7 @@ def level_candidates(first: int, levels: Sequence[tuple[int, Sequence[int]]], li
         if limit is not None and len(ranked) >= limit and first in seen:
             break
     out = ([first] + ranked)[:limit] if first in seen else ranked[:limit]
-    return [(t, _key(*seen[t])) for t in out]
+    return [(t, candidate_key(*seen[t])) for t in out]
 
 
 def frequent_candidates(index: NgramIndex, n: int | None = None) -> list[tuple[int, CandidateKey]]:
