@@ -13,6 +13,7 @@ AR is priced alike. The engine's policies read the surface the live engines read
 
     python scripts/tree_replay.py docs/results/smollm2-auto-trees-v3/trace.npz   # a bench trace
     python scripts/tree_replay.py TRACE.npz --live-ratios RESULTS/rounds.csv --only "suffix k=5 +tree"
+    python scripts/tree_replay.py TRACE.npz --costs GRID.json --live-ratios RUN/rounds.csv  # another machine's run
     python scripts/tree_replay.py --record ar.json              # or: AR outputs of SmolLM2 (mixed suite)
     python scripts/tree_replay.py --record qa.json --backend llama.cpp --suite qa --per-category 8
     python scripts/tree_replay.py ar.json --costs surface.json  # priced on a surface JSON, 2 ms a round
@@ -169,17 +170,19 @@ class Workload:
     request_s: float = 0.0
 
 
-def live_ratios(trace: Any, rounds_csv: str, min_rounds: int = 5) -> Any:
+def live_ratios(trace: Any, rounds_csv: str, surface: VerifyCostSurface | None = None, min_rounds: int = 5) -> Any:
     """``EngineOverheads`` whose per-width verify ratio is a bench run's own (``rounds.csv`` of
     the output directory the trace came with: every configuration's rounds, live verify
     seconds over the trace's surface at the same width and cache length). The ratio drifts
     between hours, and trees verify more wide blocks than chains, so their predicted gain
-    depends on it: price with both."""
+    depends on it: price with both. ``surface``: the ratios over this surface (a ``--costs``
+    grid measured beside the bench run) instead of the trace's."""
     import csv
     from collections import defaultdict
 
     from adaspec.costs import EngineOverheads
 
+    surface = surface or trace.surface
     n_prompt = {(p.meta.get("id"), int(p.meta.get("turn", 0))): len(p.prompt) for p in trace.prompts}
     ctx: dict[tuple[str, str, str], int] = {}
     sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
@@ -191,32 +194,40 @@ def live_ratios(trace: Any, rounds_csv: str, min_rounds: int = 5) -> Any:
         s = sums[w]
         s[0] += 1
         s[1] += float(r["verify_s"])
-        s[2] += trace.surface.cost(w, ctx[key])
+        s[2] += surface.cost(w, ctx[key])
         ctx[key] += int(r["emitted"])
     widths = sorted(w for w, s in sums.items() if s[0] >= min_rounds)
     return EngineOverheads(round_s=trace.overheads.round_s, request_s=trace.overheads.request_s,
                            verify_widths=widths, verify_ratios=[sums[w][1] / sums[w][2] for w in widths])
 
 
-def load_workload(path: str, costs: str | None, rounds_csv: str | None = None) -> Workload:
+def load_workload(path: str, costs: str | None, rounds_csv: str | None = None,
+                  policy_priced: bool = False) -> Workload:
     """A bench trace (``.npz``, ``adaspec bench --record``: prompts, greedy paths, surfaces and
-    overheads in one file) or a recording from ``--record`` with a surface JSON (``--costs``)."""
+    overheads in one file) or a recording from ``--record`` with a surface JSON (``--costs``).
+    ``rounds_csv``: verify steps priced at that bench run's live/surface ratio per width, over
+    ``costs`` when given (``live_ratios``). ``policy_priced``: the engine's policies read the
+    surface steps are priced on (what a grid that matched the live run would decide) instead
+    of the grid the live engines read."""
     if path.endswith(".npz"):
         from adaspec.bench.trace import Trace
 
         tr = Trace.load(path)
         if tr.surface is None:
             raise SystemExit(f"{path} was recorded without costs: give a trace with a surface")
-        over = live_ratios(tr, rounds_csv) if rounds_csv else tr.overheads
         reqs = [{"prompt": p.prompt, "out": p.output, "seq": p.path, "category": p.meta.get("category", "?"),
                  "prefill_s": p.prefill_s} for p in tr.prompts]
-        policy = tr.policy_surface or tr.surface
-        if costs:
-            policy = VerifyCostSurface.from_dict(json.load(open(costs)))
-        return Workload(reqs, tr.target["vocab_size"], tr.eos_ids, tr.max_new_tokens, policy, policy if costs else tr.surface.scaled(over.verify_factor),
-                        over.round_s, over.request_s)
+        policy, base = tr.policy_surface or tr.surface, tr.surface
+        if costs:  # another grid (another machine): the trace's live ratios were over its own
+            policy = base = VerifyCostSurface.from_dict(json.load(open(costs)))
+        over = live_ratios(tr, rounds_csv, base) if rounds_csv else tr.overheads
+        priced = base.scaled(over.verify_factor) if rounds_csv or not costs else base
+        return Workload(reqs, tr.target["vocab_size"], tr.eos_ids, tr.max_new_tokens,
+                        priced if policy_priced else policy, priced, over.round_s, over.request_s)
     if not costs:
         raise SystemExit("a --record recording needs --costs (a verify-cost surface JSON)")
+    if rounds_csv:
+        raise SystemExit("--live-ratios needs a bench trace (.npz): its prompts place the rounds' cache lengths")
     rec = json.load(open(path))
     surface = VerifyCostSurface.from_dict(json.load(open(costs)))
     reqs = [dict(r, seq=r["prompt"] + r["out"], prefill_s=surface.prefill(len(r["prompt"]) - 1))
@@ -269,11 +280,11 @@ def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
 
 def replay(path: str, costs: str | None, names: Sequence[str] | None = None, rounds_csv: str | None = None,
            suffix: str | None = None, add: Sequence[str] = (), by_category: bool = False,
-           **engine_kw: Any) -> None:
+           policy_priced: bool = False, **engine_kw: Any) -> None:
     """Replay every configuration (``names``: only these); ``suffix``: another suffix spec in
     their place (e.g. ``suffix:datastore=FILE``, a datastore's candidates in the trees); ``add``:
     more drafters for ``auto`` (a pool's datastores); ``by_category``: speed-ups per category too."""
-    work = load_workload(path, costs, rounds_csv)
+    work = load_workload(path, costs, rounds_csv, policy_priced)
     for name, kw in CONFIGS:
         if names and name not in names:
             continue
@@ -305,7 +316,10 @@ def main() -> None:
                          "process's CPU time, which another process on a busy machine does not inflate")
     ap.add_argument("--live-ratios", metavar="ROUNDS_CSV",
                     help="price verify steps with the per-width live/surface ratio of this bench run's "
-                         "rounds.csv instead of the trace's calibration")
+                         "rounds.csv (over --costs when given) instead of the trace's calibration")
+    ap.add_argument("--policy-priced", action="store_true",
+                    help="the engine's policies read the priced surface (with --live-ratios: the live "
+                         "run's costs) instead of the grid: what a grid matching the live run would decide")
     ap.add_argument("--tree-nodes", type=int, default=None,
                     help="most nodes of a draft tree (the engine's tree_nodes, default 15)")
     ap.add_argument("--suffix", metavar="SPEC", help="replace the suffix drafter by SPEC, e.g. "
@@ -320,7 +334,8 @@ def main() -> None:
         if not args.wall_clock:
             time.perf_counter = time.process_time  # the engine's timers, in this process only
         kw = {} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}
-        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, args.add, args.by_category, **kw)
+        replay(args.recording, args.costs, args.only, args.live_ratios, args.suffix, args.add, args.by_category,
+               args.policy_priced, **kw)
     else:
         ap.error("give --record OUT, or a trace (or a recording and --costs)")
 
