@@ -80,8 +80,8 @@ def test_a_running_rate_drafts_fewer_weak_trees_and_more_of_strong_ones():
 def test_a_prefix_cut_grown_until_it_refuses_cuts_where_the_whole_tree_would():
     """``PrefixCut`` fed best-first scores: ``add`` gives ``nodes_worth_verifying``'s m, and
     ``offer`` refuses a node only when no longer prefix could win, so stopping there leaves the
-    cut (and whether it beats a floor) as over every node. Brute force over random scores and
-    curves with cliffs, both objectives."""
+    cut as over every node. Brute force over random scores and curves with cliffs, both
+    objectives."""
     from adaspec.trees import PrefixCut
 
     rng = random.Random(11)
@@ -89,25 +89,16 @@ def test_a_prefix_cut_grown_until_it_refuses_cuts_where_the_whole_tree_would():
     for _ in range(2000):
         n, scores, verify, fixed = _random_case(rng, 12, 1.5)
         rate = rng.choice([None, rng.uniform(0.3, 2.0)])
-        floor = rng.uniform(0.5, 2.0) if rate is None and rng.random() < 0.5 else None
         whole = nodes_worth_verifying(scores, verify, fixed, rate)
-        full = PrefixCut.priced(verify, fixed, n, rate, floor)
+        full = PrefixCut.priced(verify, fixed, n, rate)
         for s in scores:
             full.add(s)
         assert full.best_m == whole
-        cut = PrefixCut.priced(verify, fixed, n, rate, floor)
+        cut = PrefixCut.priced(verify, fixed, n, rate)
         kept = [s for s in scores if cut.offer(s)]
         assert kept == scores[:len(kept)]  # a refusal is final
         stopped += cut.stopped
-        m = nodes_worth_verifying(kept, verify, fixed, rate)
-        assert m == cut.best_m
-        if floor is None:
-            assert m == whole
-        else:  # the tree beats the floor in both or in neither, and then with the same m
-            e = lambda k: (1.0 + sum(scores[:k])) / (fixed + verify(k + 1))  # noqa: E731
-            assert (e(m) > floor) == (e(whole) > floor)
-            if e(whole) > floor:
-                assert m == whole
+        assert nodes_worth_verifying(kept, verify, fixed, rate) == cut.best_m == whole
     assert stopped > 500  # the early stop is exercised
     assert PrefixCut.priced(lambda w: 0.0, 0.0, 3).offer(0.01)  # no costs known: every node
 
@@ -137,13 +128,13 @@ def test_model_free_trees_grown_under_the_cut_are_the_whole_trees_cut(monkeypatc
         orig = eng._draft_tree
         compared = []
 
-        def both(index, tokens, cap, room, sampling=None, running=False):
+        def both(index, tokens, cap, room, sampling=None):
             grow_all["on"] = True
             with monkeypatch.context() as m:  # the whole tree: every node offered is taken
                 m.setattr(PrefixCut, "offer", lambda self, s: self.add(s) or True)
-                whole = orig(index, tokens, cap, room, sampling, running)
+                whole = orig(index, tokens, cap, room, sampling)
             grow_all["on"] = False
-            got = orig(index, tokens, cap, room, sampling, running)
+            got = orig(index, tokens, cap, room, sampling)
             compared.append((None if whole is None else (whole.tokens, whole.parents),
                              None if got is None else (got.tokens, got.parents)))
             return got
@@ -219,11 +210,10 @@ def test_a_drafter_without_alternatives_drafts_its_chain_and_a_cut_tree_nothing(
 
 
 @pytest.mark.parametrize("selector", [None, "auto"])
-def test_the_budget_prices_nodes_against_the_running_rate_unless_auto_planned_a_chain(
-        monkeypatch, selector):
-    """Static length policies price every tree's nodes against the running rate; ``auto``
-    keeps its plan's own rate for a tree that may replace the chain it planned, and prices a
-    tree in a round it planned as a plain step against the running rate (``_plain_tree``)."""
+def test_the_budget_prices_model_free_nodes_against_the_running_rate(monkeypatch, selector):
+    """Every model-free tree's nodes are priced against the running rate: under static length
+    policies, and under ``auto`` both in rounds it planned as chains and in rounds it planned
+    as plain steps (``_plain_tree``)."""
     import adaspec.engine as engine_mod
 
     seen = []  # (the round's planned cap, the rate the budget priced against)
@@ -238,11 +228,8 @@ def test_the_budget_prices_nodes_against_the_running_rate_unless_auto_planned_a_
     monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: seen.append(
         (plan(), a[3] if len(a) > 3 else kw.get("rate"))) or orig(*a, **kw))
     eng.generate(BRANCHY * 2, max_new_tokens=40)
-    assert seen and all(r is None or r > 0 for _, r in seen)
-    if selector is None:
-        assert all(r is not None for _, r in seen)
-    else:
-        assert all((r is not None) == (k == 0) for k, r in seen)
+    assert seen and all(r is not None and r > 0 for _, r in seen)
+    if selector is not None:
         assert {k == 0 for k, _ in seen} == {True, False}  # both kinds of rounds were priced
 
 
@@ -279,34 +266,37 @@ def test_auto_plain_steps_become_trees_that_pay_and_output_stays_ar(monkeypatch)
     assert out.token_ids == ar and calls and not any(calls)
 
 
-def test_under_auto_a_tree_replaces_the_planned_chain_only_when_it_promises_a_higher_rate(monkeypatch):
-    """``auto`` planned a chain at some rate: the tree's best prefix, E_m / (o + V(m + 1)),
-    must beat it, else the engine drafts the plan's chain (None)."""
+def test_under_auto_a_model_free_tree_is_cut_at_the_running_rate_whatever_the_plan():
+    """``auto`` planned a chain: the drafter's tree replaces it, cut where its nodes stop
+    paying at the generation's running rate (E_m - R (o + V(m + 1))), as under a static
+    length policy; the plan's own rate plays no part (a tree's best-first nodes include the
+    chain's). A flat curve keeps every node; a steep one cuts the tree to its chain's
+    first tokens, or to nothing."""
     from adaspec import SpeculativeEngine
 
     model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
-    eng = SpeculativeEngine(model, ["suffix", "none"], selector="auto", tree=True, tree_nodes=8)
-    eng.cost_model.curve = _curve([1.0] * 32)
-    d = eng.drafters[0]
     ctx = BRANCHY * 3
-    d.begin_request(ctx)
-    tree = eng._draft_tree(0, ctx, 2, 100)
-    assert tree is not None and not tree.is_chain and tree.scores
-    seconds = eng.cost_model.round_overhead_s + eng.cost_model.verify_cost(len(tree) + 1)
-    tree_rate = (1.0 + sum(tree.scores)) / seconds
-    for planned, replaced in ((tree_rate * 1.01, True), (tree_rate * 0.99, False), (None, False)):
-        monkeypatch.setattr(eng.length, "planned_rate", lambda i, p=planned: p if i == 0 else None)
-        d.begin_request(ctx)
-        got = eng._draft_tree(0, ctx, 2, 100)
-        assert (got is None) == replaced
-        if not replaced:
-            assert got.tokens == tree.tokens
-    # the plan's rate is auto's own: none for another drafter, none for a plain step
-    monkeypatch.undo()
-    eng.length.controller.plan = Plan(0, 3, 7.5)
-    assert eng.length.planned_rate(0) == 7.5 and eng.length.planned_rate(1) is None
-    eng.length.controller.plan = Plan(0, 0, 7.5)
-    assert eng.length.planned_rate(0) is None
+    cut = {}
+    for selector in ("auto", "static"):
+        eng = SpeculativeEngine(model, ["suffix", "none"], selector=selector, tree=True, tree_nodes=8)
+        assert eng.length.plans_round_rate == (selector == "auto")
+        if selector == "auto":  # a plan of a 2-token chain expected to run far faster than any tree
+            eng.length.controller.plan = Plan(0, 2, 1e6)
+        for name, curve in (("flat", [1.0] * 32), ("steep", [1.0 + 2.0 * w for w in range(32)])):
+            eng.cost_model.curve = _curve(curve)
+            d = eng.drafters[0]
+            d.begin_request(ctx)
+            tree = eng._draft_tree(0, ctx, 2, 100)
+            d.begin_request(ctx)
+            whole = d.draft_tree(ctx, 7, 8)
+            rate = eng.cost_model.running_rate()
+            m = nodes_worth_verifying(whole.scores, eng.cost_model.verify_cost, eng.cost_model.round_overhead_s, rate)
+            got = [] if tree is None else list(tree.tokens)
+            assert got == list(whole.tokens[:m]) or (tree is None and whole.prefix(m).is_chain)
+            cut[selector, name] = got
+    assert cut["auto", "flat"] == cut["static", "flat"] and len(cut["auto", "flat"]) >= 2
+    assert cut["auto", "steep"] == cut["static", "steep"]
+    assert len(cut["auto", "steep"]) < len(cut["auto", "flat"])
 
 
 # -- length policies with trees ---------------------------------------------------------------------

@@ -663,11 +663,11 @@ class SpeculativeEngine:
         candidates and suffix's come from one shared index). None: the plain step."""
         if self.length.plain_rate() is None:
             return None
-        tree = self._draft_tree(index, tokens, 1, room, sampling, running=True)
+        tree = self._draft_tree(index, tokens, 1, room, sampling)
         return tree if tree is not None and len(tree) else None
 
     def _draft_tree(self, index: int, tokens: list[int], cap: int, room: int,
-                    sampling: SamplingConfig | None = None, running: bool = False) -> DraftTree | None:
+                    sampling: SamplingConfig | None = None) -> DraftTree | None:
         """The drafter's tree cut to the best-first prefix worth verifying
         (``trees.nodes_worth_verifying``); None when a model-free drafter offered a single
         chain, which the engine then drafts exactly as without trees (the length policy's cap
@@ -681,24 +681,26 @@ class SpeculativeEngine:
         score, so a cap chosen for a chain would only cut paths that pay; one less than the
         nodes, so that a tree of one chain means the drafter had no alternative (the nodes ran
         out of candidates, not the budget). Once branched it grows only while a later node
-        could still be verified, or beat the plan's rate (``trees.PrefixCut``): a tree
-        stopped there is cut, never taken for one chain.
+        could still be verified (``trees.PrefixCut``): a tree stopped there is cut, never
+        taken for one chain.
 
-        A length policy that plans the round's rate (``auto``) planned a chain of ``cap``
-        tokens at an expected rate of its own (``LengthPolicy.planned_rate``): a model-free
-        drafter's tree replaces it only when the tree's best prefix promises a higher rate, E_m
-        / (o + V(m + 1)) with E_m = 1 + its nodes' scores (``nodes_worth_verifying``), else the
-        chain is drafted (None). ``running``: price the nodes against the running rate even
-        then (``_plain_tree``)."""
+        A model-free tree is cut at the generation's running rate R (the m maximising E_m -
+        R (o + V(m + 1)), Dinkelbach's objective), also where a length policy that plans the
+        round's rate (``auto``) planned a chain: its best-first nodes include the chain's, each
+        priced by its calibrated score, so the cut is the best prefix-closed part of the
+        candidates the chain is one of, and the tree replaces the chain whenever it branched.
+        Until 2026-11-29 it replaced the chain only when E_m / (o + V(m + 1)) beat the plan's
+        own rate: by replay of the v4 trace on four pricings (three machines), `auto` +tree
+        ran 1.588x, 1.463x, 1.422x and 1.453x AR that way and 1.605x, 1.473x, 1.436x and 1.473x
+        this way (each the best of the three rules tried: ``docs/results.md``). A model
+        drafter's tree keeps auto's ratio objective."""
         drafter = self.drafters[index]
         costs = self.cost_model
         verify_cost = costs.verify_row(self.tree_nodes + 1).__getitem__  # every width at once
         scores = None
-        # the opportunity cost of a second is the generation's running rate, unless the length
-        # policy planned the round's chain on its own rate (auto): the tree then keeps that
-        # objective (``running``: a plain step was planned, with no chain to defer to)
-        rate = None if self.length.plans_round_rate and not running else costs.running_rate()
-        planned = None if drafter.is_model or rate is not None else self.length.planned_rate(index)
+        # the opportunity cost of a second is the generation's running rate; a model drafter's
+        # tree under a policy that plans the round's rate (auto) keeps that policy's objective
+        rate = None if self.length.plans_round_rate and drafter.is_model else costs.running_rate()
         if drafter.is_model:
             # its q are calibrated on the tree nodes the target saw; a level is one drafter
             # forward: worth it while it may add more expected tokens than its seconds yield
@@ -724,7 +726,7 @@ class SpeculativeEngine:
             # grown node by node only while a later node could still be verified, once it
             # branched (a tree refused early is a cut tree, not one chain the drafter offered)
             depth = min(max(self.tree_nodes - 1, 1), room)
-            cut = PrefixCut.priced(verify_cost, costs.round_overhead_s, self.tree_nodes, rate, planned)
+            cut = PrefixCut.priced(verify_cost, costs.round_overhead_s, self.tree_nodes, rate)
             tree = drafter.draft_tree(tokens, depth, self.tree_nodes, sampling, cut=cut)
             if tree.is_chain and not cut.stopped:
                 return tree if not len(tree) else None
@@ -733,12 +735,7 @@ class SpeculativeEngine:
             return tree
         # over the nodes drafted (for a drafter that used ``cut``, its ``best_m``; one that
         # ignores it is cut here all the same)
-        m = nodes_worth_verifying(scores, verify_cost, costs.round_overhead_s, rate)
-        if planned is not None:
-            seconds = costs.round_overhead_s + verify_cost(m + 1)
-            if seconds > 0.0 and (1.0 + sum(scores[:m])) / seconds <= planned:
-                return None
-        return tree.prefix(m)
+        return tree.prefix(nodes_worth_verifying(scores, verify_cost, costs.round_overhead_s, rate))
 
     def _verify_tree(self, cache: Any, tokens: list[int], tree: DraftTree, sampling: SamplingConfig,
                      generator: torch.Generator | None, features: bool

@@ -256,14 +256,11 @@ class PrefixCut:
     just evicted.
 
     ``seconds[m]`` = fixed_s + V(m + 1), m = 0 .. the most nodes; ``rate``: the objective
-    E_m - R T_m, else E_m / T_m; ``floor``: a round rate the tree must beat to be used at all
-    (``auto``'s planned chain: ``SpeculativeEngine._draft_tree``; ratio objective only). The
-    cut after the nodes so far is ``best_m``; ``stopped``: ``offer`` refused a node."""
+    E_m - R T_m, else E_m / T_m. The cut after the nodes so far is ``best_m``; ``stopped``:
+    ``offer`` refused a node."""
 
-    def __init__(self, seconds: Sequence[float], rate: float | None = None, floor: float | None = None):
-        if rate is not None and floor is not None:
-            raise ValueError("a floor is a round rate: only with the ratio objective (rate=None)")
-        self.seconds, self.rate, self.floor = list(seconds), rate, floor
+    def __init__(self, seconds: Sequence[float], rate: float | None = None):
+        self.seconds, self.rate = list(seconds), rate
         #: no costs known (V(1) + fixed_s <= 0): every node is kept
         self.free = not self.seconds or self.seconds[0] <= 0.0
         self.m, self.total, self.best_m, self.stopped = 0, 1.0, 0, False
@@ -271,11 +268,11 @@ class PrefixCut:
 
     @classmethod
     def priced(cls, verify_cost: Callable[[int], float], fixed_s: float, max_nodes: int,
-               rate: float | None = None, floor: float | None = None) -> PrefixCut:
+               rate: float | None = None) -> PrefixCut:
         """A cut over up to ``max_nodes`` nodes at ``verify_cost``'s widths plus ``fixed_s``."""
         if verify_cost(1) + fixed_s <= 0.0:
-            return cls([], rate, floor)
-        return cls([fixed_s + verify_cost(m + 1) for m in range(max_nodes + 1)], rate, floor)
+            return cls([], rate)
+        return cls([fixed_s + verify_cost(m + 1) for m in range(max_nodes + 1)], rate)
 
     def _value(self, m: int, total: float) -> float:
         t = self.seconds[m]
@@ -294,7 +291,7 @@ class PrefixCut:
 
     def offer(self, score: float) -> bool:
         """Add a node of ``score`` if some prefix ending at it or later may still beat the best
-        so far (and the floor): every later node scores at most ``score``, so a prefix of m'
+        so far: every later node scores at most ``score``, so a prefix of m'
         nodes has E_m' <= E_m + (m' - m) score. Otherwise refuse it, and every later one."""
         if self.free:
             self.add(score)
@@ -302,11 +299,10 @@ class PrefixCut:
         if self.stopped or self.m + 1 >= len(self.seconds):
             self.stopped = True
             return False
-        bar = self.best if self.floor is None else max(self.best, self.floor)
         total = self.total
         for m in range(self.m + 1, len(self.seconds)):
             total += score
-            if self._value(m, total) > bar:
+            if self._value(m, total) > self.best:
                 self.add(score)
                 return True
         self.stopped = True

@@ -53,12 +53,6 @@ class LengthPolicy(ABC):
     def update(self, feedback: RoundFeedback) -> None:
         """Learn from one round (default: nothing)."""
 
-    def planned_rate(self, drafter: int) -> float | None:
-        """Expected tokens per second of the chain this round's plan drafts with ``drafter``
-        (``plans_round_rate`` policies: a model-free tree must promise more to replace it);
-        None when the policy plans no rate (the default)."""
-        return None
-
     def plain_rate(self) -> float | None:
         """Expected tokens per second of the plain step this round's plan chose
         (``plans_round_rate`` policies: the engine then offers a model-free tree, verified when

@@ -973,13 +973,6 @@ class AutoLength(_SharedCosts, LengthPolicy):
             self._rate = BlockRate(draft(drafter, 1) - d0, verify, base=overhead + d0, horizon=cap, limit=cap)
         return cap
 
-    def planned_rate(self, drafter: int) -> float | None:
-        """The plan's rate when it drafts with ``drafter`` (a batch's committed plan has none)."""
-        plan = self.controller.plan
-        if plan is None or plan.drafter != drafter or plan.k <= 0 or plan.rate <= 0.0:
-            return None
-        return plan.rate
-
     def plain_rate(self) -> float | None:
         """The plan's rate when it is a plain step (a batch's committed plan has none)."""
         plan = self.controller.plan
