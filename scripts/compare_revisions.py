@@ -35,8 +35,11 @@ import time
 from io import BytesIO
 from pathlib import Path
 
+from rich.console import Console
+
 import adaspec
 from adaspec.bench.workloads import load_workload
+from adaspec.cli.progress import StageProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 #: name -> ``SpeculativeEngine`` keyword arguments
@@ -91,16 +94,20 @@ def main() -> None:
     for name in names:
         runs: dict[str, list[list[float]]] = {"base": [[] for _ in prompts], "head": [[] for _ in prompts]}
         outs: dict[str, list[list[int]]] = {"base": [], "head": []}
-        for rep in range(args.repeats):
-            engines = {tag: engine(tag, name) for tag in versions}
-            order = ("base", "head") if rep % 2 == 0 else ("head", "base")
-            for i, ids in enumerate(prompts):
-                for tag in order:
-                    t0 = time.perf_counter()
-                    r = engines[tag].generate(ids, max_new_tokens=args.max_new_tokens)
-                    runs[tag][i].append(time.perf_counter() - t0)
-                    if rep == 0:
-                        outs[tag].append(r.token_ids)
+        total, done = args.repeats * len(prompts) * 2, 0
+        with StageProgress(Console(stderr=True)) as progress:  # a line every few seconds in a log
+            for rep in range(args.repeats):
+                engines = {tag: engine(tag, name) for tag in versions}
+                order = ("base", "head") if rep % 2 == 0 else ("head", "base")
+                for i, ids in enumerate(prompts):
+                    for tag in order:
+                        t0 = time.perf_counter()
+                        r = engines[tag].generate(ids, max_new_tokens=args.max_new_tokens)
+                        runs[tag][i].append(time.perf_counter() - t0)
+                        if rep == 0:
+                            outs[tag].append(r.token_ids)
+                        done += 1
+                        progress(name, done, total, f"repeat {rep + 1}, prompt {i + 1}, {tag}")
         for i, (b, h) in enumerate(zip(outs["base"], outs["head"])):
             if b != h:
                 print(f"  {name}: prompt {i} differs between the versions", flush=True)
