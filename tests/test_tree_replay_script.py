@@ -1,6 +1,7 @@
 """scripts/tree_replay.py: live verify ratios over the grid a replay prices on (issue 18)."""
 import csv
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,7 +53,7 @@ def test_live_ratios_need_a_trace(tmp_path):
     rec = tmp_path / "ar.json"
     rec.write_text('{"vocab": 8, "eos": [0], "max_new_tokens": 4, "requests": []}')
     grid = tmp_path / "grid.json"
-    grid.write_text(__import__("json").dumps(flat(0.01).to_dict()))
+    grid.write_text(json.dumps(flat(0.01).to_dict()))
     with pytest.raises(SystemExit, match="needs a bench trace"):
         replay.load_workload(str(rec), str(grid), rounds_csv=str(tmp_path / "rounds.csv"))
     work = replay.load_workload(str(rec), str(grid))
