@@ -52,16 +52,28 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
 class OracleTarget(TargetBackend):
     """A target whose next token after a prefix of the recorded sequence ``seq`` is the
     recorded one (any other prefix: token 0, never reached by greedy verification's walk, and
-    kept from recycle's table by ``learn_on_path_only``)."""
+    kept from recycle's table by ``learn_on_path_only``). Each verify forward adds its price on
+    ``priced`` (width, cache length) to ``elapsed``, the engine's clock's offset: the engine
+    measures the verify steps a live run would, and its cost model learns their live/surface
+    ratio from them (``CostModel.live``) as it does live."""
 
     backend = "transformers"
     supports_trees = True
     name = "oracle"
     tokenizer = None
 
-    def __init__(self, vocab: int, eos: Sequence[int]):
+    def __init__(self, vocab: int, eos: Sequence[int], priced: VerifyCostSurface | None = None):
         self.seq: list[int] = []
         self._vocab, self._eos = vocab, set(eos)
+        self.priced, self.elapsed = priced, 0.0
+
+    def clock(self) -> float:
+        """The engine's timer: wall time plus the priced verify steps so far."""
+        return time.perf_counter() + self.elapsed
+
+    def _pay(self, state: list[int], width: int) -> None:
+        if state and self.priced is not None:  # not the prefill: the engine times it apart
+            self.elapsed += self.priced.cost(width, len(state))
 
     device = property(lambda self: torch.device("cpu"))
     dtype = property(lambda self: torch.float32)
@@ -82,10 +94,12 @@ class OracleTarget(TargetBackend):
         return out
 
     def forward(self, state, ids, keep=1, hidden=False):
+        self._pay(state, len(ids))
         state.extend(ids)
         return self._rows([state[:len(state) - keep + 1 + i] for i in range(keep)]), None
 
     def forward_tree(self, state, last, tree, hidden=False):
+        self._pay(state, 1 + len(tree))
         base = [*state, last]
         rows = [base] + [base + [tree.tokens[j] for j in tree.path(i)] for i in range(len(tree))]
         state.append(last)
@@ -242,8 +256,9 @@ def replay_config(work: Workload, **engine_kw: Any) -> dict[str, Any]:
     the recorded per-round and per-request overheads)."""
     engine_mod.load_or_measure = lambda *a, **kw: work.policy_surface  # what the engine's policies read
     first = work.requests[0]
-    target = OracleTarget(work.vocab, work.eos)
+    target = OracleTarget(work.vocab, work.eos, work.priced)
     eng = engine_mod.SpeculativeEngine(target, **engine_kw)
+    eng._timer = target.clock
     learn_on_path_only(eng.drafters)
     greedy = SamplingConfig(temperature=0.0)
     target.seq = first["seq"]

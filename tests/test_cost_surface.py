@@ -416,7 +416,7 @@ def test_a_views_drafters_keep_their_own_seconds_in_the_shared_cost_model():
     (context, overheads) are the shared model's, and a copy keeps the mapping."""
     import copy
 
-    base = CostModel(surface())
+    base = CostModel(surface(), live_verify=False)  # the surface as given: verify_s below is made up
     view = base.for_drafters([2, 0])
     view.observe(0, 4, 0.4, 1.0, 0, 0.0)  # view drafter 0 = engine drafter 2
     assert set(base.draft_token_s) == {2} and base.draft_token_s[2] == pytest.approx(0.1)

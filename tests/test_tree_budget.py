@@ -125,6 +125,7 @@ def test_model_free_trees_grown_under_the_cut_are_the_whole_trees_cut(monkeypatc
     for drafters, selector in ((["suffix"], None), (["suffix", "prompt-lookup", "none"], "auto")):
         eng = SpeculativeEngine(model, drafters, selector=selector, k=4, tree=True, tree_nodes=12)
         eng.cost_model.curve = _curve([1.0 + 0.12 * w for w in range(32)])
+        eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
         orig = eng._draft_tree
         compared = []
 
@@ -167,6 +168,7 @@ def _engine(**kw):
     model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
     eng = SpeculativeEngine(model, ["suffix"], tree=True, **kw)
     eng.cost_model.curve = _curve([1.0] * 32)  # flat: the budget keeps every node
+    eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
     return eng
 
 
@@ -224,6 +226,7 @@ def test_the_budget_prices_model_free_nodes_against_the_running_rate(monkeypatch
     drafters = ["suffix"] if selector is None else ["suffix", "none"]
     eng = SpeculativeEngine(model, drafters, selector=selector, k=4, tree=True)
     eng.cost_model.curve = _curve([1.0 + 0.01 * w for w in range(32)])
+    eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
     plan = (lambda: eng.selector.controller.plan.k) if selector else (lambda: 4)
     monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: seen.append(
         (plan(), a[3] if len(a) > 3 else kw.get("rate"))) or orig(*a, **kw))
@@ -247,6 +250,7 @@ def test_auto_plain_steps_become_trees_that_pay_and_output_stays_ar(monkeypatch)
     def run(tree: bool):
         eng = SpeculativeEngine(model, ["suffix", "none"], selector="auto", tree=tree)
         eng.cost_model.curve = _curve([1.0 + 0.01 * w for w in range(32)])
+        eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
         calls = []
         orig = eng._plain_tree
         monkeypatch.setattr(eng, "_plain_tree", lambda *a, **kw: calls.append(orig(*a, **kw)) or calls[-1])
@@ -284,6 +288,7 @@ def test_under_auto_a_model_free_tree_is_cut_at_the_running_rate_whatever_the_pl
             eng.length.controller.plan = Plan(0, 2, 1e6)
         for name, curve in (("flat", [1.0] * 32), ("steep", [1.0 + 2.0 * w for w in range(32)])):
             eng.cost_model.curve = _curve(curve)
+            eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
             d = eng.drafters[0]
             d.begin_request(ctx)
             tree = eng._draft_tree(0, ctx, 2, 100)
@@ -473,6 +478,7 @@ def test_engine_model_trees_are_not_drafted_past_their_verified_part():
     loaded, drafters = _engine_drafters(model, ["feature-head"])
     eng = SpeculativeEngine(loaded, drafters, length="cost-model", tree=True)
     eng.cost_model.curve = _curve([1.0 + 0.05 * w for w in range(32)])
+    eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
     budgets: list[tuple[int, int]] = []
     drafter = eng.drafters[0]
     orig = drafter.draft_tree
@@ -507,6 +513,7 @@ def test_model_drafter_trees_keep_to_the_node_limit_whatever_the_cap():
         loaded, drafters = _engine_drafters(model, [kind])
         eng = SpeculativeEngine(loaded, drafters, k=40, tree=True, tree_nodes=6)
         eng.cost_model.curve = _curve([1.0] * 32)  # not this machine's measured widths: trees are drafted
+        eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
         depths = []
         orig = drafters[0].draft_tree
         drafters[0].draft_tree = lambda *a, **kw: depths.append(a[1]) or orig(*a, **kw)

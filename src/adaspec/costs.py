@@ -5,7 +5,7 @@ length L as well as of k. On CPUs the k-axis is not flat and not even monotone (
 fp32 on two threads, 200-token cache: k=2-3 cost 1.7-1.85x a single token, k=5-9 only
 1.2-1.4x: a GEMM cliff), and a forward on a long cache costs more, and grows faster with k,
 than on a short one (attention over L keys). The engine measures V on a small grid of
-(L, k) once per model, device, dtype and thread count (``VerifyCostSurface``), caches it on
+(L, k) once per model, device, dtype, thread count and machine (``VerifyCostSurface``), caches it on
 disk and interpolates between grid points, so that cost-aware policies, replay and the bench
 price a round at the context it runs at. Drafting and catch-up costs are linear functions of
 what drives them (``LinearCost``: tokens and context length), fitted from live rounds.
@@ -18,6 +18,9 @@ import copy
 import hashlib
 import json
 import logging
+import math
+import os
+import platform
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -397,8 +400,24 @@ class EngineOverheads:
                    verify_ratios=[float(r) for r in data.get("verify_ratios", [])])
 
 
+def machine_identity(device: torch.device) -> str:
+    """The hardware a measurement ran on, for the cost caches' keys: the GPU's name on CUDA,
+    else the CPU's model name, vector ISA and core count. A cache directory shared between
+    machines (a cluster's home directory, a VM moved to another host) must not price one
+    CPU's forwards with another's grid: before 2026-11-30 the key held only the model and
+    runtime, and this project's cache carried grids across four machines."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            name = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), name)
+    return f"cpu:{name}|{torch.backends.cpu.get_cpu_capability()}|cores={os.cpu_count()}"
+
+
 def _surface_key(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> str:
-    ident = f"{SURFACE_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|ks={list(ks)}"
+    ident = (f"{SURFACE_FORMAT}|{loaded.identity()}|{machine_identity(loaded.device)}"
+             f"|ctx={list(contexts)}|ks={list(ks)}")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -657,14 +676,101 @@ def load_or_measure_batch_costs(loaded: TargetBackend,
                                 measure: Callable[..., BatchCosts],
                                 rows: Sequence[int] = BATCH_ROWS, widths: Sequence[int] = BATCH_WIDTHS,
                                 contexts: Sequence[int] = BATCH_CONTEXTS, refresh: bool = False) -> BatchCosts:
-    """``measure(loaded, rows, widths, contexts)`` once per model, device, dtype and thread count
-    (the surface's key scheme), cached in ``$ADASPEC_CACHE/costs``."""
+    """``measure(loaded, rows, widths, contexts)`` once per model, device, dtype, thread count
+    and machine (the surface's key scheme), cached in ``$ADASPEC_CACHE/costs``."""
     contexts = grid_contexts(loaded, contexts, widths)
-    ident = f"{BATCH_FORMAT}|{loaded.identity()}|ctx={list(contexts)}|rows={list(rows)}|w={list(widths)}"
+    ident = (f"{BATCH_FORMAT}|{loaded.identity()}|{machine_identity(loaded.device)}"
+             f"|ctx={list(contexts)}|rows={list(rows)}|w={list(widths)}")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return _cached(Path(cache_dir()) / "costs" / f"batch-{key}.json", key, BatchCosts.from_dict,
                    lambda: measure(loaded, list(rows), list(widths), list(contexts)), "batch verify costs",
                    refresh)
+
+
+class LiveVerifyRatio:
+    """Live verify seconds over the surface's price, per width, learned from the rounds
+    (``CostModel.observe``): the grid is measured once, in other conditions, and the live step
+    adds verification and cache work. On the AVX2 EPYC (SmolLM2 fp32, 2026-11-29) the rounds'
+    median ratio was 1.05 at width 1, 1.10 at 2 and 1.18 at 16, each round's within +-25%:
+    the grid priced wide trees ~10% low against narrow blocks.
+
+    Per width, a decayed mean of log(live / priced), shrunk toward a weighted line in the width
+    fitted over every width's mean (``prior`` rounds' weight): a width verified a few times
+    reads mostly the trend all rounds show, and one slow forward moves nothing much (each log
+    ratio is also clipped to +-``clip`` around the line). A width never verified interpolates
+    its neighbours' estimates, flat past the narrowest and widest. ``decay`` applies per
+    observed round (~200 rounds' memory at 0.995): a machine's prices drift slowly, a round's
+    noise is large."""
+
+    def __init__(self, decay: float = 0.995, prior: float = 10.0, clip: float = 0.5):
+        if not 0.0 < decay <= 1.0 or prior <= 0.0 or clip <= 0.0:
+            raise ConfigError(f"LiveVerifyRatio needs 0 < decay <= 1, prior > 0 and clip > 0, "
+                              f"got decay={decay}, prior={prior}, clip={clip}")
+        self.decay, self.prior, self.clip = decay, prior, clip
+        self._sum: dict[int, float] = {}  # decayed sums of log ratios, per width
+        self._weight: dict[int, float] = {}  # decayed counts, per width
+        self._line = (0.0, 0.0)  # (a, b): log ratio ~ a + b (w - 1), weighted over the widths
+        self._factors: list[float] = [1.0]  # factor per width 0.. (cache; [1.0]: rebuild)
+
+    @property
+    def seen(self) -> bool:
+        return bool(self._weight)
+
+    def trend(self, width: int) -> float:
+        """The fitted line's log ratio at ``width``."""
+        return self._line[0] + self._line[1] * (width - 1)
+
+    def observe(self, width: int, live_s: float, priced_s: float) -> None:
+        """A verify forward of ``width`` tokens took ``live_s`` where the surface said ``priced_s``."""
+        if live_s <= 0.0 or priced_s <= 0.0 or width < 1:
+            return
+        x = math.log(live_s / priced_s)
+        if self._weight:
+            t = self.trend(width)
+            x = min(max(x, t - self.clip), t + self.clip)
+        d = self.decay
+        for w in self._weight:
+            self._sum[w] *= d
+            self._weight[w] *= d
+        self._sum[width] = self._sum.get(width, 0.0) + x
+        self._weight[width] = self._weight.get(width, 0.0) + 1.0
+        # weighted least squares of the widths' means on (w - 1)
+        sw = sx = sy = sxx = sxy = 0.0
+        for w, n in self._weight.items():
+            u, y = w - 1, self._sum[w] / n
+            sw += n
+            sx += n * u
+            sy += n * y
+            sxx += n * u * u
+            sxy += n * u * y
+        var = sw * sxx - sx * sx
+        b = (sw * sxy - sx * sy) / var if var > 1e-12 * sw * sw else 0.0
+        self._line = ((sy - b * sx) / sw, b)
+        self._factors = [1.0]
+
+    def factors(self, max_width: int) -> list[float]:
+        """[1.0, f(1), ..., f(max_width)] (at least): the multipliers of V at each width (all 1
+        before any observation)."""
+        if len(self._factors) <= max_width:
+            if not self._weight:
+                return [1.0] * (max_width + 1)
+            widths = sorted(self._weight)
+            logs = [(self._sum[w] + self.prior * self.trend(w)) / (self._weight[w] + self.prior) for w in widths]
+            out = [1.0]
+            for w in range(1, max(max_width, widths[-1], 32) + 1):  # policies ask width by width
+                if w <= widths[0]:
+                    x = logs[0]
+                elif w >= widths[-1]:
+                    x = logs[-1]
+                else:
+                    i = bisect_right(widths, w) - 1
+                    x = logs[i] + (logs[i + 1] - logs[i]) * (w - widths[i]) / (widths[i + 1] - widths[i])
+                out.append(math.exp(x))
+            self._factors = out
+        return self._factors
+
+    def factor(self, width: int) -> float:
+        return self.factors(width)[width] if width >= 1 else 1.0
 
 
 class CostModel:
@@ -675,11 +781,16 @@ class CostModel:
     are asked -- with running means, updated after every round, of each drafter's seconds
     per drafted token and per caught-up token, and of observed verify times per width.
     A one-context ``VerifyCostCurve`` is accepted as a surface that does not depend on L.
+    The surface's prices are multiplied by the live/surface ratio of the rounds' verify
+    steps per width (``LiveVerifyRatio``; ``live_verify=False``: the surface as measured).
     """
 
     def __init__(self, surface: VerifyCostSurface | VerifyCostCurve | None = None, decay: float = 0.9, *,
-                 curve: VerifyCostCurve | None = None, drafters: dict[int, DrafterCosts] | None = None):
+                 curve: VerifyCostCurve | None = None, drafters: dict[int, DrafterCosts] | None = None,
+                 live_verify: bool = True):
         self.surface = VerifyCostSurface.of(surface if surface is not None else curve)
+        #: live verify seconds over the surface's, per width (None: the surface as measured)
+        self.live: LiveVerifyRatio | None = LiveVerifyRatio() if live_verify else None
         self.decay = decay
         self.context = 0  # cache length of the round being decided
         #: width of the last verify forward (0: none yet this request), set by the engine and
@@ -726,11 +837,17 @@ class CostModel:
 
     def observe(self, drafter: int, drafted: int, draft_s: float, verify_s: float,
                 catch_up_tokens: int, catch_up_s: float) -> None:
+        """A round's measured seconds: drafting, verifying ``drafted + 1`` tokens (at the
+        round's ``context`` and after ``last_width``: call before updating them) and catching up."""
         if drafted:
             self._ema(self.draft_token_s, drafter, draft_s / drafted)
         if catch_up_tokens:
             self._ema(self.catch_up_token_s, drafter, catch_up_s / catch_up_tokens)
-        self._ema(self.verify_width_s, drafted + 1, verify_s)
+        width = drafted + 1
+        self._ema(self.verify_width_s, width, verify_s)
+        if self.live is not None and self.surface is not None and self.rows <= 1:  # a batch row's share is not V
+            v = self.surface.cost(width, self.context)
+            self.live.observe(width, verify_s, v + self.switch_cost(width) if self.surface.switch_s else v)
 
     def observe_overhead(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
@@ -776,13 +893,16 @@ class CostModel:
 
     def verify_cost(self, width: int, context: int | None = None) -> float:
         """Seconds of one target forward over ``width`` tokens on a ``context``-token cache
-        (default: the current round's): the surface, else observed times, else 0. In a batch
+        (default: the current round's): the surface (times ``live``'s ratio), else observed
+        times, else 0. In a batch
         of several rows: the row's price of a ``width``-token block (``BatchCosts.row_cost``)."""
         if self.batch is not None and self.rows > 1:
             return self.batch.row_cost(self.rows, width, self.batch_context)
         if self.surface is not None:
             v = self.surface.cost(width, self.context if context is None else context)
-            return v + self.switch_cost(width) if self.surface.switch_s else v
+            if self.surface.switch_s:
+                v += self.switch_cost(width)
+            return v * self.live.factor(width) if self.live is not None else v
         if width in self.verify_width_s:
             return self.verify_width_s[width]
         if self.verify_width_s:  # nearest observed width
@@ -799,6 +919,9 @@ class CostModel:
                 steady, row = row, row[:2] + [v + extra for v in row[2:]]
                 if 1 < last <= max_width:
                     row[last] = steady[last]
+            if self.live is not None and self.live.seen:
+                f = self.live.factors(max_width)
+                row = [v * f[w] for w, v in enumerate(row)]
             return row
         return [0.0] + [self.verify_cost(w) for w in range(1, max_width + 1)]
 
