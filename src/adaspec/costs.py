@@ -5,10 +5,11 @@ length L as well as of k. On CPUs the k-axis is not flat and not even monotone (
 fp32 on two threads, 200-token cache: k=2-3 cost 1.7-1.85x a single token, k=5-9 only
 1.2-1.4x: a GEMM cliff), and a forward on a long cache costs more, and grows faster with k,
 than on a short one (attention over L keys). The engine measures V on a small grid of
-(L, k) once per model, device, dtype, thread count and machine (``VerifyCostSurface``), caches it on
-disk and interpolates between grid points, so that cost-aware policies, replay and the bench
-price a round at the context it runs at. Drafting and catch-up costs are linear functions of
-what drives them (``LinearCost``: tokens and context length), fitted from live rounds.
+(L, k) once per model, device, dtype, thread count and machine (``VerifyCostSurface``),
+caches it on disk and interpolates between grid points, so that cost-aware policies, replay
+and the bench price a round at the context it runs at; the cost model scales it by the live
+ratio the rounds show (``LiveVerifyRatio``). Drafting and catch-up costs are linear functions
+of what drives them (``LinearCost``: tokens and context length), fitted from live rounds.
 """
 
 from __future__ import annotations
@@ -404,7 +405,7 @@ def machine_identity(device: torch.device) -> str:
     """The hardware a measurement ran on, for the cost caches' keys: the GPU's name on CUDA,
     else the CPU's model name, vector ISA and core count. A cache directory shared between
     machines (a cluster's home directory, a VM moved to another host) must not price one
-    CPU's forwards with another's grid: before 2026-11-30 the key held only the model and
+    CPU's forwards with another's grid: until 2026-11-29 the key held only the model and
     runtime, and this project's cache carried grids across four machines."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
@@ -894,8 +895,8 @@ class CostModel:
     def verify_cost(self, width: int, context: int | None = None) -> float:
         """Seconds of one target forward over ``width`` tokens on a ``context``-token cache
         (default: the current round's): the surface (times ``live``'s ratio), else observed
-        times, else 0. In a batch
-        of several rows: the row's price of a ``width``-token block (``BatchCosts.row_cost``)."""
+        times, else 0. In a batch of several rows: the row's price of a ``width``-token block
+        (``BatchCosts.row_cost``)."""
         if self.batch is not None and self.rows > 1:
             return self.batch.row_cost(self.rows, width, self.batch_context)
         if self.surface is not None:
