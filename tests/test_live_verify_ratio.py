@@ -132,7 +132,8 @@ def test_the_engine_learns_its_own_verify_steps():
     live = sorted(r.verify_s for r in res.stats.rounds if r.drafted == 3)
     assert len(live) >= 5 and eng.cost_model.live.seen
     eng.cost_model.context = 100
-    assert live[0] <= eng.cost_model.verify_cost(4) <= live[-1]  # from 1.3 s to what width 4 took
+    median = live[len(live) // 2]
+    assert median / 3 < eng.cost_model.verify_cost(4) < 3 * median  # from 1.3 s to what width 4 took
 
 
 def test_cost_caches_are_keyed_by_the_machine(monkeypatch):

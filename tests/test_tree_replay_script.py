@@ -58,3 +58,24 @@ def test_live_ratios_need_a_trace(tmp_path):
         replay.load_workload(str(rec), str(grid), rounds_csv=str(tmp_path / "rounds.csv"))
     work = replay.load_workload(str(rec), str(grid))
     assert work.priced.cost(1, 10) == pytest.approx(0.01)
+
+
+def test_the_oracle_pays_each_verify_step_on_the_engines_clock():
+    """The replayed engine's timer runs on by each verify forward's price (width, cache length),
+    not by the prefill, so its cost model learns the live/grid ratio as a live engine does."""
+    from adaspec.trees import DraftTree
+
+    priced = VerifyCostSurface([0, 4096], [1, 16], [[0.1, 0.25], [0.1, 0.25]], [0.0, 0.0])
+    target = replay.OracleTarget(vocab=8, eos=[7], priced=priced)
+    target.seq = [1, 2, 3, 4, 5, 6]
+    state = target.new_state()
+    target.forward(state, [1, 2, 3])  # the prefill
+    assert target.elapsed == 0.0
+    target.forward(state, [4, 5], keep=2)
+    assert target.elapsed == pytest.approx(priced.cost(2, 3))
+    before = target.elapsed
+    target.forward_tree(state, 6, DraftTree(tokens=[1, 2, 3], parents=[-1, -1, 0]))
+    assert target.elapsed - before == pytest.approx(priced.cost(4, 5))
+    t0 = target.clock()
+    target.elapsed += 2.0
+    assert target.clock() - t0 >= 2.0
