@@ -847,8 +847,7 @@ class CostModel:
         width = drafted + 1
         self._ema(self.verify_width_s, width, verify_s)
         if self.live is not None and self.surface is not None and self.rows <= 1:  # a batch row's share is not V
-            v = self.surface.cost(width, self.context)
-            self.live.observe(width, verify_s, v + self.switch_cost(width) if self.surface.switch_s else v)
+            self.live.observe(width, verify_s, self._surface_price(width, self.context))
 
     def observe_overhead(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
@@ -900,9 +899,7 @@ class CostModel:
         if self.batch is not None and self.rows > 1:
             return self.batch.row_cost(self.rows, width, self.batch_context)
         if self.surface is not None:
-            v = self.surface.cost(width, self.context if context is None else context)
-            if self.surface.switch_s:
-                v += self.switch_cost(width)
+            v = self._surface_price(width, self.context if context is None else context)
             return v * self.live.factor(width) if self.live is not None else v
         if width in self.verify_width_s:
             return self.verify_width_s[width]
@@ -910,6 +907,12 @@ class CostModel:
             nearest = min(self.verify_width_s, key=lambda w: abs(w - width))
             return self.verify_width_s[nearest]
         return 0.0
+
+    def _surface_price(self, width: int, context: int) -> float:
+        """The surface's V(width, context) plus ``switch_cost``: what the grid says, before
+        ``live``'s ratio (the price that ratio is learned against)."""
+        v = self.surface.cost(width, context)
+        return v + self.switch_cost(width) if self.surface.switch_s else v
 
     def verify_row(self, max_width: int) -> list[float]:
         """[0, verify_cost(1), ..., verify_cost(max_width)] at the current round's context."""
