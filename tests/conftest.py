@@ -98,6 +98,29 @@ def tiny_model():
     return make_tiny_model()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cost_cache(tmp_path_factory):
+    """The suite measures and caches cost grids in a cache of its own: tiny models' grids (and
+    grids measured under test conditions) never land in the user's ``$ADASPEC_CACHE/costs``,
+    where a later run would find them. Everything else in the user's cache (converted models,
+    fetched GGUF files, trained pools) stays visible through links, so real-model tests do not
+    convert again. Tests that set ``ADASPEC_CACHE`` themselves still win (monkeypatch)."""
+    from adaspec.artifacts import cache_dir
+
+    user, private = cache_dir(), tmp_path_factory.mktemp("adaspec-cache")
+    if user.is_dir():
+        for entry in user.iterdir():
+            if entry.name != "costs":
+                (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    before = os.environ.get("ADASPEC_CACHE")
+    os.environ["ADASPEC_CACHE"] = str(private)
+    yield private
+    if before is None:
+        os.environ.pop("ADASPEC_CACHE", None)
+    else:
+        os.environ["ADASPEC_CACHE"] = before
+
+
 @pytest.fixture(autouse=True)
 def _no_cached_pool(request, monkeypatch):
     """Tests see no trained pool in the adaspec cache unless marked ``cached_pool``: a pool

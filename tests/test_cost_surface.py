@@ -671,3 +671,20 @@ def test_one_slow_forward_leaves_its_cell_at_the_quiet_time(monkeypatch, repeats
     s = costs_mod.measure_verify_surface(fake, contexts=(8, 16), ks=(1, 2, 4), repeats=repeats)
     assert calls.count((16, 1)) == 1 + repeats  # the warm-up and the timed passes
     assert [v for row in s.seconds for v in row] == pytest.approx([1.4e-3, 2.4e-3, 4.4e-3] * 2)
+
+
+def test_the_suite_caches_cost_grids_in_a_cache_of_its_own(_private_cost_cache):
+    """A grid measured in a test lands in the suite's private cache (``conftest``), never in the
+    user's ``$ADASPEC_CACHE/costs``, where later runs would read a tiny model's grid."""
+    from pathlib import Path
+
+    from adaspec.artifacts import cache_dir
+    from adaspec.costs import load_or_measure
+    from adaspec.models import as_loaded
+
+    assert cache_dir() == _private_cost_cache
+    surface = load_or_measure(as_loaded(make_tiny_model(seed=7)), ks=[1, 2], contexts=[8], repeats=1,
+                              budget_s=0)
+    written = Path(_private_cost_cache) / "costs" / f"{surface.key}.json"
+    assert written.is_file() and not written.is_symlink()
+    assert not (Path(_private_cost_cache) / "costs").is_symlink()
