@@ -300,6 +300,32 @@ def test_suffix_trees_offer_the_last_tokens_continuations_without_a_match():
     assert 0 < tree.scores[0] < 0.5  # a weak, calibrated estimate the node budget can cut
 
 
+def test_suffix_trees_read_the_datastores_1gram_level_below_the_requests():
+    """With a datastore, its continuations of the last token are a level below the request's
+    1-gram level (most frequent first), and after a token the request has not seen they are the
+    root's candidates instead of the request's most frequent tokens; document ends never are."""
+    from adaspec.drafters.suffix import SuffixDatastore, SuffixDrafter
+
+    store = SuffixDatastore()
+    store.add([30, 11, 5, 30, 12, 6, 30, 11, 7, 9])
+    store.add([8, 30])  # 30 ends this document: no continuation
+    d = SuffixDrafter(datastore=store)
+    ctx = [4, 1, 9, 1, 7, 2, 30]  # 30 is new to the request; no 2-token suffix matches anywhere
+    d.begin_request(ctx)
+    assert d.peek(ctx, 5).tokens == []
+    keys = d.candidate_keys()
+    assert [t for t, _ in keys] == [11, 12]  # the datastore's 1-gram level: 11 twice, 12 once
+    assert keys[0][1][0] == 1  # in a 1-gram bucket, not the frequency level's
+    ctx2 = [30, 12, 3, 30]  # the request's own 1-gram level (12) comes first, then the datastore's
+    d.begin_request(ctx2)
+    d.catch_up(ctx2)
+    assert [t for t, _ in d.candidate_keys()] == [12, 11]
+    plain = SuffixDrafter()
+    plain.begin_request(ctx)
+    plain.catch_up(ctx)
+    assert {key for _, key in plain.candidate_keys()} == {(0, 0, 0)}  # without one: the frequency level
+
+
 @pytest.mark.parametrize("drafter", ["suffix", "prompt-lookup"])
 def test_trees_offer_the_most_frequent_tokens_after_an_unseen_token(drafter):
     """After a token the request has not seen (no match at any level) the root's candidates

@@ -105,7 +105,8 @@ class SuffixDatastore:
         self.min_match = min_match
         self.max_tokens = max_tokens
         self.docs: list[list[int]] = []
-        self.index = NgramIndex([min_match])
+        # 1-grams too: a tree's level below the request's own 1-gram level (``candidate_keys``)
+        self.index = NgramIndex([min_match, 1])
         self.evicted_tokens = 0
         self._size = 0
         self._recent: dict[tuple[tuple[int, ...], int], RecentHits] = {}
@@ -336,9 +337,12 @@ class SuffixDrafter(IndexedDrafter):
         (longest first), its continuations ranked by their frequency among its matches; below
         ``min_match``, the continuations of the last token's recent occurrences in the request
         (the 1-gram level, as prompt lookup's shortest n-gram), so a tree has candidates where
-        the chain has no match (on the mixed suite 73% of suffix rounds had none); after a
-        token the request has not seen, its most frequent tokens (``frequent_candidates``). The
-        chain's proposal (``propose``) leads when there is one."""
+        the chain has no match (on the mixed suite 73% of suffix rounds had none), then in the
+        datastore (its 1-gram level: after a token the request has not seen, the next token was
+        among the generalist datastore's 4 most frequent continuations 24% of the time against
+        11% for the request's most frequent tokens); after a token neither has seen, the
+        request's most frequent tokens (``frequent_candidates``). The chain's proposal
+        (``propose``) leads when there is one."""
         found = self._found()
         levels: list[tuple[int, list[int]]] = []
         first = None
@@ -348,10 +352,17 @@ class SuffixDrafter(IndexedDrafter):
             self._match = lengths[0]
             first = self._top(levels[0][1])
         seq = self._index.tokens
-        if self.min_match > 1 and seq:
-            hits = self._index.continuations((seq[-1],))[-self.max_candidates:]
-            levels.append((1, [seq[h] for h in reversed(hits)]))  # most recent first
-        if not any(lv for _, lv in levels):  # a token the request has not seen: its most frequent
+        if seq:
+            last = (seq[-1],)
+            if self.min_match > 1:
+                hits = self._index.continuations(last)[-self.max_candidates:]
+                levels.append((1, [seq[h] for h in reversed(hits)]))  # most recent first
+            if self.datastore is not None:
+                src = self.datastore.index.tokens
+                hits = self.datastore.index.continuations(last)[-self.max_candidates:]
+                levels.append((1, [src[h] for h in reversed(hits) if src[h] != _SEP]))
+        levels = [lv for lv in levels if lv[1]]
+        if not levels:  # a token neither the request nor the datastore has seen: its most frequent
             return frequent_candidates(self._index, limit)
         return level_candidates(self._top(levels[0][1]) if first is None else first, levels, limit)
 
