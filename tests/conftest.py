@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Sequence
 
 import pytest
@@ -102,15 +103,20 @@ def tiny_model():
 def _private_cost_cache(tmp_path_factory):
     """The suite measures and caches cost grids in a cache of its own: tiny models' grids (and
     grids measured under test conditions) never land in the user's ``$ADASPEC_CACHE/costs``,
-    where a later run would find them. Everything else in the user's cache (converted models,
-    fetched GGUF files, trained pools) stays visible through links, so real-model tests do not
-    convert again. Tests that set ``ADASPEC_CACHE`` themselves still win (monkeypatch)."""
+    where a later run would find them. The user's grids are copied in (read, never written:
+    measuring SmolLM2's and llama.cpp's grids again would add ~3 min of the suite's time, and
+    exactness does not depend on a grid's values); everything else in the user's cache
+    (converted models, fetched GGUF files, trained pools) stays visible through links, so
+    real-model tests do not convert again. Tests that set ``ADASPEC_CACHE`` themselves still
+    win (monkeypatch)."""
     from adaspec.artifacts import cache_dir
 
     user, private = cache_dir(), tmp_path_factory.mktemp("adaspec-cache")
     if user.is_dir():
         for entry in user.iterdir():
-            if entry.name != "costs":
+            if entry.name == "costs" and entry.is_dir():
+                shutil.copytree(entry, private / "costs")
+            else:
                 (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     before = os.environ.get("ADASPEC_CACHE")
     os.environ["ADASPEC_CACHE"] = str(private)
