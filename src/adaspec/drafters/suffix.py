@@ -353,15 +353,14 @@ class SuffixDrafter(IndexedDrafter):
             self._match = lengths[0]
             first = self._top(levels[0][1])
         seq = self._index.tokens
-        if seq:
+        if seq:  # the 1-gram levels: the request's (below min_match), then the datastore's
             last = (seq[-1],)
-            if self.min_match > 1:
-                hits = self._index.continuations(last)[-self.max_candidates:]
-                levels.append((1, [seq[h] for h in reversed(hits)]))  # most recent first
+            ones = [self._index] if self.min_match > 1 else []
             if self.datastore is not None:
-                src = self.datastore.index.tokens
-                hits = self.datastore.index.continuations(last)[-self.max_candidates:]
-                levels.append((1, [src[h] for h in reversed(hits) if src[h] != _SEP]))
+                ones.append(self.datastore.index)
+            for index in ones:
+                src, hits = index.tokens, index.continuations(last)[-self.max_candidates:]
+                levels.append((1, [src[h] for h in reversed(hits) if src[h] != _SEP]))  # most recent first
         levels = [lv for lv in levels if lv[1]]
         if not levels:  # a token neither the request nor the datastore has seen: its most frequent
             return frequent_candidates(self._index, limit)
