@@ -101,9 +101,10 @@ def tiny_model():
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cost_cache(tmp_path_factory):
-    """The suite measures and caches cost grids in a cache of its own: tiny models' grids (and
-    grids measured under test conditions) never land in the user's ``$ADASPEC_CACHE/costs``,
-    where a later run would find them. The user's grids are copied in (read, never written:
+    """The suite measures and caches cost grids and kernel plans in a cache of its own: tiny
+    models' grids (and grids or plans timed under test conditions, one thread a worker) never
+    land in the user's ``$ADASPEC_CACHE/costs`` or ``kernels``, where a later run would find
+    them. The user's grids and plans are copied in (read, never written:
     measuring SmolLM2's and llama.cpp's grids again would add ~3 min of the suite's time, and
     exactness does not depend on a grid's values); everything else in the user's cache
     (converted models, fetched GGUF files, trained pools) stays visible through links, so
@@ -114,8 +115,8 @@ def _private_cost_cache(tmp_path_factory):
     user, private = cache_dir(), tmp_path_factory.mktemp("adaspec-cache")
     if user.is_dir():
         for entry in user.iterdir():
-            if entry.name == "costs" and entry.is_dir():
-                shutil.copytree(entry, private / "costs")
+            if entry.name in ("costs", "kernels") and entry.is_dir():
+                shutil.copytree(entry, private / entry.name)
             else:
                 (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     before = os.environ.get("ADASPEC_CACHE")

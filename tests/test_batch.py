@@ -533,3 +533,47 @@ def test_joint_width_sampling_first_tokens_follow_the_target(soft_model):
     stat, p_value, cells = chisquare_gof(counts, probs)
     assert cells >= 3
     assert p_value > 1e-3, (stat, p_value, counts)
+
+
+def test_the_batch_grid_is_measured_once_for_the_rows_the_batch_can_hold(model, monkeypatch, tmp_path, caplog):
+    """The first batched round of a cost-aware batch measures the batch grid over the row counts
+    a batch of ``max_batch`` prices (``batch_grid_rows``: 1, 2, 4 for 3), says so in the log (no
+    progress display shows it), and caches it: a second batch of that size reads it."""
+    import adaspec.batch as batch_mod
+    from adaspec.costs import batch_grid_rows
+
+    assert batch_grid_rows(1) == [1] and batch_grid_rows(2) == [1, 2] and batch_grid_rows(3) == [1, 2, 4]
+    assert batch_grid_rows(8) == [1, 2, 4, 8] and batch_grid_rows(9) == [1, 2, 4, 8, 16]
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    asked = []
+
+    def measure(target, rows, widths, contexts, progress=None):
+        asked.append(list(rows))
+        return _synthetic() if progress is None else pytest.fail("the engine shows no progress display")
+
+    monkeypatch.setattr(batch_mod, "measure_batch_costs", measure)
+    for _ in range(2):
+        batch = BatchEngine(_engine(model, "auto"), max_batch=3)
+        for p in _prompts(3):
+            batch.add(p, max_new_tokens=4)
+        with caplog.at_level("WARNING", logger="adaspec.costs"):
+            batch.run()
+        assert batch.cost_model.batch is not None
+    assert asked == [[1, 2, 4]]  # measured once, then read from the cache
+    assert caplog.text.count("measuring the batch verify costs of this model on this machine, once") == 1
+
+
+def test_measuring_the_batch_grid_reports_progress(model, monkeypatch, tmp_path, caplog):
+    """``load_or_measure_batch(progress=...)``: a call before the first cell and after each cache
+    length and row count, and no log line (the caller shows the progress)."""
+    from adaspec.batch import load_or_measure_batch
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    calls = []
+    with caplog.at_level("WARNING", logger="adaspec.costs"):
+        grid = load_or_measure_batch(SpeculativeEngine(model, ["none"]).target, rows=[1, 2], widths=[1, 3],
+                                     contexts=[6, 12], progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+    assert grid.rows == [1, 2] and grid.widths == [1, 3] and len(grid.seconds) == 2
+    assert "measuring" not in caplog.text
+    assert len(list((tmp_path / "costs").glob("batch-*.json"))) == 1

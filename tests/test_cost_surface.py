@@ -674,13 +674,15 @@ def test_one_slow_forward_leaves_its_cell_at_the_quiet_time(monkeypatch, repeats
 
 
 def test_the_suite_caches_cost_grids_in_a_cache_of_its_own(_private_cost_cache):
-    """A grid measured in a test lands in the suite's private cache (``conftest``), never in the
-    user's ``$ADASPEC_CACHE/costs``, where later runs would read a tiny model's grid."""
+    """A grid measured and a kernel plan timed in a test land in the suite's private cache
+    (``conftest``), never in the user's ``$ADASPEC_CACHE/costs`` or ``kernels``, where later runs
+    would read a tiny model's grid or a plan timed on a busy worker."""
     from pathlib import Path
 
     from adaspec.artifacts import cache_dir
     from adaspec.costs import load_or_measure
-    from adaspec.models import as_loaded
+    from adaspec.kernels import use_small_batch_linear
+    from adaspec.models import as_loaded, small_rows_plan
 
     assert cache_dir() == _private_cost_cache
     surface = load_or_measure(as_loaded(make_tiny_model(seed=7)), ks=[1, 2], contexts=[8], repeats=1,
@@ -688,3 +690,8 @@ def test_the_suite_caches_cost_grids_in_a_cache_of_its_own(_private_cost_cache):
     written = Path(_private_cost_cache) / "costs" / f"{surface.key}.json"
     assert written.is_file() and not written.is_symlink()
     assert not (Path(_private_cost_cache) / "costs").is_symlink()
+    model = make_tiny_model(seed=7)
+    if use_small_batch_linear(model, packed=True) and small_rows_plan(model) is not None:  # oneDNN here
+        plans = list((Path(_private_cost_cache) / "kernels").glob("*.json"))
+        assert plans and not any(p.is_symlink() for p in plans)
+        assert not (Path(_private_cost_cache) / "kernels").is_symlink()

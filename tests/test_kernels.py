@@ -21,7 +21,7 @@ from adaspec.kernels import (GQA_ATTENTION, PACKED_MIN_ROWS, SMALL_BATCH_MAX, SM
                              SmallBatchLinear, linear,
                              linear_mode, small_batch_applies, small_rows_mode, stock_kernels, tune_small_rows,
                              use_gqa_attention, use_small_batch_linear)
-from adaspec.models import as_loaded, check_linear
+from adaspec.models import as_loaded, check_linear, small_rows_plan
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
@@ -107,6 +107,53 @@ def test_tune_small_rows_keeps_the_fastest_kernel_per_row_count(monkeypatch, fas
     assert small_rows_mode(model) == ",".join(fast)
     assert tune_small_rows(make_tiny_model(0, 32)) is None  # nothing packed: nothing to tune
     assert small_rows_mode(make_tiny_model(0, 32)) == "none"
+
+
+@needs_onednn
+def test_the_small_rows_plan_is_timed_once_per_model_shape_and_machine(monkeypatch, tmp_path, caplog):
+    """A second load of the same shape on the same machine reads the cached plan instead of
+    timing the kernels again (the timed pick flips near a tie, and with it the cost grids'
+    keys); another machine, another shape, ``refresh`` or an unreadable file time them."""
+    import adaspec.models as models_mod
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    picks = iter([("stock", "transposed", "packed"), ("packed", "packed", "stock"), ("transposed",) * 3,
+                  ("stock",) * 3, ("packed",) * 3])
+    timed = []
+
+    def tune(model, reps=2):
+        plan = next(picks)
+        timed.append(plan)
+        for m in model.modules():
+            if isinstance(m, PackedLinear):
+                m.small_plan = plan
+        return plan
+
+    monkeypatch.setattr(models_mod, "tune_small_rows", tune)
+
+    def packed(hidden=32):
+        model = make_tiny_model(0, hidden)
+        use_small_batch_linear(model, packed=True)
+        return model
+
+    first = packed()
+    assert small_rows_plan(first) == ("stock", "transposed", "packed") and len(timed) == 1
+    files = list((tmp_path / "kernels").glob("*.json"))
+    assert len(files) == 1
+    again = packed()
+    assert small_rows_plan(again) == ("stock", "transposed", "packed") and len(timed) == 1  # read, not timed
+    assert small_rows_mode(again) == "stock,transposed,packed"
+    assert as_loaded(again).identity() == as_loaded(first).identity()  # so the cost grids' keys agree
+    assert small_rows_plan(packed(hidden=48)) == ("packed", "packed", "stock") and len(timed) == 2  # other shapes
+    assert small_rows_plan(packed(), refresh=True) == ("transposed",) * 3 and len(timed) == 3
+    assert small_rows_plan(packed()) == ("transposed",) * 3 and len(timed) == 3  # the refreshed plan is kept
+    files[0].write_text('{"plan": ["fastest", "stock", "stock"]}')
+    with caplog.at_level("WARNING", logger="adaspec.models"):
+        assert small_rows_plan(packed()) == ("stock",) * 3 and len(timed) == 4
+    assert "unreadable kernel plan" in caplog.text
+    monkeypatch.setattr(models_mod, "machine_identity", lambda device: "cpu:another|AVX512|cores=2")
+    assert small_rows_plan(packed()) == ("packed",) * 3 and len(timed) == 5  # another machine: timed there
+    assert small_rows_plan(make_tiny_model(0, 32)) is None and len(timed) == 5  # nothing packed
 
 
 @needs_onednn

@@ -14,6 +14,7 @@ from test_serve_load import _load, expected  # noqa: F401 - the load test's prom
 from test_serve import (TEXT, _InlineLoop, assert_stopped_within_one_round, model_dir,  # noqa: F401
                         reference)  # the same tiny model fixtures and checks
 
+from adaspec.batch import BatchEngine
 from adaspec.config import GenerationConfig
 from adaspec.engine import SpeculativeEngine
 from adaspec.models import load_model
@@ -143,3 +144,37 @@ def test_serve_batches_by_default_where_the_engine_can(model_dir):
     assert serve_batch_size(model_drafter, 1) == 1
     with pytest.raises(AdaspecError, match=r"--max-batch 4: drafter 'self' cannot draft for several requests"):
         serve_batch_size(model_drafter, 4)
+
+
+def test_serve_measures_the_batch_grid_before_it_listens(model_dir, monkeypatch, tmp_path, capsys):
+    """``adaspec serve`` measures the batch cost grid its cost-aware policies price batched rounds
+    with before it listens, with progress (not in the first round two requests share), over
+    the rows ``--max-batch`` allows; nothing without batching or without a policy that prices."""
+    import adaspec.batch as batch_mod
+    from adaspec.cli import measure_batch_grid
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    asked = []
+    real = batch_mod.measure_batch_costs
+
+    def measure(target, rows, widths, contexts, progress=None):
+        asked.append(list(rows))
+        return real(target, rows, widths[:2], contexts[:1], repeats=1, warmup=0, progress=progress)
+
+    monkeypatch.setattr(batch_mod, "measure_batch_costs", measure)
+    target = load_model(model_dir)
+    measure_batch_grid(SpeculativeEngine(target, ["prompt-lookup"], k=3), 4)  # a static k prices nothing
+    measure_batch_grid(SpeculativeEngine(target), 1)
+    assert asked == []
+    engine = SpeculativeEngine(target)  # auto
+    measure_batch_grid(engine, 3)
+    assert asked == [[1, 2, 4]]
+    assert "measuring the batch cost grid (once)" in capsys.readouterr().err
+    assert len(list((tmp_path / "costs").glob("batch-*.json"))) == 1
+    batch = BatchEngine(engine, max_batch=3)  # the server's batch finds it: no second measurement
+    for p in ([1, 2, 3, 4], [5, 6, 7], [1, 2, 3]):
+        batch.add(p, max_new_tokens=3)
+    batch.run()
+    assert asked == [[1, 2, 4]] and batch.cost_model.batch is not None
+    measure_batch_grid(engine, 3)
+    assert asked == [[1, 2, 4]]

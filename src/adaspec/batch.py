@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .config import GenerationConfig
-from .costs import BatchCosts
+from .costs import BatchCosts, batch_grid_rows
 from .drafters import Draft, Drafter, DraftStep, Decision
 from .drafters.indexed import share_indexes
 from .engine import GenerationResult
@@ -514,7 +514,7 @@ class BatchEngine:
         self.cost_model.rows = rows
         self.cost_model.batch_context = self._valid.shape[1]
         if self._wants_costs and rows > 1 and self.cost_model.batch is None:
-            self.cost_model.batch = load_or_measure_batch(self.target)
+            self.cost_model.batch = load_or_measure_batch(self.target, rows=batch_grid_rows(self.max_batch))
         plain = not self._drafting_can_pay()
         if plain:
             plans = [self._plain(req) if req.cost_aware else self._plan(req) for req in self._rows]
@@ -736,17 +736,20 @@ def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
 
 
-def load_or_measure_batch(target: LoadedModel, **grid: Any) -> BatchCosts:
+def load_or_measure_batch(target: LoadedModel, progress: Callable[[int, int], None] | None = None,
+                          **grid: Any) -> BatchCosts:
     """The target's batch verify-cost surface, measured once and cached (``costs.BatchCosts``;
-    ``grid``: ``rows``, ``widths``, ``contexts`` other than the defaults)."""
+    ``grid``: ``rows``, ``widths``, ``contexts`` other than the defaults; ``progress(done,
+    total)`` after each cache length and row count measured)."""
     from .costs import load_or_measure_batch_costs
 
-    return load_or_measure_batch_costs(target, measure_batch_costs, **grid)
+    return load_or_measure_batch_costs(target, measure_batch_costs, progress=progress, **grid)
 
 
 @torch.inference_mode()
 def measure_batch_costs(target: LoadedModel, rows: Sequence[int], widths: Sequence[int],
-                        contexts: Sequence[int], repeats: int = 2, warmup: int = 1) -> BatchCosts:
+                        contexts: Sequence[int], repeats: int = 2, warmup: int = 1,
+                        progress: Callable[[int, int], None] | None = None) -> BatchCosts:
     """Median seconds of the batched verify forward (padded cache, 4D mask, as the batch engine
     runs it) over ``rows`` x ``widths`` at each cache length of ``contexts``."""
     from statistics import median
@@ -755,6 +758,8 @@ def measure_batch_costs(target: LoadedModel, rows: Sequence[int], widths: Sequen
     gen = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     seconds = []
+    if progress is not None:
+        progress(0, len(contexts) * len(rows))
     for c in contexts:
         per_rows = []
         for b in rows:
@@ -774,6 +779,8 @@ def measure_batch_costs(target: LoadedModel, rows: Sequence[int], widths: Sequen
                         times[w].append(dt)
             per_rows.append([median(times[w]) for w in widths])
             target.release(cache)
+            if progress is not None:
+                progress(len(seconds) * len(rows) + len(per_rows), len(contexts) * len(rows))
         seconds.append(per_rows)
     return BatchCosts(list(contexts), list(rows), list(widths), seconds,
                       measure_s=time.perf_counter() - t_start)

@@ -20,8 +20,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import platform
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -34,6 +32,7 @@ import torch
 
 from .errors import ConfigError
 from .backends.base import TargetBackend
+from .kernels import machine_identity
 from .models import cache_dir
 
 log = logging.getLogger(__name__)
@@ -401,21 +400,6 @@ class EngineOverheads:
                    verify_ratios=[float(r) for r in data.get("verify_ratios", [])])
 
 
-def machine_identity(device: torch.device) -> str:
-    """The hardware a measurement ran on, for the cost caches' keys: the GPU's name on CUDA,
-    else the CPU's model name, vector ISA and core count. A cache directory shared between
-    machines (a cluster's home directory, a VM moved to another host) must not price one
-    CPU's forwards with another's grid: until 2026-11-29 the key held only the model and
-    runtime, and this project's cache carried grids across four machines."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as fh:
-            name = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), name)
-    return f"cpu:{name}|{torch.backends.cpu.get_cpu_capability()}|cores={os.cpu_count()}"
-
-
 def _surface_key(loaded: TargetBackend, contexts: Sequence[int], ks: Sequence[int]) -> str:
     ident = (f"{SURFACE_FORMAT}|{loaded.identity()}|{machine_identity(loaded.device)}"
              f"|ctx={list(contexts)}|ks={list(ks)}")
@@ -554,7 +538,7 @@ def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
     return _cached(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
                    lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress,
                                                   budget_s=budget_s),
-                   "verify-cost surface", refresh)
+                   "verify-cost surface", refresh, shown=progress is not None)
 
 
 def cached_surface(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
@@ -574,9 +558,11 @@ def cached_surface(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
 
 
 def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,
-            refresh: bool = False) -> Any:
+            refresh: bool = False, shown: bool = False) -> Any:
     """A measurement (with a ``key`` attribute) read from ``path``, or measured and written there
-    when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal."""
+    when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal. A
+    measurement no progress display shows (``shown``) is announced in the log: a library call
+    that times forwards for a minute or two must say why it is slow."""
     if path.is_file() and not refresh:
         try:
             found = parse(json.loads(path.read_text()))
@@ -584,6 +570,9 @@ def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callabl
             return found
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
+    if not shown:
+        log.warning("measuring the %s of this model on this machine, once (a minute or two on a small CPU); "
+                    "cached in %s for later runs", what, path)
     fresh = measure()
     fresh.key = key
     try:
@@ -673,19 +662,29 @@ class BatchCosts:
         return "\n".join(lines)
 
 
+def batch_grid_rows(max_batch: int) -> list[int]:
+    """The batch grid's row counts for batches of at most ``max_batch`` rows: ``BATCH_ROWS`` up
+    to the first that holds ``max_batch`` (on SmolLM2, AVX2 EPYC, rows 1-8 took 45 s, rows 1-32
+    150 s, and a batch of 8 never prices 16 or 32)."""
+    out = [r for r in BATCH_ROWS if r < max_batch]
+    return out + [next((r for r in BATCH_ROWS if r >= max_batch), max_batch)]
+
+
 def load_or_measure_batch_costs(loaded: TargetBackend,
                                 measure: Callable[..., BatchCosts],
                                 rows: Sequence[int] = BATCH_ROWS, widths: Sequence[int] = BATCH_WIDTHS,
-                                contexts: Sequence[int] = BATCH_CONTEXTS, refresh: bool = False) -> BatchCosts:
-    """``measure(loaded, rows, widths, contexts)`` once per model, device, dtype, thread count
-    and machine (the surface's key scheme), cached in ``$ADASPEC_CACHE/costs``."""
+                                contexts: Sequence[int] = BATCH_CONTEXTS, refresh: bool = False,
+                                progress: Callable[[int, int], None] | None = None) -> BatchCosts:
+    """``measure(loaded, rows, widths, contexts, progress=progress)`` once per model, device,
+    dtype, thread count and machine (the surface's key scheme), cached in
+    ``$ADASPEC_CACHE/costs``."""
     contexts = grid_contexts(loaded, contexts, widths)
     ident = (f"{BATCH_FORMAT}|{loaded.identity()}|{machine_identity(loaded.device)}"
              f"|ctx={list(contexts)}|rows={list(rows)}|w={list(widths)}")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return _cached(Path(cache_dir()) / "costs" / f"batch-{key}.json", key, BatchCosts.from_dict,
-                   lambda: measure(loaded, list(rows), list(widths), list(contexts)), "batch verify costs",
-                   refresh)
+                   lambda: measure(loaded, list(rows), list(widths), list(contexts), progress=progress),
+                   "batch verify costs", refresh, shown=progress is not None)
 
 
 class LiveVerifyRatio:

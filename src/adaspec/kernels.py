@@ -35,7 +35,10 @@ those copies (SmolLM2, 400 cached tokens: 4 ms of a 37-66 ms forward at 2-16 tok
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import platform
 import time
 import weakref
 from collections.abc import Iterator
@@ -171,16 +174,33 @@ class PackedLinear(SmallBatchLinear):
 SMALL_KINDS = ("transposed", "packed", "stock")
 
 
-def tune_small_rows(model: nn.Module, reps: int = 2) -> tuple[str, ...] | None:
+def machine_identity(device: torch.device) -> str:
+    """The hardware a measurement ran on, for the cost caches' keys: the GPU's name on CUDA,
+    else the CPU's model name, vector ISA and core count. A cache directory shared between
+    machines (a cluster's home directory, a VM moved to another host) must not price one
+    CPU's forwards with another's grid: until 2026-11-29 the key held only the model and
+    runtime, and this project's cache carried grids across four machines."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            name = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), name)
+    return f"cpu:{name}|{torch.backends.cpu.get_cpu_capability()}|cores={os.cpu_count()}"
+
+
+def tune_small_rows(model: nn.Module, reps: int = 5) -> tuple[str, ...] | None:
     """Time forwards of 1, 2 and 3 tokens of ``model`` with its ``PackedLinear`` layers running
     that many rows on each of ``SMALL_KINDS``, interleaved (``reps`` each after a warm-up), and
     keep the fastest per row count (``PackedLinear.small_plan``). Which one wins depends on the
     weights' shapes and on the CPU's BLAS (docs/kernels.md: on Qwen2.5-1.5B the padded packed
     matmul, on SmolLM2 the transposed product on the first machine and ``F.linear`` on a Xeon with AMX),
     hence a measurement per model. Returns the plan, None when the model has no packed layer on
-    a CPU."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)
-              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    a CPU. ``load_model`` times once per model shape and machine (``models.small_rows_plan``
+    caches the plan), so ``reps`` is 5 (2 until 2026-11-30, when each load timed): on the AVX2
+    EPYC one row's three kernels were within 5% of each other, and two timings a kernel flipped
+    the pick from one process to the next."""
+    layers = tunable_layers(model)
     if not layers:
         return None
     plan = list(PackedLinear.small_plan)
@@ -197,9 +217,21 @@ def tune_small_rows(model: nn.Module, reps: int = 2) -> tuple[str, ...] | None:
                 if rep:  # the first round warms every path up
                     best[(n, kind)] = min(best[(n, kind)], time.perf_counter() - t0)
     chosen = tuple(min(SMALL_KINDS, key=lambda kind: best[(n, kind)]) for n in range(1, len(plan) + 1))
-    for m in layers:
-        m.small_plan = chosen
+    set_small_plan(model, chosen)
     return chosen
+
+
+def tunable_layers(model: nn.Module) -> list[PackedLinear]:
+    """``model``'s ``PackedLinear`` layers that ``tune_small_rows`` times: float32, on a CPU."""
+    return [m for m in model.modules() if isinstance(m, PackedLinear)
+            and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+
+
+def set_small_plan(module: nn.Module, plan: tuple[str, ...]) -> None:
+    """Run 1, 2 and 3 rows of ``module``'s packed layers on ``plan``'s kernels."""
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            m.small_plan = tuple(plan)
 
 
 def small_plan_of(model: Any) -> tuple[str, ...] | None:
@@ -224,9 +256,7 @@ def follow_plan(module: nn.Module, plan: tuple[str, ...]) -> int:
     the fastest kernel depends on the CPU and on the width, which a head shares with its target).
     Returns how many layers were switched."""
     n = use_small_batch_linear(module, packed=True)
-    for m in module.modules():
-        if isinstance(m, PackedLinear):
-            m.small_plan = plan
+    set_small_plan(module, plan)
     return n
 
 

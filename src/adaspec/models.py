@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
+import json
 import logging
 import os
 import shutil
@@ -26,9 +27,9 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .kernels import (GQA_ATTENTION, auto_linear, linear_mode, release_own_openmp_threads, small_rows_mode,
-                      tune_small_rows, use_gqa_attention,
-                      use_small_batch_linear)
+from .kernels import (GQA_ATTENTION, SMALL_KINDS, PackedLinear, auto_linear, linear_mode, machine_identity,
+                      release_own_openmp_threads, set_small_plan, small_rows_mode, tunable_layers, tune_small_rows,
+                      use_gqa_attention, use_small_batch_linear)
 from .trees import DraftTree, tree_attention_mask
 
 log = logging.getLogger(__name__)
@@ -386,7 +387,8 @@ def load_model(
     about 1.7x faster decoding and 1.8x faster 16-token verification here, for a second copy of
     the linear weights in oneDNN's layout; 1-3 rows take the transposed product, the packed
     matmul or ``F.linear``, whichever timed forwards find fastest for this model on this CPU:
-    ``kernels.tune_small_rows``); ``"small-batch"`` takes only the transposed product
+    ``kernels.tune_small_rows``, timed once per model shape and machine and cached,
+    ``small_rows_plan``); ``"small-batch"`` takes only the transposed product
     (no extra memory, any CPU), ``"stock"`` keeps PyTorch's own ``F.linear``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -430,9 +432,47 @@ def load_model(
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
     if linear == "packed":
-        tune_small_rows(model)
+        small_rows_plan(model)
     use_gqa_attention(model)
     return LoadedModel(model=model, tokenizer=tok, name=spec)
+
+
+#: part of the cached kernel plans' key: bump when ``kernels.tune_small_rows`` changes
+KERNEL_PLAN_FORMAT = "small-rows/1"
+
+
+def small_rows_plan(model: Any, refresh: bool = False) -> tuple[str, ...] | None:
+    """``kernels.tune_small_rows`` once per model shape, thread count, torch and machine: the
+    plan is cached in ``$ADASPEC_CACHE/kernels`` and set on ``model``'s packed layers (None
+    without any). Near a tie the timed pick flips from one process to the next (SmolLM2's
+    3-row kernel, packed matmul or transposed product, on the AVX2 EPYC of 2026-11-30), and
+    with it the kernels' float rounding and the cost grids' cache key (``identity``): every
+    other process measured the 20 s verify grid and the 150 s batch grid again. ``refresh``:
+    time the kernels again (``adaspec costs --refresh``)."""
+    layers = tunable_layers(model)
+    if not layers:
+        return None
+    shapes = sorted({tuple(m.weight.shape) for m in layers})
+    ident = (f"{KERNEL_PLAN_FORMAT}|{type(model).__name__}|layers={len(layers)}|shapes={shapes}"
+             f"|threads={torch.get_num_threads()}|torch={torch.__version__}"
+             f"|{machine_identity(layers[0].weight.device)}")
+    path = cache_dir() / "kernels" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+    if path.is_file() and not refresh:
+        try:
+            plan = tuple(json.loads(path.read_text())["plan"])
+            if len(plan) != len(PackedLinear.small_plan) or not set(plan) <= set(SMALL_KINDS):
+                raise ValueError(f"plan {list(plan)} is not {len(PackedLinear.small_plan)} of {SMALL_KINDS}")
+            set_small_plan(model, plan)
+            return plan
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("timing the kernels again: unreadable kernel plan %s (%s)", path, exc)
+    plan = tune_small_rows(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"plan": list(plan or ()), "ident": ident}))
+    except OSError as exc:
+        log.warning("could not cache the kernel plan in %s: %s", path, exc)
+    return plan
 
 
 #: ``load_model(linear=)`` / ``--linear`` values

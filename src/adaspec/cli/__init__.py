@@ -188,6 +188,7 @@ def serve(
                                                    selector=selector,
                                                    length=length, k=k)
         max_batch = serve_batch_size(engine, max_batch)
+        measure_batch_grid(engine, max_batch)
         if no_state:
             state_file = None
         elif state_file is None:
@@ -205,6 +206,23 @@ def serve(
               f"selector {selector}, length {length}, up to {max_batch} request(s) decoded together"
               f"{', prefix cache' if cached else ''}; state file: {state_file}[/]")
     run_server(engine, config, host=host, port=port, log_level=log_level)
+
+
+def measure_batch_grid(engine: object, max_batch: int) -> None:
+    """Before ``adaspec serve`` listens: the batch verify-cost grid its policies price batched
+    rounds with, measured with a progress bar if this machine has none cached yet (the
+    ``BatchEngine`` would otherwise measure it in the first round two requests share, ~45 s
+    on SmolLM2 for a batch of 8 on a 2-core CPU, every request waiting; rows 1-32, ~150 s, until
+    2026-11-30)."""
+    from ..batch import load_or_measure_batch
+    from ..costs import batch_grid_rows
+
+    if max_batch < 2 or not any(getattr(p, "wants_costs", False)
+                                for p in (getattr(engine, "selector", None), getattr(engine, "length", None))):
+        return
+    with StageProgress(err) as bar:
+        load_or_measure_batch(engine.target, rows=batch_grid_rows(max_batch),  # type: ignore[attr-defined]
+                              progress=lambda done, total: bar("measuring the batch cost grid (once)", done, total))
 
 
 #: requests ``adaspec serve`` decodes together when --max-batch is not given and the engine can
@@ -538,19 +556,22 @@ def costs(
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
     flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
-    refresh: bool = typer.Option(False, help="measure again instead of using the cache"),
+    refresh: bool = typer.Option(False, help="measure again instead of using the cache (the linear "
+                                 "kernels' timing too)"),
     png: str | None = typer.Option("verify_cost_surface.png", "--png",
                                    help="write the heat map here ('' for none)"),
 ) -> None:
     """Measure (or show the cached) verify-cost surface of a target: the time of one forward
     over k new tokens on caches of several lengths, with the cost cliffs of each length."""
     from ..costs import DEFAULT_CONTEXTS, DEFAULT_KS, load_or_measure
-    from ..models import load_model
+    from ..models import LoadedModel, load_model, small_rows_plan
 
     try:
         check_target(model, device, dtype, backend, linear, flash_attn)
         loaded = load_model(model, device=device, dtype=dtype, backend=backend, linear=linear,
                             flash_attn=flash_attn)
+        if refresh and isinstance(loaded, LoadedModel):  # the grid is keyed by the kernels: time them again
+            small_rows_plan(loaded.model, refresh=True)
         with StageProgress(err) as bar:
             surface = load_or_measure(loaded, DEFAULT_KS, DEFAULT_CONTEXTS, refresh=refresh,
                                       progress=lambda done, total: bar("measuring the cost grid", done, total))
