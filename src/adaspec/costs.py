@@ -571,7 +571,7 @@ def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callabl
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
     if not shown:
-        log.warning("measuring the %s of this model on this machine, once (a minute or two on a small CPU); "
+        log.warning("measuring the %s of this model on this machine, once (seconds to a few minutes); "
                     "cached in %s for later runs", what, path)
     fresh = measure()
     fresh.key = key

@@ -175,8 +175,9 @@ SMALL_KINDS = ("transposed", "packed", "stock")
 
 
 def machine_identity(device: torch.device) -> str:
-    """The hardware a measurement ran on, for the cost caches' keys: the GPU's name on CUDA,
-    else the CPU's model name, vector ISA and core count. A cache directory shared between
+    """The hardware a measurement ran on, for the keys of the cost grids and kernel plans
+    cached on disk: the GPU's name on CUDA, else the CPU's model name, vector ISA and core
+    count. A cache directory shared between
     machines (a cluster's home directory, a VM moved to another host) must not price one
     CPU's forwards with another's grid: until 2026-11-29 the key held only the model and
     runtime, and this project's cache carried grids across four machines."""
