@@ -25,7 +25,7 @@ def tiny_dir(tmp_path, monkeypatch):
     return path
 
 
-def test_bench_record_then_replay_matches_the_bench(tmp_path, tiny_dir):
+def test_bench_record_then_replay_matches_the_bench(tmp_path, tiny_dir, caplog):
     path = tiny_dir
     suite = tmp_path / "work.jsonl"
     suite.write_text(json.dumps({"question_id": "c1", "category": "copy",
@@ -36,6 +36,9 @@ def test_bench_record_then_replay_matches_the_bench(tmp_path, tiny_dir):
                                    "--no-costs", "--no-plots", "-o", str(tmp_path / "out"), "--record", str(trace)])
     assert res.exit_code == 0, res.output
     assert trace.is_file()
+    # the trace's fresh surface is shown as the trace stage's progress, not announced in the log
+    assert "measuring the verify-cost surface for the trace: pass 1/" in res.output
+    assert "verify-cost surface of this model on this machine again" not in caplog.text
     res = CliRunner().invoke(app, ["replay", str(trace), "-s", "ucbspec", "-k", "3",
                                    "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output

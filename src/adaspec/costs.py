@@ -571,8 +571,8 @@ def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callabl
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
     if not shown:
-        log.warning("measuring the %s of this model on this machine, once (seconds to a few minutes); "
-                    "cached in %s for later runs", what, path)
+        log.warning("measuring the %s of this model on this machine%s (seconds to a few minutes); "
+                    "cached in %s for later runs", what, " again" if refresh else ", once", path)
     fresh = measure()
     fresh.key = key
     try:

@@ -672,14 +672,16 @@ class TraceRecorder:
                                verify_scale=scale, verify_scale_per_width=per_width, none_evaluate=none_evaluate,
                                verify_widths=[w for w, _ in table], verify_ratios=[r for _, r in table])
 
-    def finish(self, calibrate: bool = True, fresh_costs: bool = False) -> Trace:
+    def finish(self, calibrate: bool = True, fresh_costs: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> Trace:
         """The Trace of every prompt added so far (measuring costs unless ``calibrate=False``).
         ``fresh_costs``: measure the verify-cost surface now instead of loading the cached one:
         this machine's speed, and the surface's shape, drift by tens of percent over an hour
         (measured here: V(6)/V(1) at 1,024 cached tokens went from 1.64 to 1.81), and a trace
-        should carry the costs of the time it was recorded."""
+        should carry the costs of the time it was recorded. ``progress(done, total)``: the
+        surface's measurement passes."""
         before = cached_surface(self.loaded) if calibrate and fresh_costs else None  # what engines read
-        surface = load_or_measure(self.loaded, refresh=fresh_costs) if calibrate else None
+        surface = load_or_measure(self.loaded, refresh=fresh_costs, progress=progress) if calibrate else None
         if surface is not None:
             costs, overheads = self.calibrate(surface)
         else:
@@ -904,8 +906,12 @@ def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any
             got = rec.add(_turn_prompt(p, j, answers, rec.ar),
                           {"id": getattr(p, "id", ""), "category": getattr(p, "category", ""), "turn": j})
             answers.append(rec.ar.decode(got.output))
+    def passes(done: int, total: int) -> None:  # the surface's measurement, shown as the trace's
+        if progress is not None:
+            progress(f"measuring the verify-cost surface for the trace: pass {done}/{total}")
+
     if progress is not None and fresh_costs:
         progress("measuring the verify-cost surface for the trace")
-    trace = rec.finish(fresh_costs=fresh_costs)
+    trace = rec.finish(fresh_costs=fresh_costs, progress=passes if progress is not None else None)
     trace.save(path)
     return trace
