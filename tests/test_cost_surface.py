@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, word_tokenizer
 
 from adaspec.bench.replay import oracle_bounds, replay
 from adaspec.bench.trace import record_trace
@@ -695,3 +695,57 @@ def test_the_suite_caches_cost_grids_in_a_cache_of_its_own(_private_cost_cache):
         plans = list((Path(_private_cost_cache) / "kernels").glob("*.json"))
         assert plans and not any(p.is_symlink() for p in plans)
         assert not (Path(_private_cost_cache) / "kernels").is_symlink()
+
+
+def _small_grids(monkeypatch):
+    """Grids of 2 cache lengths x 2 widths, two passes: the measurement, not its values, is tested."""
+    import adaspec.costs as costs_mod
+
+    real = costs_mod.measure_verify_surface
+    monkeypatch.setattr(costs_mod, "measure_verify_surface",
+                        lambda loaded, contexts, ks, repeats=2, progress=None, budget_s=None:
+                        real(loaded, (8, 16), (1, 2), repeats, progress=progress, budget_s=0.0))
+
+
+def test_an_engine_shows_the_grid_it_measures_and_the_cli_draws_it(monkeypatch, tmp_path, caplog):
+    """``costs_progress``: the engine reports the surface's passes while it measures one (the
+    commands draw them as a progress stage) and logs nothing; a cached surface reports nothing.
+    Without it the measurement is announced in the log."""
+    from adaspec import SpeculativeEngine
+    from adaspec.models import as_loaded
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    _small_grids(monkeypatch)
+    target = as_loaded(make_tiny_model(seed=8))
+    calls = []
+    with caplog.at_level("WARNING", logger="adaspec.costs"):
+        SpeculativeEngine(target, ["prompt-lookup"], length="cost-model",
+                          costs_progress=lambda done, total: calls.append((done, total)))
+        assert calls and calls[-1][0] == calls[-1][1] and "measuring" not in caplog.text
+        calls.clear()
+        SpeculativeEngine(target, ["prompt-lookup"], length="cost-model",
+                          costs_progress=lambda done, total: calls.append((done, total)))
+        assert calls == []  # cached
+        SpeculativeEngine(as_loaded(make_tiny_model(seed=8, hidden=48)), ["prompt-lookup"], length="cost-model")
+    assert "measuring the verify-cost surface of this model on this machine, once" in caplog.text
+
+
+def test_generate_draws_the_verify_grid_it_measures(tmp_path, monkeypatch):
+    """``adaspec generate`` on a machine without a cached grid shows its measurement as a
+    progress stage before the answer."""
+    from typer.testing import CliRunner
+
+    from adaspec.cli import app
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
+    _small_grids(monkeypatch)
+    path = tmp_path / "tiny"
+    make_tiny_model(seed=0).save_pretrained(path)
+    word_tokenizer([f"w{i:02d}" for i in range(32)]).save_pretrained(path)
+    res = CliRunner().invoke(app, ["generate", "w01 w02 w03", "-m", str(path), "-d", "prompt-lookup",
+                                   "-l", "cost-model", "-n", "4"])
+    assert res.exit_code == 0, res.output
+    assert "measuring the verify-cost grid (once)" in res.output
+    res = CliRunner().invoke(app, ["generate", "w01 w02 w03", "-m", str(path), "-d", "prompt-lookup",
+                                   "-l", "cost-model", "-n", "4"])
+    assert res.exit_code == 0 and "measuring the verify-cost grid" not in res.output  # cached

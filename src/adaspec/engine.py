@@ -134,13 +134,17 @@ class SpeculativeEngine:
             (``pools.find_pool``) when ``drafters`` is None and nothing otherwise; ``"auto"``
             that pool whatever ``drafters`` is (an error if there is none); a directory that
             pool; False none. ``auto`` learns which of them pay (issue 16).
+        costs_progress: ``progress(done, total)`` while the verify-cost surface is measured, if
+            this machine has none cached for the target (the commands' progress bars); without
+            it the measurement is announced in the log.
     """
 
     def __init__(self, target: Any, drafters: Sequence[str | Drafter] | None = None, *,
                  selector: str | DrafterPolicy | None = None,
                  length: str | int | LengthPolicy | None = None, k: int = 5,
                  tokenizer: Any = None, tree: bool = False, tree_nodes: int = 15,
-                 pool: str | Path | bool | None = None):
+                 pool: str | Path | bool | None = None,
+                 costs_progress: Callable[[int, int], None] | None = None):
         self.target: TargetBackend = as_loaded(target, tokenizer)
         extra = pool_drafters(self.target, pool, default=drafters is None)
         drafters = [*(default_drafters(self.target.backend) if drafters is None else drafters), *extra]
@@ -161,7 +165,7 @@ class SpeculativeEngine:
         #: (``trees.calibrated_scores``; kept across requests, like the costs), keyed by the
         #: drafter instance (``id``), which views (``with_policies``) share whatever its index
         self.tree_calibration = ConfidenceCalibration()
-        self._attach_costs()
+        self._attach_costs(costs_progress)
         if self.target.device.type == "cpu":  # loading computed here: whichever thread generates
             release_own_openmp_threads()    # first must not share the CPUs with this one's pool
 
@@ -186,13 +190,13 @@ class SpeculativeEngine:
             log.info("tree=True, but none of %s drafts trees (prompt-lookup, suffix and model "
                      "drafters on transformers do): they draft chains", self.drafter_names)
 
-    def _attach_costs(self) -> None:
+    def _attach_costs(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Give cost-aware policies (and the tree budget) the cost model, priced on the measured
         surface with its timing noise pooled (``VerifyCostSurface.denoised``: a dip of a few
         percent between widths is not a cliff to stop in)."""
         wanting = [p for p in (self.selector, self.length) if getattr(p, "wants_costs", False)]
         if wanting or (self.tree and self.cost_model.surface is None):  # the node budget prices widths
-            surface = VerifyCostSurface.of(self.verify_costs())
+            surface = VerifyCostSurface.of(self.verify_costs(progress=progress))
             self.cost_model.surface = None if surface is None else surface.denoised()
         for policy in wanting:
             policy.costs = self.cost_model
@@ -239,10 +243,12 @@ class SpeculativeEngine:
     def drafter_names(self) -> list[str]:
         return [d.name for d in self.drafters]
 
-    def verify_costs(self, refresh: bool = False) -> VerifyCostSurface:
-        """The target's measured verify-cost surface V(k, L) (measured once, cached on disk)."""
+    def verify_costs(self, refresh: bool = False,
+                     progress: Callable[[int, int], None] | None = None) -> VerifyCostSurface:
+        """The target's measured verify-cost surface V(k, L) (measured once, cached on disk;
+        ``progress(done, total)`` while it is measured)."""
         if self._costs is None or refresh:
-            self._costs = load_or_measure(self.target, refresh=refresh)
+            self._costs = load_or_measure(self.target, refresh=refresh, progress=progress)
             if isinstance(self.length, StaticLength):
                 width = self.length.k + 1
                 hit = [c for c, ks in self._costs.cliffs_by_context().items() if width in ks]

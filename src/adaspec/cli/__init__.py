@@ -85,12 +85,14 @@ def generate(
         check_target(model, device, dtype, backend, linear, flash_attn)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
-        engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
-                                                   backend=backend, linear=linear, flash_attn=flash_attn,
-                                                   selector=selector,
-                                                   length=length, k=k,
-                                                   tree=tree, tree_nodes=tree_nodes,
-                                                   pool=False if pool == "none" else pool)
+        with StageProgress(err) as bar:
+            engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
+                                                       backend=backend, linear=linear, flash_attn=flash_attn,
+                                                       selector=selector,
+                                                       length=length, k=k,
+                                                       tree=tree, tree_nodes=tree_nodes,
+                                                       pool=False if pool == "none" else pool,
+                                                       costs_progress=_grid_progress(bar))
         if as_json:
             result = engine.generate(prompt, cfg)
             print(json.dumps(result.to_dict(rounds=rounds), ensure_ascii=False))
@@ -183,10 +185,11 @@ def serve(
 
         torch.set_num_threads(threads)
     try:
-        engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
-                                                   backend=backend, linear=linear, flash_attn=flash_attn,
-                                                   selector=selector,
-                                                   length=length, k=k)
+        with StageProgress(err) as bar:
+            engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
+                                                       backend=backend, linear=linear, flash_attn=flash_attn,
+                                                       selector=selector,
+                                                       length=length, k=k, costs_progress=_grid_progress(bar))
         max_batch = serve_batch_size(engine, max_batch)
         measure_batch_grid(engine, max_batch)
         if no_state:
@@ -206,6 +209,11 @@ def serve(
               f"selector {selector}, length {length}, up to {max_batch} request(s) decoded together"
               f"{', prefix cache' if cached else ''}; state file: {state_file}[/]")
     run_server(engine, config, host=host, port=port, log_level=log_level)
+
+
+def _grid_progress(bar: StageProgress) -> Callable[[int, int], None]:
+    """The verify-cost grid's passes as a progress stage (measured once per model and machine)."""
+    return lambda done, total: bar("measuring the verify-cost grid (once)", done, total)
 
 
 def measure_batch_grid(engine: object, max_batch: int) -> None:
