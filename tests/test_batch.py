@@ -10,9 +10,11 @@ import torch
 from conftest import chisquare_gof, flat_cost_curve, make_tiny_model, word_tokenizer
 
 from adaspec import SpeculativeEngine
-from adaspec.batch import BatchEngine, batch_attention_mask
+from adaspec.backends.transformers import batch_attention_mask
+from adaspec.batch import BatchEngine
 from adaspec.costs import BatchCosts, CostModel, VerifyCostSurface
 from adaspec.errors import ConfigError
+from adaspec.round import Round, drafting_can_pay
 from adaspec.selection.auto import AutoSelector
 
 
@@ -255,7 +257,7 @@ def test_short_prompts_join_together_within_the_prefill_budget(model):
     forward = engine.target.forward
 
     def counting(state, tokens, keep=1, hidden=False):
-        if len(tokens) > 1 or state is not batch._cache:
+        if len(tokens) > 1 or len(batch.states) == 0 or state is not batch.states._cache:
             fed.append(len(tokens))
         return forward(state, tokens, keep, hidden)
 
@@ -279,7 +281,8 @@ def test_kv_after_rollback_equals_a_fresh_cache(model):
         batch.add(p, max_new_tokens=50)
     for _ in range(12):
         batch.step()
-    assert batch._valid.shape[1] > int(batch._valid.sum(1).max())  # there are holes
+    valid = batch.states.valid
+    assert valid.shape[1] > int(valid.sum(1).max())  # there are holes
 
     def check() -> None:
         for req in batch._rows:
@@ -291,7 +294,8 @@ def test_kv_after_rollback_equals_a_fresh_cache(model):
 
     check()
     batch.compact()
-    assert batch._valid.shape[1] == int(batch._valid.sum(1).max())
+    valid = batch.states.valid
+    assert valid.shape[1] == int(valid.sum(1).max())
     check()
 
 
@@ -314,8 +318,14 @@ def test_configuration_errors(model):
         BatchEngine(engine, max_batch=0)
     with pytest.raises(ConfigError, match="tree=False"):
         BatchEngine(SpeculativeEngine(model, ["prompt-lookup"], tree=True))
+    from adaspec.drafters import Drafter, NoDrafter
+
+    class Unforkable(NoDrafter):
+        name = "unforkable"
+        fork = Drafter.fork
+
     with pytest.raises(ConfigError, match="drafter per request"):
-        BatchEngine(SpeculativeEngine(model, ["self"])).add([1, 2, 3])
+        BatchEngine(SpeculativeEngine(model, [Unforkable()])).add([1, 2, 3])
 
 
 # -- batch costs ---------------------------------------------------------------------------------
@@ -377,8 +387,8 @@ def test_rows_skip_planning_where_no_block_can_pay(model, monkeypatch):
     static_id = batch.add(_prompts(3)[2], max_new_tokens=10, drafters=[0], selector="static",
                           length="static", k=3)
     planned: list[int] = []
-    real_plan = batch._plan
-    monkeypatch.setattr(batch, "_plan", lambda req, look=None: planned.append(req.id) or real_plan(req, look))
+    real_plan = Round.plan_row
+    monkeypatch.setattr(Round, "plan_row", lambda rnd, row, look=None: planned.append(row.id) or real_plan(rnd, row, look))
     results = batch.run()
     assert planned and set(planned) == {static_id}  # only the static row was planned
     assert any(r.drafted for r in results[static_id].stats.rounds)
@@ -388,7 +398,7 @@ def test_rows_skip_planning_where_no_block_can_pay(model, monkeypatch):
         assert results[i].token_ids == plain.generate(p, max_new_tokens=10).token_ids
     assert batch.cost_model.batch is not None
     batch.cost_model.rows = 1
-    assert batch._drafting_can_pay()  # one row: the batch price does not apply
+    assert drafting_can_pay(batch.cost_model)  # one row: the batch price does not apply
 
 
 def test_requests_share_auto_global_counts_but_not_request_state(model):
@@ -401,7 +411,7 @@ def test_requests_share_auto_global_counts_but_not_request_state(model):
     ids = [batch.add(p, max_new_tokens=12) for p in _prompts(4)]
     batch.step()
     batch.step()
-    views = [r.view for r in batch._rows]
+    views = [r.parts for r in batch._rows]
     assert len({id(v.selector) for v in views}) == len(views)
     assert all(v.selector.controller.global_counts is ctl.global_counts for v in views)
     assert all(v.selector.controller.request_counts is not ctl.request_counts for v in views)
@@ -492,9 +502,9 @@ def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monk
     def run(joint: bool) -> tuple[dict, list]:
         batch = BatchEngine(engine, max_batch=4, batch_costs=_shared_widening())
         if not joint:  # every row plans alone on its row price (the rule before the joint width)
-            monkeypatch.setattr(batch, "_joint_plans", lambda: [batch._plan(r) for r in batch._rows])
-        widths, real = [], batch._forward
-        monkeypatch.setattr(batch, "_forward", lambda inputs: widths.append(sorted(len(x) for x in inputs))
+            monkeypatch.setattr(batch.round, "_joint_plans", lambda rows, cm: [batch.round.plan_row(r) for r in rows])
+        widths, real = [], batch.states.forward
+        monkeypatch.setattr(batch.states, "forward", lambda inputs: widths.append(sorted(len(x) for x in inputs))
                             or real(inputs))
         ids = [batch.add(p, max_new_tokens=24) for p in prompts]
         out = batch.run()
@@ -577,3 +587,59 @@ def test_measuring_the_batch_grid_reports_progress(model, monkeypatch, tmp_path,
     assert grid.rows == [1, 2] and grid.widths == [1, 3] and len(grid.seconds) == 2
     assert "measuring" not in caplog.text
     assert len(list((tmp_path / "costs").glob("batch-*.json"))) == 1
+
+
+# -- model drafters in batches --------------------------------------------------------------------
+def _model_drafter(model, seed: int = 11):
+    """A noisy copy of the target as a draft model: its drafts are accepted in part."""
+    import copy
+
+    from adaspec.drafters import ModelDrafter
+    from adaspec.models import as_loaded
+
+    noisy = copy.deepcopy(model)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for p in noisy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return ModelDrafter(as_loaded(noisy), VOCAB, name="noisy")
+
+
+@pytest.mark.parametrize("selector", [None, "round-robin"])
+def test_model_drafters_batch_with_greedy_output_unchanged(model, selector):
+    """A model drafter forks a KV state per request (weights shared): in a batch each row drafts
+    with its own, and every row's greedy output is its unbatched output, drafts accepted."""
+    drafters = [_model_drafter(model)] + (["prompt-lookup", "none"] if selector else [])
+    engine = SpeculativeEngine(model, drafters, selector=selector, k=4)
+    prompts = _prompts(5)
+    ref = [engine.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    batch = BatchEngine(engine, max_batch=3, prefill_chunk=8)
+    ids = [batch.add(p, max_new_tokens=24) for p in prompts]
+    out = batch.run()
+    assert [out[i].token_ids for i in ids] == ref
+    noisy = [r for i in ids for r in out[i].stats.rounds if r.drafter == "noisy"]
+    assert noisy and sum(r.drafted for r in noisy) > 0 and sum(r.accepted for r in noisy) > 0
+
+
+def test_model_drafter_sampling_in_batches_follows_the_target(soft_model):
+    """Chi-square (alpha = 0.001, fixed seeds): the first token of sampled rows drafted by a model
+    drafter (dense q: the rejection sampler's residual path) in a batch follows the target."""
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5]
+    with torch.inference_mode():
+        probs = torch.softmax(soft_model(torch.tensor([prompt])).logits[0, -1].float(), -1).tolist()
+    engine = SpeculativeEngine(soft_model, [_model_drafter(soft_model)], k=3)
+    counts, drafted = [0] * VOCAB, 0
+    for trial in range(50):
+        batch = BatchEngine(engine, max_batch=8)
+        ids = [batch.add(prompt, max_new_tokens=2, temperature=1.0, seed=1000 * trial + j) for j in range(6)]
+        first = {}
+        while len(batch):
+            for ev in batch.step():
+                if ev.request not in first and ev.tokens:
+                    first[ev.request] = ev.tokens[0]
+                    drafted += ev.round.drafted
+        for i in ids:
+            counts[first[i]] += 1
+    assert drafted > 100
+    stat, p_value, cells = chisquare_gof(counts, probs)
+    assert cells >= 3 and p_value > 1e-3, (stat, p_value, counts)

@@ -157,8 +157,8 @@ def priced(tmp_path_factory):
 
 def _expected(trace, res, full_information: bool = False) -> tuple[float, float]:
     """Seconds and AR seconds of a replay, priced by hand from its rounds (full information:
-    the evaluation brings every drafter up to date, so only the first round's drafter pays a
-    prompt prefill, as in the engine)."""
+    every drafter is scored in the first round, so each pays its prompt prefill there, as in
+    the engine, and the evaluation brings it up to date)."""
     costs, o = trace.drafter_costs, trace.overheads
     s = trace.surface.scaled(o.verify_factor)  # live verify step / surface, per width
     if not o.verify_widths:  # the line of older traces
@@ -178,6 +178,8 @@ def _expected(trace, res, full_information: bool = False) -> tuple[float, float]
                 total += c.draft(r.drafted, t) if r.k_cap > 0 else 0.0
                 total += c.catch_up(r.catch_up_tokens, t) if r.catch_up_tokens else 0.0
                 total += c.prefill(n) if r.drafter not in used else 0.0
+            if full_information and not used:  # the first round scores (and so prefills) the others
+                total += sum(costs[sj].prefill(n) for j, sj in enumerate(src) if j != r.drafter and sj is not None)
             used |= set(range(len(src))) if full_information else {r.drafter}
             t += r.emitted
     return total, ar

@@ -166,8 +166,8 @@ class DenseQLookup(PromptLookupDrafter):
         return d
 
 
-BUGS = {"residual-from-p": ("adaspec.engine.verify_sampling", _residual_from_p),
-        "bonus-from-wrong-row": ("adaspec.engine.verify_sampling", _bonus_from_wrong_row),
+BUGS = {"residual-from-p": ("adaspec.round.verify_sampling", _residual_from_p),
+        "bonus-from-wrong-row": ("adaspec.round.verify_sampling", _bonus_from_wrong_row),
         "cache-not-rolled-back": (DynamicCache, "crop", _no_crop)}
 
 

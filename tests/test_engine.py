@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import adaspec.costs
+from rounds import draft_chain
 from conftest import make_tiny_model, word_tokenizer
 
 from adaspec import GenerationConfig, SpeculativeEngine
@@ -346,7 +347,7 @@ class _SlowPrefillLookup(PromptLookupDrafter):
 
 def test_drafter_prefill_is_not_counted_twice(model, monkeypatch):
     clock = TickClock()
-    monkeypatch.setattr("adaspec.engine.time", clock)  # the engine's only clock
+    monkeypatch.setattr("adaspec.round.time", clock)  # the engine's only clock
     engine = SpeculativeEngine(model, [_SlowPrefillLookup(clock)], k=4)
     s = engine.generate(PROMPT, max_new_tokens=10).stats
     assert s.drafter_prefill_s >= 1000.0
@@ -369,7 +370,7 @@ def test_first_use_prompt_ingestion_is_not_per_round_overhead(model, monkeypatch
     prefill there once made every plain step look ~10x dearer on llama.cpp, so auto drafted
     with it where it did not pay)."""
     clock = TickClock()
-    monkeypatch.setattr("adaspec.engine.time", clock)
+    monkeypatch.setattr("adaspec.round.time", clock)
     engine = SpeculativeEngine(model, [_SlowPrefillLookup(clock, "looked"), _SlowPrefillScored(clock, "scored"),
                                        "none"], selector="auto")
     s = engine.generate(PROMPT, max_new_tokens=10).stats
@@ -459,7 +460,7 @@ def test_engine_verify_costs_uses_cache(model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("cap", [1, 3, 5, 9])
 def test_a_look_is_the_draft_and_a_cut_look_is_continued(model, cap):
-    """``_draft_chain`` from a look equals a fresh draft of the same cap (the same tokens, the
+    """``Round.draft_chain`` from a look equals a fresh draft of the same cap (the same tokens, the
     length policy asked at the same positions): a look cut at its depth is looked at again,
     deeper, from the verified context (never drafted from the context + the look, which the
     drafter would take as verified); the look's seconds are the draft's."""
@@ -484,7 +485,7 @@ def test_a_look_is_the_draft_and_a_cut_look_is_continued(model, cap):
     draft = d.draft
     d.draft = lambda *a, **k: calls.append(a[0]) or draft(*a, **k)
     log: list = []
-    got = engine._draft_chain(0, ctx, cap, {0: look}, SamplingConfig(), None, asking(log))
+    got = draft_chain(engine, 0, ctx, cap, {0: look}, SamplingConfig(), None, asking(log))
     assert got.tokens == fresh and log == fresh_log and got.look_s == 0.25
     assert len(fresh) == min(cap, 7)
     assert calls == []  # never a draft: past the look, a deeper look from ``ctx``
@@ -509,7 +510,7 @@ def test_a_continued_look_does_not_settle_the_rounds_tree_against_drafts(model):
     d.draft_tree(ctx, 4, 8)  # offered: settled at the next catch-up past ctx
     look = d.peek(ctx, 3)
     look.cut = True
-    engine._draft_chain(0, ctx, 7, {0: look}, SamplingConfig(), None, lambda step: Decision.CONTINUE)
+    draft_chain(engine, 0, ctx, 7, {0: look}, SamplingConfig(), None, lambda step: Decision.CONTINUE)
     assert d.request_calibration.trials == {}  # nothing settled on drafted tokens
     d.catch_up(ctx + [19])
     assert sum(d.request_calibration.trials.values()) > 0 and sum(d.request_calibration.hits.values()) == 0

@@ -214,7 +214,7 @@ def test_per_request_learners_and_shared_ones():
     sim.submit("b", _prompt(2), periodic(3), max_new=12)
     sim.step()
     prop.propose([[1], [2]], sim.num_tokens, sim.token_ids)
-    a, b = (st.payload for st in prop.tracker.streams.values())
+    a, b = (st.payload.parts for st in prop.tracker.streams.values())
     assert a.selector is not b.selector and a.selector is not prop.selector
     assert a.drafters[1] is not b.drafters[1]  # each request its own n-gram index
     shared = BatchProposer(BatchProposerConfig(selector="ucbspec"))
@@ -238,8 +238,6 @@ def test_suffix_datastore_learns_finished_requests():
 def test_settings_errors_name_the_fix():
     with pytest.raises(ConfigError, match="not model-free"):
         BatchProposer(BatchProposerConfig(drafters=("model:smollm2",)))
-    with pytest.raises(ConfigError, match="verify costs"):
-        BatchProposer(BatchProposerConfig(length="cost-model"))
     with pytest.raises(ConfigError, match="scope=request"):
         BatchProposer(BatchProposerConfig(selector="exp3spec"))
     with pytest.raises(ConfigError, match="allowed are"):

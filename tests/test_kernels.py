@@ -493,7 +493,7 @@ def test_the_engine_frees_its_threads_openmp_pool_after_building_and_after_each_
 
     import adaspec.engine as engine_mod
     import adaspec.kernels as kernels
-    import adaspec.models as models
+    import adaspec.backends.transformers as models
     from adaspec import SpeculativeEngine
     from conftest import make_tiny_model
 

@@ -170,6 +170,6 @@ def test_generate_batch_leaves_out_the_default_pools_heads(cache):
     assert [r.token_ids for r in got] == [plain.generate(p, max_new_tokens=6).token_ids for p in prompts]
     with pytest.raises(ConfigError, match=r"several requests at once.*pool=False\)\)$"):
         BatchEngine(engine).add(prompts[0])
-    with pytest.raises(ConfigError, match=r"several requests at once: use a model-free drafter \(none, prompt-lookup, "
-                                          r"suffix, recycle\)$"):  # asked for: no pool hint
+    with pytest.raises(ConfigError, match=r"several requests at once: batch with the model-free drafters \(none, "
+                                          r"prompt-lookup, suffix, recycle\) or model drafters$"):  # asked for: no pool hint
         SpeculativeEngine(target, pool="auto").generate_batch(prompts, max_new_tokens=6)

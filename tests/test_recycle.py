@@ -189,15 +189,15 @@ def test_a_rounds_scores_never_read_its_own_rows(batched, monkeypatch):
 
     monkeypatch.setattr(RecycleDrafter, "score", spy)
     model = make_tiny_model(seed=0, vocab=V, init_std=0.3)
-    prompts = [[3, 7, 1, 9, 4, 3, 7], [2, 5, 8, 2, 5, 11, 0], [1, 1, 6, 0, 3, 1, 1, 6]]
+    prompts = [[3, 7, 1, 9, 4, 3, 7], [2, 5, 8, 2, 5, 11, 0], [1, 1, 6, 0, 3, 1, 1, 6], [4, 9, 2, 4, 9, 7, 5]]
     eng = SpeculativeEngine(model, ["prompt-lookup", "recycle"], selector="hedgespec")
     if batched:  # one row at a time: another row's rows may overwrite a token's entry in between
         for p in prompts:
             batch = BatchEngine(eng, max_batch=1)
-            batch.add(p, max_new_tokens=64)
+            batch.add(p, max_new_tokens=128)
             batch.run()
     else:
         for p in prompts:
-            eng.generate(p, max_new_tokens=64)
+            eng.generate(p, max_new_tokens=128)
     assert len(first) > 5
     assert not all(first), "recycle's scored proposals read the round's own rows"

@@ -946,15 +946,17 @@ def test_looks_are_skipped_while_they_do_not_pay_and_resume_when_one_drafts():
 
 def test_skipped_looks_keep_greedy_output_and_save_peeks(sharp_model, monkeypatch):
     """In the engine: with looks priced far above a plain round every few rounds go without
-    peeking (fewer ``_peek`` calls than rounds), and the output is still plain decoding's."""
+    peeking (fewer ``Round._peek`` calls than rounds), and the output is still plain decoding's."""
     from adaspec.costs import CostModel
 
     monkeypatch.setattr(CostModel, "observe_look", lambda self, s: setattr(self, "look_s", 1.0))
     engine = SpeculativeEngine(sharp_model, ["prompt-lookup", "suffix", "none"], selector="auto:look_share=0.005")
     plain = SpeculativeEngine(sharp_model, [], k=1)
+    from adaspec.round import Round
+
     calls = []
-    real = engine._peek
-    monkeypatch.setattr(engine, "_peek", lambda *a: calls.append(1) or real(*a))
+    real = Round._peek
+    monkeypatch.setattr(Round, "_peek", lambda *a: calls.append(1) or real(*a))
     rng = random.Random(1)
     rounds = 0
     for _ in range(4):

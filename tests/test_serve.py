@@ -19,7 +19,7 @@ from adaspec.models import load_model
 from adaspec.serve import ServeConfig, create_app
 from adaspec.serve.output import TextAssembler
 from adaspec.serve.protocol import APIError
-from adaspec.serve.scheduler import Delta, EngineExecutor, Failed, Finished, Job, Plan
+from adaspec.serve.scheduler import BatchExecutor, Delta, Failed, Finished, Job, Plan
 from adaspec.serve.state import LearntState
 from adaspec.serve.metrics import ServerMetrics
 from adaspec.selection import build_selector
@@ -221,12 +221,13 @@ def test_openai_client_raises_its_typed_errors(client):
 
 # -- queue, cancellation, timeout ------------------------------------------------------------------
 class Gate:
-    """Wraps the scheduler's executor so that jobs wait for ``open`` (deterministic queueing)."""
+    """Wraps the executor's admission so that jobs wait for ``open`` (deterministic queueing)."""
 
     def __init__(self, app):
         self.scheduler = app.state.server.scheduler
-        self.inner, self.event, self.started = self.scheduler._execute, threading.Event(), []
-        self.scheduler._execute = self
+        executor = app.state.server.executor
+        self.inner, self.event, self.started = executor.admit, threading.Event(), []
+        executor.admit = self
 
     def __call__(self, job):
         self.started.append(job)
@@ -335,7 +336,7 @@ def _job(engine, loop, deadline=1e18, n=40):
 @pytest.mark.parametrize("what", ["cancel", "timeout"])
 def test_cancel_and_timeout_stop_within_one_round(model_dir, what):
     engine = SpeculativeEngine(load_model(model_dir), ["prompt-lookup", "suffix"])
-    executor = EngineExecutor(engine, LearntState(engine.cost_model), ServerMetrics(), timeout_s=7)
+    executor = BatchExecutor(engine, LearntState(engine.cost_model), ServerMetrics(), timeout_s=7)
     job = None
 
     def after(event):
@@ -346,7 +347,7 @@ def test_cancel_and_timeout_stop_within_one_round(model_dir, what):
 
     loop = _InlineLoop(after)
     job = _job(engine, loop)
-    outcome = executor(job)
+    outcome = executor.run(job)
     assert outcome == ("cancelled" if what == "cancel" else "timeout")
     assert_stopped_within_one_round(loop.events, what)
 
@@ -363,9 +364,9 @@ def assert_stopped_within_one_round(events, what):
 
 def test_a_late_queued_job_is_answered_504_without_running(model_dir):
     engine = SpeculativeEngine(load_model(model_dir), ["prompt-lookup"])
-    executor = EngineExecutor(engine, LearntState(engine.cost_model), ServerMetrics(), timeout_s=7)
+    executor = BatchExecutor(engine, LearntState(engine.cost_model), ServerMetrics(), timeout_s=7)
     loop = _InlineLoop(lambda e: None)
-    assert executor(_job(engine, loop, deadline=0.0)) == "timeout"
+    assert executor.run(_job(engine, loop, deadline=0.0)) == "timeout"
     assert len(loop.events) == 1 and loop.events[0].error.status == 504
 
 

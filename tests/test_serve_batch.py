@@ -131,19 +131,26 @@ def test_load_with_max_batch_8_gets_exact_answers(model_dir, expected, tmp_path)
 
 
 def test_serve_batches_by_default_where_the_engine_can(model_dir):
-    """``adaspec serve`` without --max-batch: 8 rows with model-free drafters; one request at a
-    time with a drafter that cannot fork (said, not failed); an explicit N > 1 there is an error."""
+    """``adaspec serve`` without --max-batch: 8 rows with model-free and model drafters (a model
+    drafter forks a KV state per request); one request at a time with a drafter that cannot fork
+    (said, not failed); an explicit N > 1 there is an error."""
     from adaspec.cli import SERVE_BATCH, serve_batch_size
+    from adaspec.drafters import Drafter, NoDrafter
     from adaspec.errors import AdaspecError
+
+    class Unforkable(NoDrafter):
+        name = "unforkable"
+        fork = Drafter.fork
 
     target = load_model(model_dir)
     assert serve_batch_size(SpeculativeEngine(target), None) == SERVE_BATCH == 8
     assert serve_batch_size(SpeculativeEngine(target), 3) == 3
-    model_drafter = SpeculativeEngine(target, ["self"])
-    assert serve_batch_size(model_drafter, None) == 1
-    assert serve_batch_size(model_drafter, 1) == 1
-    with pytest.raises(AdaspecError, match=r"--max-batch 4: drafter 'self' cannot draft for several requests"):
-        serve_batch_size(model_drafter, 4)
+    assert serve_batch_size(SpeculativeEngine(target, ["self"]), None) == SERVE_BATCH
+    unforkable = SpeculativeEngine(target, [Unforkable()])
+    assert serve_batch_size(unforkable, None) == 1
+    assert serve_batch_size(unforkable, 1) == 1
+    with pytest.raises(AdaspecError, match=r"--max-batch 4: drafter 'unforkable' cannot draft for several requests"):
+        serve_batch_size(unforkable, 4)
 
 
 def test_serve_measures_the_batch_grid_before_it_listens(model_dir, monkeypatch, tmp_path, capsys):

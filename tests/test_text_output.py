@@ -52,7 +52,7 @@ def scripted(monkeypatch, text: str) -> list[int]:
         state["i"] += 1
         return Verdict(0, script[i] if i < len(script) else 32)
 
-    monkeypatch.setattr("adaspec.engine.verify_greedy", verify)
+    monkeypatch.setattr("adaspec.round.verify_greedy", verify)
     monkeypatch.setattr(SpeculativeEngine, "eos_ids", lambda self: set())
     return script
 

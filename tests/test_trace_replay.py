@@ -6,6 +6,7 @@ recorded statistics."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -455,3 +456,27 @@ def test_replay_on_another_cost_surface(env, tmp_path):
     assert load_surface(str(path)).cost(3, 64) == pytest.approx(steep.cost(3, 64))
     with pytest.raises(ConfigError, match="cannot read a verify-cost surface"):
         load_surface(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("names", [["prompt-lookup"], ["suffix"], ["prompt-lookup", "suffix", "none"]])
+def test_tree_replay_equals_a_live_tree_run_round_for_round(env, names, monkeypatch):
+    """Replay grows the model-free drafters' trees on the recorded greedy path and accepts them
+    along it (``_oracle``): on a flat, free verify curve every node pays, so no decision reads a
+    time, and a live ``tree=True`` run's rounds are the replay's, round for round."""
+    from adaspec.costs import VerifyCostCurve, VerifyCostSurface
+
+    target, _, trace = env
+    free = VerifyCostCurve(list(range(1, 17)), [0.0] * 16, 0)
+    monkeypatch.setattr("adaspec.engine.load_or_measure", lambda *a, **k: VerifyCostSurface.of(free))
+    selector = "round-robin" if len(names) > 1 else None
+    engine = SpeculativeEngine(target, names, selector=selector, k=4, tree=True, tree_nodes=6)
+    engine.cost_model.observe_overhead(0.0)
+    want = []
+    for ids in PROMPTS:
+        res = engine.generate(ids, max_new_tokens=N)
+        want.append([(r.drafter, r.k_cap, r.drafted, r.accepted, r.emitted) for r in res.stats.rounds])
+    flat = dataclasses.replace(trace, surface=None, policy_surface=None, cache={})
+    got = replay(flat, selector, None, k=4, drafters=names, tree=True, tree_nodes=6)
+    assert any(r.drafted > r.k_cap for p in range(len(PROMPTS)) for r in got.prompts[p].rounds)  # trees grew
+    for i in range(len(PROMPTS)):
+        assert got.keys(i) == want[i], f"prompt {i}"

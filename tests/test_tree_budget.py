@@ -17,6 +17,9 @@ from adaspec.config import SamplingConfig
 from adaspec.selection.auto import Plan
 from adaspec.trees import nodes_worth_verifying
 from conftest import flat_cost_curve, make_tiny_model
+from rounds import draft_tree
+
+from adaspec.round import Round
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -107,7 +110,7 @@ def test_model_free_trees_grown_under_the_cut_are_the_whole_trees_cut(monkeypatc
     """The engine's model-free trees, grown until the cut refuses a node, equal the trees
     grown to the node limit and then cut (``nodes_worth_verifying``), round by round, with
     static and ``auto`` length policies, while expanding fewer nodes."""
-    import adaspec.engine as engine_mod
+    import adaspec.round as engine_mod
     from adaspec import SpeculativeEngine
     from adaspec.drafters.lookup import PromptLookupDrafter
     from adaspec.drafters.suffix import SuffixDrafter
@@ -122,25 +125,25 @@ def test_model_free_trees_grown_under_the_cut_are_the_whole_trees_cut(monkeypatc
             return orig(self, limit)
 
         monkeypatch.setattr(cls, "candidate_keys", counting_keys)
+    orig = Round.draft_tree
     for drafters, selector in ((["suffix"], None), (["suffix", "prompt-lookup", "none"], "auto")):
         eng = SpeculativeEngine(model, drafters, selector=selector, k=4, tree=True, tree_nodes=12)
         eng.cost_model.curve = _curve([1.0 + 0.12 * w for w in range(32)])
         eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
-        orig = eng._draft_tree
         compared = []
 
-        def both(index, tokens, cap, room, sampling=None):
+        def both(rnd, row, index, cap, room):
             grow_all["on"] = True
             with monkeypatch.context() as m:  # the whole tree: every node offered is taken
                 m.setattr(PrefixCut, "offer", lambda self, s: self.add(s) or True)
-                whole = orig(index, tokens, cap, room, sampling)
+                whole = orig(rnd, row, index, cap, room)
             grow_all["on"] = False
-            got = orig(index, tokens, cap, room, sampling)
+            got = orig(rnd, row, index, cap, room)
             compared.append((None if whole is None else (whole.tokens, whole.parents),
                              None if got is None else (got.tokens, got.parents)))
             return got
 
-        eng._draft_tree = both
+        monkeypatch.setattr(Round, "draft_tree", both)
         for prompt in (BRANCHY * 2, BRANCHY[::-1] + BRANCHY):
             eng.generate(prompt, max_new_tokens=40)
         assert len(compared) > 20
@@ -177,23 +180,23 @@ def test_model_free_trees_are_as_deep_as_their_nodes_allow_whatever_the_cap():
     d = eng.drafters[0]
     ctx = BRANCHY * 3
     d.begin_request(ctx)
-    tree = eng._draft_tree(0, ctx, 2, 100)
+    tree = draft_tree(eng, 0, ctx, 2, 100)
     assert tree is not None and not tree.is_chain
     assert max(tree.depths) > 2 and max(tree.depths) <= 7 and len(tree) <= 8  # deeper than k=2
-    shallow = eng._draft_tree(0, ctx, 2, 3)  # 3 tokens left to generate
+    shallow = draft_tree(eng, 0, ctx, 2, 3)  # 3 tokens left to generate
     assert max(shallow.depths) <= 3
 
 
 def test_a_drafter_without_alternatives_drafts_its_chain_and_a_cut_tree_nothing(monkeypatch):
     from adaspec.drafters.suffix import SuffixDrafter
 
-    import adaspec.engine as engine_mod
+    import adaspec.round as engine_mod
 
     eng = _engine(k=3)
     d = eng.drafters[0]
     ctx = [5, 6, 7, 8, 9, 5, 6, 7]  # one continuation only: 8, 9, 5, ...
     d.begin_request(ctx)
-    assert eng._draft_tree(0, ctx, 3, 100) is None  # the chain path (cap 3 and decide)
+    assert draft_tree(eng, 0, ctx, 3, 100) is None  # the chain path (cap 3 and decide)
     # a branching offer the budget cuts to nothing is a plain step, never the chain
     monkeypatch.setattr(engine_mod, "nodes_worth_verifying", lambda *a, **kw: 0)
     branching = []
@@ -215,8 +218,8 @@ def test_a_drafter_without_alternatives_drafts_its_chain_and_a_cut_tree_nothing(
 def test_the_budget_prices_model_free_nodes_against_the_running_rate(monkeypatch, selector):
     """Every model-free tree's nodes are priced against the running rate: under static length
     policies, and under ``auto`` both in rounds it planned as chains and in rounds it planned
-    as plain steps (``_plain_tree``)."""
-    import adaspec.engine as engine_mod
+    as plain steps (``Round._plain_tree``)."""
+    import adaspec.round as engine_mod
 
     seen = []  # (the round's planned cap, the rate the budget priced against)
     orig = engine_mod.nodes_worth_verifying
@@ -238,10 +241,10 @@ def test_the_budget_prices_model_free_nodes_against_the_running_rate(monkeypatch
 
 def test_auto_plain_steps_become_trees_that_pay_and_output_stays_ar(monkeypatch):
     """With trees, a round ``auto`` planned as a plain step verifies the first model-free
-    drafter's tree when some prefix of it pays at the running rate (``_plain_tree``); the
+    drafter's tree when some prefix of it pays at the running rate (``Round._plain_tree``); the
     round is then recorded as that drafter's, and greedy output is AR's. Without trees, or
     with every prefix cut by the budget, those rounds stay plain steps."""
-    import adaspec.engine as engine_mod
+    import adaspec.round as engine_mod
     from adaspec import SpeculativeEngine
 
     model = make_tiny_model(seed=3, vocab=V, init_std=0.3, lm_head_scale=3.0)
@@ -252,8 +255,8 @@ def test_auto_plain_steps_become_trees_that_pay_and_output_stays_ar(monkeypatch)
         eng.cost_model.curve = _curve([1.0 + 0.01 * w for w in range(32)])
         eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
         calls = []
-        orig = eng._plain_tree
-        monkeypatch.setattr(eng, "_plain_tree", lambda *a, **kw: calls.append(orig(*a, **kw)) or calls[-1])
+        orig = Round._plain_tree
+        monkeypatch.setattr(Round, "_plain_tree", lambda *a, **kw: calls.append(orig(*a, **kw)) or calls[-1])
         out = eng.generate(BRANCHY, max_new_tokens=40)
         return out, calls
 
@@ -291,7 +294,7 @@ def test_under_auto_a_model_free_tree_is_cut_at_the_running_rate_whatever_the_pl
             eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
             d = eng.drafters[0]
             d.begin_request(ctx)
-            tree = eng._draft_tree(0, ctx, 2, 100)
+            tree = draft_tree(eng, 0, ctx, 2, 100)
             d.begin_request(ctx)
             whole = d.draft_tree(ctx, 7, 8)
             rate = eng.cost_model.running_rate()

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+import adaspec.batch as batch_mod
 from adaspec.errors import ConfigError
+from adaspec.round import Round
 from adaspec.models import as_loaded
 from adaspec.trees import (DraftTree, nodes_worth_verifying, tree_attention_mask, tree_gammas,
                            verify_tree_greedy, verify_tree_sampling)
@@ -497,7 +499,7 @@ SAMPLING_PROMPT = [10, 2, 11, 10, 2, 5, 3, 10, 2, 7, 10, 2, 11, 4, 10, 2]
 def test_tree_sampling_matches_the_exact_distribution(drafter, monkeypatch):
     """One-hot trees under sampling: chi-square goodness of fit of the first two tokens at
     ALPHA = 0.001 (3000 fixed seeds), as in tests/test_distribution.py. ``auto-plain``: the
-    trees of ``auto``'s plain steps (``_plain_tree``), over prompt lookup, suffix and
+    trees of ``auto``'s plain steps (``Round._plain_tree``), over prompt lookup, suffix and
     ``none`` whose looks are made to find nothing (so every round is planned plain)."""
     from adaspec import SpeculativeEngine
     from adaspec.config import SamplingConfig
@@ -511,19 +513,19 @@ def test_tree_sampling_matches_the_exact_distribution(drafter, monkeypatch):
         eng = _flat_costs(SpeculativeEngine(model, ["prompt-lookup", "suffix", "none"], selector="auto",
                                             tree=True))
         plain = []
-        orig_plain = eng._plain_tree
-        eng._plain_tree = lambda *a, **kw: plain.append(orig_plain(*a, **kw)) or plain[-1]
+        orig_plain = Round._plain_tree
+        monkeypatch.setattr(Round, "_plain_tree", lambda *a, **kw: plain.append(orig_plain(*a, **kw)) or plain[-1])
     else:
         eng = _flat_costs(SpeculativeEngine(model, [drafter], k=3, tree=True))
     tree_rounds = []
-    orig = eng._verify_tree
+    orig = batch_mod.accept_tree
 
     def spy(*a, **kw):
         out = orig(*a, **kw)
-        tree_rounds.append(out[1])
+        tree_rounds.append(out[0].n)
         return out
 
-    eng._verify_tree = spy
+    monkeypatch.setattr(batch_mod, "accept_tree", spy)
     runs = run_engine(eng, SAMPLING_PROMPT, 2, temperature=1.0)
     exact = exact_distribution(model, SAMPLING_PROMPT, SamplingConfig(temperature=1.0), 2)
     assert len(tree_rounds) > 1000 and 0 < sum(n > 0 for n in tree_rounds) < len(tree_rounds)
@@ -537,7 +539,7 @@ def test_tree_sampling_matches_the_exact_distribution(drafter, monkeypatch):
 def test_negative_control_tree_sampling_bug_is_detected(monkeypatch):
     """BUG: after a descent the next draw uses the root's row again (wrong row for deeper
     nodes): the same chi-square test rejects."""
-    import adaspec.engine as engine_mod
+    import adaspec.round as engine_mod
     from adaspec import SpeculativeEngine
     from adaspec.config import SamplingConfig
     from test_distribution import ALPHA, exact_distribution, run_engine
@@ -822,7 +824,7 @@ PROMPT3 = [3, 7, 1, 1, 4]
 
 
 @pytest.mark.parametrize("kind", ["model", "early-exit", "feature-head"])
-def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind):
+def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind, monkeypatch):
     """Model drafter trees under sampling (children = top tokens of q, one-hot rule): 3 tokens,
     so the first round drafts a 2-deep tree (a drafter level forward runs) and later rounds
     catch the drafter up on gathered KV; chi-square over all 8**3 triples at ALPHA = 0.001
@@ -841,8 +843,8 @@ def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind):
     drafter.tree_branch = 2  # 2 of 8 tokens per node: rejections at every depth
     eng = _flat_costs(SpeculativeEngine(loaded, [drafter], k=3, tree=True))
     nodes = []
-    orig = eng._verify_tree
-    eng._verify_tree = lambda *a, **kw: (nodes.append(len(a[2])), orig(*a, **kw))[1]
+    orig = batch_mod.accept_tree
+    monkeypatch.setattr(batch_mod, "accept_tree", lambda *a, **kw: (nodes.append(len(a[1].tree)), orig(*a, **kw))[1])
     runs = run_engine(eng, PROMPT3, 3, seed0=50_000, temperature=1.0)
     exact = exact_distribution(model, PROMPT3, SamplingConfig(temperature=1.0), 3)
     assert max(nodes) >= 3 and 0 < runs.accepted < runs.drafted
@@ -851,20 +853,6 @@ def test_model_drafter_tree_sampling_matches_the_exact_distribution(kind):
     assert pvalue > ALPHA, f"{kind}: chi-square {stat:.1f} over {cells} cells, p = {pvalue:.2e}"
     stat, pvalue, _ = chisquare_gof(runs.counts.sum(-1), exact.sum(-1))
     assert pvalue > ALPHA, f"{kind} first-two marginal: chi-square {stat:.1f}, p = {pvalue:.2e}"
-
-
-def test_replay_refuses_trees_with_the_reason():
-    """Traces record chains: replay raises for trees, and bench lists +tree configurations
-    with the reason instead of a prediction (never a chain's prediction under a tree's name)."""
-    from adaspec.bench.replay import TREES_NOT_REPLAYED, predict_config, predict_configs, replay
-    from adaspec.bench.runner import BenchConfig
-
-    with pytest.raises(ConfigError, match="draft trees cannot be replayed"):
-        replay(None, tree=True)
-    with pytest.raises(ConfigError, match="draft trees cannot be replayed"):
-        predict_config(None, ["suffix"], None, None, 5, tree=True)
-    cfg = BenchConfig(name="suffix +tree", drafters=["suffix"], tree=True)
-    assert predict_configs(None, [cfg]) == {"suffix +tree": TREES_NOT_REPLAYED}
 
 
 def test_bench_runs_model_drafters_with_trees_side_by_side():

@@ -637,6 +637,69 @@ class BatchCosts:
         return "\n".join(lines)
 
 
+class StepCosts:
+    """A serving engine's verify costs learnt from its own step times (the vLLM proposer, which
+    cannot time a forward of its own): a decayed mean of the step's seconds per (rows, width),
+    rows in powers of two, width the batch's widest block (1 + its longest draft), as
+    ``BatchCosts`` (flat in the cache length) for the policies' prices (``CostModel``).
+
+    Widths not observed for a row count are read off a line fitted to the observed ones
+    (V(w) = a + b (w - 1), b >= 0); with one width observed, ``prior_slope`` a per token (a
+    flat curve, as a GPU's at small batches: drafting looks cheap until wider steps are seen,
+    which is how wider widths get observed at all)."""
+
+    def __init__(self, decay: float = 0.9, prior_slope: float = 0.02, max_width: int = 17):
+        if not 0.0 <= decay < 1.0:
+            raise ConfigError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay, self.prior_slope, self.max_width = decay, prior_slope, max_width
+        self._seconds: dict[int, dict[int, float]] = {}  # rows bucket -> width -> seconds
+        self._costs: BatchCosts | None = None
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, int(rows) - 1).bit_length()
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A step of ``rows`` rows, the widest ``width`` tokens, took ``seconds``."""
+        if rows < 1 or width < 1 or not seconds > 0.0:
+            return
+        table = self._seconds.setdefault(self.bucket(rows), {})
+        w = min(int(width), self.max_width)
+        old = table.get(w)
+        table[w] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._costs = None
+
+    def curve(self, bucket: int) -> list[float]:
+        """V(1..max_width) of a row bucket: observed means, the fitted line elsewhere."""
+        table = self._seconds[bucket]
+        ws = sorted(table)
+        if len(ws) == 1:
+            a = table[ws[0]] / (1 + self.prior_slope * (ws[0] - 1))
+            b = self.prior_slope * a
+        else:
+            mean_w = sum(ws) / len(ws)
+            mean_v = sum(table[w] for w in ws) / len(ws)
+            var = sum((w - mean_w) ** 2 for w in ws)
+            b = max(0.0, sum((w - mean_w) * (table[w] - mean_v) for w in ws) / var)
+            a = mean_v - b * (mean_w - 1)
+        return [table.get(w, max(0.0, a + b * (w - 1))) for w in range(1, self.max_width + 1)]
+
+    def costs(self) -> BatchCosts | None:
+        """The learnt costs as ``BatchCosts`` (None before any step)."""
+        if self._costs is None and self._seconds:
+            rows = sorted(self._seconds)
+            self._costs = BatchCosts([0], rows, list(range(1, self.max_width + 1)),
+                                     [[self.curve(r) for r in rows]], key="learnt from step times")
+        return self._costs
+
+    def surface(self) -> VerifyCostSurface | None:
+        """The one-row curve (the smallest row bucket's) as a verify-cost surface."""
+        costs = self.costs()
+        if costs is None:
+            return None
+        return VerifyCostSurface([0], list(costs.widths), [list(costs.seconds[0][0])], key=costs.key)
+
+
 def batch_grid_rows(max_batch: int) -> list[int]:
     """The batch grid's row counts for batches of at most ``max_batch`` rows: ``BATCH_ROWS`` up
     to the first that holds ``max_batch`` (on SmolLM2, AVX2 EPYC, rows 1-8 took 45 s, rows 1-32

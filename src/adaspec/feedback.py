@@ -96,6 +96,9 @@ class RoundFeedback:
     #: nodes of the round's draft tree (0: a chain); a tree round reads as a chain (the
     #: accepted path, then the first child of its end), not as the drafter's chain's outcome
     tree_nodes: int = 0
+    #: acceptance probabilities recorded for the drafted tokens (replay of a trace): what
+    #: ``acceptance_probs`` returns, while ``chosen_gammas`` stays the realised 0/1 under greedy
+    recorded: list[float] | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -144,6 +147,8 @@ class RoundFeedback:
         """gamma_i = 1 - TV(p_i, q_i) at each drafted position (p_i(y_i) for one-hot drafts)."""
         if self.gammas is not None:
             return list(self.gammas)
+        if self.recorded is not None:
+            return list(self.recorded)
         k = self.n_drafted
         if k == 0:
             return []

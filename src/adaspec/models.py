@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import inspect
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,10 @@ import torch
 
 from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
+from .backends.transformers import TREE_ATTENTION, LoadedModel, cache_arg  # noqa: F401 (public names, re-exported)
 from .errors import ConfigError, ModelLoadError
-from .kernels import (GQA_ATTENTION, SMALL_KINDS, PackedLinear, auto_linear, linear_mode, machine_identity,
-                      release_own_openmp_threads, set_small_plan, small_rows_mode, tunable_layers, tune_small_rows,
-                      use_gqa_attention, use_small_batch_linear)
-from .trees import DraftTree, tree_attention_mask
+from .kernels import (SMALL_KINDS, PackedLinear, auto_linear, machine_identity, set_small_plan, tunable_layers,
+                      tune_small_rows, use_gqa_attention, use_small_batch_linear)
 
 log = logging.getLogger(__name__)
 
@@ -40,155 +38,6 @@ _EMBEDDED = {
 }
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class LoadedModel(TargetBackend):
-    """A Hugging Face causal LM with its tokenizer and the name it was loaded from: the
-    ``transformers`` backend (KV states are ``DynamicCache`` objects)."""
-
-    model: Any
-    tokenizer: Any | None
-    name: str
-    #: the keyword ``model.forward`` takes the KV cache under (``cache_arg``)
-    cache_kw: str = field(init=False, repr=False, default="past_key_values")
-
-    backend = "transformers"
-    has_hidden_states = True
-    supports_trees = True
-
-    def __post_init__(self) -> None:
-        if self.model is not None:
-            self.cache_kw = cache_arg(self.model)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def vocab_size(self) -> int:
-        """Width of the model's logits."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    @property
-    def context_window(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
-
-    def model_eos_ids(self) -> set[int]:
-        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            return set()
-        return {eos} if isinstance(eos, int) else set(eos)
-
-    def new_state(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    @contextmanager
-    def request_scope(self) -> Iterator[None]:
-        """After each request on a CPU, the thread's OpenMP workers are freed
-        (``kernels.release_own_openmp_threads``): whichever thread generates next then
-        computes at full speed, not at about half beside this thread's idle pool."""
-        try:
-            yield
-        finally:
-            if self.device.type == "cpu":
-                release_own_openmp_threads()
-
-    @torch.inference_mode()
-    def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
-                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = torch.tensor([list(ids)], device=self.device)
-        out = self.model(input_ids=x, **{self.cache_kw: state}, use_cache=True, logits_to_keep=keep,
-                         output_hidden_states=hidden)
-        return out.logits[0], (out.hidden_states[-1][0, -keep:] if hidden else None)
-
-    @torch.inference_mode()
-    def forward_tree(self, state: Any, last: int, tree: DraftTree,
-                     hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tree verification through the public 4D-mask input of transformers: a custom
-        ``[1, 1, q, kv]`` float mask is used as is by eager and SDPA attention, and
-        ``position_ids`` set the rotary positions (cache length + depth)."""
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl not in TREE_ATTENTION:
-            raise ConfigError(f"draft trees need an attention implementation that takes a custom 4D mask "
-                              f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
-                              "attn_implementation='sdpa', or drop --tree")
-        _check_tree_cache(state)
-        cached = int(state.get_seq_length())
-        device = self.device
-        ids = torch.tensor([[last, *tree.tokens]], device=device)
-        pos = torch.tensor([tree.position_offsets()], device=device) + cached
-        mask = tree_attention_mask(tree, cached, self.dtype, device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self.cache_kw: state},
-                         use_cache=True, output_hidden_states=hidden)
-        return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
-
-    @torch.inference_mode()
-    def keep_path(self, state: Any, start: int, rows: Sequence[int]) -> None:
-        """Gather the accepted rows' keys and values into place in every layer, then crop."""
-        rows = list(rows)
-        if rows != list(range(len(rows))):  # rows[i] >= i: gather forward, a copy (no aliasing)
-            src = torch.tensor(rows, device=self.device) + start
-            for layer in state.layers:
-                if layer.get_seq_length() == 0:
-                    continue
-                for kv in (layer.keys, layer.values):
-                    kv[..., start:start + len(rows), :] = kv.index_select(-2, src)
-        self.truncate(state, start + len(rows))
-
-    def truncate(self, state: Any, length: int) -> None:
-        drop = int(state.get_seq_length()) - length
-        if drop > 0:
-            state.crop(-drop)  # this transformers accepts only a negative count
-
-    def state_length(self, state: Any) -> int:
-        return int(state.get_seq_length())
-
-    def identity(self) -> str:
-        n_params = sum(p.numel() for p in self.model.parameters())
-        return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
-                f"threads={torch.get_num_threads()}|torch={torch.__version__}|linear={linear_mode(self.model)}"
-                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}")
-
-
-#: attention implementations that add a custom 4D float mask to the scores (draft trees)
-TREE_ATTENTION = ("sdpa", GQA_ATTENTION, "eager")
-
-
-def cache_arg(module: Any) -> str:
-    """The keyword under which ``module.forward`` takes its KV cache: ``cache`` in transformers
-    5.24 and later (which deprecate ``past_key_values`` and drop it in 5.40), else
-    ``past_key_values``. A wrapper whose forward takes ``**kwargs`` is read through its class's
-    bases. Read once per module, not per forward (a signature costs ~20 us)."""
-    for cls in type(module).__mro__:
-        fwd = cls.__dict__.get("forward")
-        if fwd is None:
-            continue
-        try:
-            params = inspect.signature(fwd).parameters
-        except (TypeError, ValueError):
-            continue
-        for name in ("cache", "past_key_values"):
-            if name in params:
-                return name
-    return "past_key_values"
-
-
-def _check_tree_cache(state: Any) -> None:
-    """Trees gather KV entries in place, which needs full-length dynamic layers."""
-    from transformers.cache_utils import DynamicLayer
-
-    bad = [type(layer).__name__ for layer in state.layers
-           if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False)]
-    if bad:
-        raise ConfigError(f"draft trees need a cache of full-attention dynamic layers, and this model's has "
-                          f"{bad[0]} layers (sliding-window or linear attention): drop --tree for this model")
 
 
 def target_fingerprint(target: TargetBackend) -> dict[str, Any]:

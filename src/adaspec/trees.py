@@ -150,7 +150,7 @@ class TreeVerdict:
         return [0, *(i + 1 for i in self.path)]
 
 
-def _walk(tree: DraftTree, pick: Callable[[int], int]) -> TreeVerdict:
+def walk_tree(tree: DraftTree, pick: Callable[[int], int]) -> TreeVerdict:
     """Descend from the root while ``pick(row)`` (the target's token at that row) is a child."""
     kids = tree.children()
     row, path = 0, []
@@ -166,14 +166,14 @@ def _walk(tree: DraftTree, pick: Callable[[int], int]) -> TreeVerdict:
 def verify_tree_greedy(target_logits: torch.Tensor, tree: DraftTree) -> TreeVerdict:
     """Greedy: the longest path whose tokens equal the target's argmax, plus the next argmax."""
     argmax = row_argmax(target_logits)
-    return _walk(tree, argmax.__getitem__)
+    return walk_tree(tree, argmax.__getitem__)
 
 
 def verify_tree_sampling(p: torch.Tensor, tree: DraftTree,
                          generator: torch.Generator | None) -> TreeVerdict:
     """Exact sampling for a one-hot tree (SpecInfer MSS with deterministic proposals): draw
     x ~ p at the current node, descend if x is a child, else emit x (module docstring)."""
-    return _walk(tree, lambda row: sample(p[row], generator))
+    return walk_tree(tree, lambda row: sample(p[row], generator))
 
 
 def tree_gammas(probs: torch.Tensor, tree: DraftTree, rows: Sequence[int]) -> list[float]:

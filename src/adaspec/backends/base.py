@@ -174,3 +174,100 @@ class TargetBackend(ABC):
         if not self.has_hidden_states:
             raise ConfigError(f"{what} needs the target's hidden states, which the {self.backend} "
                               "backend does not expose: use --backend transformers")
+
+    def new_rows(self, compact_fraction: float = 0.25) -> RowStates:
+        """The states of rows that decode together (``round.Round``'s rows in a batch): a
+        backend with batched state operations returns its own (one forward verifies every row;
+        ``compact_fraction``: the share of hole columns past which a padded layout compacts);
+        by default the rows run one at a time on their own states (``SequentialRows``)."""
+        return SequentialRows(self)
+
+    def batching_problem(self) -> str | None:
+        """Why rows of this target cannot share one forward (a message naming the fix), or
+        None. Without batched states, rows are decoded one at a time (still exact)."""
+        return None
+
+
+class RowStates(ABC):
+    r"""The KV states of the rows decoding together, in row order.
+
+    A request's state is prefilled on its own (``TargetBackend.new_state``) and ``join``\ s as
+    the last row; ``leave`` drops rows. ``batched`` says whether ``forward`` verifies every row's
+    inputs in one target forward; then each row's accepted inputs are marked with ``keep`` and
+    ``end_round`` drops the rest (and compacts, where the layout has holes). Without it the
+    caller runs each row on ``state(r)`` with the backend's own per-sequence operations
+    (``forward``, ``forward_tree``, ``keep_path``, ``truncate``), as it does for a batch of one."""
+
+    #: one ``forward`` for all rows (else: per-row states, one forward each)
+    batched: bool = False
+    #: compactions done (layouts with holes)
+    compactions: int = 0
+
+    def __init__(self, target: TargetBackend):
+        self.target = target
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Rows held."""
+
+    @abstractmethod
+    def join(self, state: Any, length: int) -> None:
+        """A prefilled state of ``length`` tokens becomes the last row (owned from now on)."""
+
+    @abstractmethod
+    def leave(self, rows: Sequence[int]) -> None:
+        """Drop (and release) the states of ``rows``."""
+
+    @abstractmethod
+    def state(self, r: int) -> Any:
+        """Row ``r``'s state for the backend's per-sequence operations: always with
+        ``batched`` False, and for the only row of a batched layout."""
+
+    def forward(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits [rows, max width, vocab] of every row's ``inputs`` appended to its state in
+        one forward (``batched`` layouts only)."""
+        raise NotImplementedError(f"{type(self).__name__} runs its rows one at a time")
+
+    def keep(self, r: int, kept: int) -> None:
+        """After ``forward``: row ``r`` keeps the first ``kept`` of its inputs."""
+        raise NotImplementedError(f"{type(self).__name__} runs its rows one at a time")
+
+    def end_round(self, leaving: Sequence[int] = ()) -> None:
+        """After the round: drop what no row kept (``batched`` layouts) and the rows ``leaving``."""
+        if leaving:
+            self.leave(leaving)
+
+    @property
+    def columns(self) -> int:
+        """The widest row's KV length (what a batched forward attends over)."""
+        return max((self.target.state_length(self.state(r)) for r in range(len(self))), default=0)
+
+    def compact(self) -> None:
+        """Remove holes from the layout now (a no-op for layouts without holes)."""
+
+    def release(self) -> None:
+        """Free every row's state."""
+        self.leave(list(range(len(self))))
+
+
+class SequentialRows(RowStates):
+    """Rows on their own states, decoded one at a time: any backend's batch."""
+
+    def __init__(self, target: TargetBackend):
+        super().__init__(target)
+        self._states: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def join(self, state: Any, length: int) -> None:
+        self._states.append(state)
+
+    def leave(self, rows: Sequence[int]) -> None:
+        drop = set(rows)
+        for r in sorted(drop):
+            self.target.release(self._states[r])
+        self._states = [s for r, s in enumerate(self._states) if r not in drop]
+
+    def state(self, r: int) -> Any:
+        return self._states[r]

@@ -1,24 +1,29 @@
 """Model-free replay of a recorded trace: any drafter policy x length policy in seconds.
 
-``replay`` runs the engine's round loop (``SpeculativeEngine._run``) on a ``Trace``
-(``adaspec.trace``) instead of models, step for step: ``selector.select()``; cap =
-``min(length.begin_round(i), remaining - 1)``; the drafter's recorded chain at the current
-position is offered token by token to ``length.decide`` (CONTINUE / STOP / DISCARD as in the
-drafters, ``DraftStep.stats`` carrying q's statistics for model drafters); the round accepts
-``min(n_acc, drafted)`` tokens and emits them plus the target's next path token; EOS and the
-token budget cut the round as ``_apply_stops`` does; then the selector and the length policy
-learn from a ``RoundFeedback`` with the recorded acceptance probabilities, the full-information
-counterfactuals (each other drafter's first chain token at every emitted position, as
-``_evaluate_others`` computes them under greedy decoding), and synthesised times. Drafter
-prefill, catch-up tokens and the full-information "everyone is prefilled" rule follow the
-engine's ``seen`` bookkeeping. Policies keep their state across the prompts of a replay as
-across the requests of one engine (``scope=global`` carries over).
+``replay`` drives the engine's own round (``round.Round``: look, select, length, draft, settle
+with feedback, cost model and counterfactual scoring) on a ``Trace`` (``adaspec.trace``)
+instead of models. Three things stand in for them:
+
+* the **target** is the recorded greedy path (``_oracle``): a greedy target's argmax at each
+  path position is the path's next token, so a chain is accepted as far as it follows the path
+  (a recorded chain: as far as the recording accepted it) and a draft tree along its path, with
+  the recorded acceptance probabilities where the chain is the recorded one;
+* the **drafters** (``ReplayDrafter``): model-free drafters rebuilt from their spec draft,
+  look, score and grow trees for real on the path (a lookup, no model); model drafters and
+  drafters that learn from the target's rows replay their recorded chain at each position
+  (``DraftStep.stats`` carrying q's statistics), scored by their recorded first tokens;
+* the **clock** (``ReplayClock``) is virtual: every priced part of a round advances it by its
+  recorded price (``_RoundPricer``), so the round's own timing bookkeeping, and with it every
+  time-dependent policy and the cost model, sees deterministic seconds.
+
+EOS and the token budget cut a round as the engine does; policies keep their state across the
+prompts of a replay as across the requests of one engine (``scope=global`` carries over).
 
 Exactness: for greedy decoding and time-independent policies the per-round (drafter, cap,
 drafted, accepted, emitted) sequence equals a live run's ``stats.rounds`` (checked by
 tests/test_trace_replay.py), up to floating-point batch invariance of the models (the
-recording's forwards are batched differently from a live run's; a near-tie can flip). Rounds
-that would draft past the recorded ``max_draft`` are cut there and counted (``clipped``).
+recording's forwards are batched differently from a live run's; a near-tie can flip). A
+recorded chain drafted past the recorded ``max_draft`` is cut there and counted (``clipped``).
 Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost model) see
 times synthesised from the recorded costs, so the replay is deterministic but not a live run.
 
@@ -31,37 +36,33 @@ in the recording: the deterministic ``seconds``. Cost-aware policies decide on t
 live engines read (``Trace.policy_surface``, unscaled), as theirs did. The policies' own
 compute time is measured during the replay (the same code runs live; ``policy_s``) and added
 in ``predicted_s``, from which tokens/s and the speed-up are computed.
-Not supported: sampling, stop strings, length policies that read a model drafter's
-hidden states (``specdecpp`` with a model drafter; with model-free drafters it is static), and
-draft trees (``tree=True`` raises ``ConfigError``): a trace records each drafter's *chain* at
-every path position and the target's argmax path only, not the drafter's alternatives (the
-tree's other branches, their scores) nor the target's argmax after off-path nodes, so a tree
-round's accepted length cannot be computed from it; ``adaspec bench --tree`` lists its
-``+tree`` configurations with that reason instead of a prediction. Trees are measured live.
+
+Draft trees (``tree=True``) grow from the live drafters; a recorded drafter drafts chains. Not
+supported: sampling, stop strings, and length policies that read a model drafter's hidden
+states (``specdecpp`` with a model drafter; with model-free drafters it is static).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from ..config import SamplingConfig, validate_k
+from ..config import GenerationConfig, SamplingConfig, validate_k
 from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
-from ..drafters import Drafter, build_drafter, drafter_family
-from ..drafters.base import Decision, Draft, DraftStep, Peek, StepStats
+from ..drafters import Drafter, NoDrafter, build_drafter, drafter_family
+from ..drafters.base import Decision, Draft, DraftStep, Peek, Proposals, StepStats
 from ..errors import AdaspecError, ConfigError
-from ..feedback import RoundFeedback
-from ..engine import cut_at_stops
-from ..metrics import RoundRates
 from ..length import LengthPolicy, build_length
+from ..metrics import RoundRates
+from ..round import Outcome, Round, Row, RowParts, RowPlan, bind_policies, tree_outcome
 from ..selection import DrafterPolicy, build_policies, build_selector
+from ..trees import DraftTree, walk_tree
 from .trace import PromptTrace, Trace
 
 GREEDY = SamplingConfig()
@@ -69,20 +70,6 @@ GREEDY = SamplingConfig()
 #: deterministic (synthesised times) but not claimed equal to a live run
 TIME_DEPENDENT = frozenset({"cost-ucb", "cost-exp3", "cost-hedgespec", "ucbspec-length", "cost-model", "auto"})
 NONE = "none"
-
-
-@dataclass
-class _ReplayFeedback(RoundFeedback):
-    """RoundFeedback whose ``acceptance_probs`` are the recorded ones (no target logits).
-
-    Not ``gammas=``: under greedy decoding ``chosen_gammas`` must stay the realised 0/1
-    acceptances, as in the engine, and it would read ``gammas`` instead."""
-
-    recorded: list[float] = field(default_factory=list)
-
-    @cached_property
-    def acceptance_probs(self) -> list[float]:
-        return list(self.recorded)
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -336,37 +323,228 @@ class _RoundPricer:
 
 
 # -- the replay loop ------------------------------------------------------------------------
-#: why replay refuses draft trees (module docstring)
-TREES_NOT_REPLAYED = ("draft trees cannot be replayed: a trace records each drafter's chain and the target's "
-                      "argmax path, not the tree's other branches nor the target's choice after them; "
-                      "measure trees live (adaspec bench --tree)")
+class ReplayClock:
+    """Virtual seconds for a replayed round: the replayed work (drafting, catch-up, prompt
+    ingestion, scoring, verification, the engine's round overhead) advances it by its recorded
+    price, and nothing else does, so the round's own bookkeeping (``round.Round``) measures
+    priced seconds and the replay is deterministic."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._pending = 0.0
+
+    def __call__(self) -> float:
+        t, self.now, self._pending = self.now, self.now + self._pending, 0.0
+        return t
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def after_next(self, seconds: float) -> None:
+        """Advance by ``seconds`` right after the next reading (a price paid inside the phase
+        that reading starts)."""
+        self._pending += seconds
+
+
+class ReplayDrafter(Drafter):
+    """A recorded drafter as the round runs it in replay, its work priced on the virtual clock.
+
+    Live (model-free drafters that can be rebuilt from their spec without the target, and
+    ``none``): the drafter itself drafts, looks, scores and grows trees on the recorded greedy
+    path, as it did live (a lookup, no model). Recorded (model drafters, drafters that learn from
+    the target's rows, or that cannot be rebuilt): its chain at each path position is the
+    trace's, looked at through the rebuilt drafter where one exists (so a look carries its match
+    length), scored by its recorded first tokens, and a round drafting past the recorded
+    ``max_draft`` is cut there (``clipped``; ``strict`` raises)."""
+
+    def __init__(self, j: int, src: int | None, trace: Trace, price: _RoundPricer, clock: ReplayClock,
+                 live: Drafter | None, recorded: bool, strict: bool):
+        self.j, self.src, self.price, self.clock = j, src, price, clock
+        self.live, self.recorded, self.strict = live, recorded, strict
+        self.max_draft = trace.max_draft
+        self.name = NONE if src is None else trace.names[src]
+        self.is_model = src is not None and trace.is_model[src]
+        self.family = live.family if live is not None else drafter_family(trace.specs[src]) if src is not None else NONE
+        self.supports_tree = not recorded and live is not None and live.supports_tree
+        self.view: _View | None = None
+        self.clipped = False
+        self._n_prompt = self._seen = 0
+        self._looked: tuple[int, int] = (-1, 0)  # (context length, tokens priced) of the last look
+
+    def start(self, view: _View | None) -> None:
+        self.view = view
+
+    def begin_request(self, prompt_ids: Sequence[int]) -> None:
+        self._n_prompt, self._seen, self._looked = len(prompt_ids), 0, (-1, 0)
+        if self.live is not None:
+            self.live.begin_request(prompt_ids)
+
+    def _pay_catch_up(self, t: int) -> None:
+        """The prompt's ingestion at the first use, then the tokens past what it has seen."""
+        if self._seen == 0:
+            self.clock.advance(self.price.drafter_prefill(self.j, self._n_prompt))
+            self._seen = self._n_prompt
+        if t > self._seen:
+            self.clock.advance(self.price.catch_up(self.j, t - self._seen, t))
+            self._seen = t
+
+    def saw(self, length: int) -> None:
+        """The round counts the drafter as caught up to ``length`` tokens (``Row.seen``): its
+        catch-up is priced from there, as the engine counts it."""
+        if length > self._seen:
+            self._seen = length
+
+    def catch_up(self, context: Sequence[int]) -> None:
+        self._pay_catch_up(len(context))
+        if self.live is not None:
+            self.live.catch_up(context)
+
+    def _chain(self, t: int) -> list[int]:
+        return self.view.chains[t - self._n_prompt] if self.view is not None else []
+
+    def peek(self, context: Sequence[int], max_tokens: int) -> Peek | None:
+        t = len(context)
+        self._pay_catch_up(t)
+        look = self.live.peek(context, max_tokens) if self.live is not None else None
+        if self.recorded:
+            chain = self._chain(t)[:max_tokens]
+            look = look if look is not None and look.tokens == chain else Peek(chain)
+        if look is not None:  # a look again at the same context pays only its further tokens
+            priced = self._looked[1] if self._looked[0] == t else 0
+            self.clock.advance(self.price.draft(self.j, max(0, len(look.tokens) - priced), t))
+            self._looked = (t, max(priced, len(look.tokens)))
+        return look
+
+    def draft(self, context, max_tokens, sampling, generator, decide, want_hidden=False) -> Draft:
+        t = len(context)
+        if not self.recorded:
+            out = self.live.draft(context, max_tokens, sampling, generator, decide, want_hidden) \
+                if self.live is not None else Draft()
+        else:
+            out = Draft(tokens=self._recorded_draft(t, max_tokens, decide))
+        self.clock.advance(self.price.draft(self.j, len(out.tokens), t))
+        return out
+
+    def _recorded_draft(self, t: int, cap: int, decide: Callable[[DraftStep], Decision]) -> list[int]:
+        view, x = self.view, t - self._n_prompt
+        chain = self._chain(t)
+        stats = view.stats[x] if view is not None and view.stats is not None else None
+        tokens: list[int] = []
+        for j in range(cap):
+            if j >= len(chain):
+                if len(chain) >= self.max_draft:  # the recording stopped here, the drafter might not have
+                    if self.strict:
+                        raise ConfigError(
+                            f"the policy drafts past the recorded max_draft={self.max_draft}: record with a "
+                            "larger max_draft or cap the policy (e.g. max_len=...)")
+                    self.clipped = True
+                break
+            verdict = decide(DraftStep(j, chain[j], stats=StepStats(*stats[j]) if stats is not None else None))
+            if verdict is Decision.DISCARD:
+                break
+            tokens.append(chain[j])
+            if verdict is Decision.STOP:
+                break
+        return tokens
+
+    def draft_tree(self, context, max_depth, max_nodes, sampling, **kwargs) -> DraftTree:
+        tree = self.live.draft_tree(context, max_depth, max_nodes, sampling, **kwargs)
+        self.clock.advance(self.price.draft(self.j, len(tree), len(context)))
+        return tree
+
+    def score(self, context, verified, sampling) -> Proposals:
+        t, m = len(context), len(verified)
+        if self.recorded or self.live is None:
+            first = self.view.first if self.view is not None else []
+            x = t - self._n_prompt
+            props = Proposals(tokens=[first[x + y] if x + y < len(first) else -1 for y in range(m)])
+        else:
+            props = self.live.score(context, verified, sampling)
+        self.clock.advance(self.price.evaluate([self.j], m, t))
+        self._seen = t + m
+        return props
+
+    def end_request(self, output_ids: Sequence[int]) -> None:
+        if self.live is not None:
+            self.live.end_request(output_ids)
+
+    def recorded_gammas(self, t: int, chain: list[int]) -> list[float] | None:
+        """The recorded acceptance probabilities of ``chain`` drafted at context ``t``, when it is
+        the recorded chain's prefix (else None)."""
+        if self.view is None or not chain:
+            return None
+        x = t - self._n_prompt
+        return self.view.gammas[x][: len(chain)] if self.view.chains[x][: len(chain)] == chain else None
+
+    def recorded_accepted(self, t: int) -> int:
+        return self.view.accepted[t - self._n_prompt] if self.view is not None else 0
+
+
+def _replay_drafters(trace: Trace, pool: _Pool, price: _RoundPricer, clock: ReplayClock,
+                     strict: bool) -> list[ReplayDrafter]:
+    """The pool's drafters for replay: live where a drafter can be rebuilt from its spec without
+    the target and needs nothing a trace lacks (a model, the target's rows), else recorded."""
+    out = []
+    for j, src in enumerate(pool.src):
+        live: Drafter | None = NoDrafter() if src is None else None
+        if src is not None and not trace.is_model[src]:
+            try:
+                live = build_drafter(trace.specs[src], None)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - any failure (e.g. a corpus to tokenize): the recorded chains
+                live = None
+        recorded = src is not None and (live is None or live.is_model or live.observes_target)
+        out.append(ReplayDrafter(j, src, trace, price, clock, live, recorded, strict))
+    return out
+
+
+def _oracle(row: Row, plan: RowPlan, drafters: Sequence[ReplayDrafter], path: Sequence[int]) -> Outcome:
+    """What the recorded target made of a plan: a greedy target's argmax at every position of
+    the recorded path is the path's next token, so a chain is accepted as far as it follows
+    the path (a recorded chain: as far as the recording accepted it) and a tree along its path
+    (``trees.walk_tree``); off-path nodes are never accepted. The acceptance probabilities are
+    the recorded ones where the chain is the recorded one, else its realised 0/1."""
+    t = len(row.tokens)
+    if plan.tree is not None:
+        depth = [0] * (len(plan.tree) + 1)
+        for i, parent in enumerate(plan.tree.parents):
+            depth[i + 1] = depth[parent + 1] + 1
+        return tree_outcome(plan.tree, walk_tree(plan.tree, lambda r: path[t + depth[r]]))[0]
+    chain, d = plan.draft.tokens, drafters[plan.drafter]
+    if d.recorded:
+        n = min(d.recorded_accepted(t), len(chain)) if chain else 0
+    else:
+        n = 0
+        while n < len(chain) and chain[n] == path[t + n]:
+            n += 1
+    gammas = d.recorded_gammas(t, chain)
+    return Outcome(n, path[t + n], recorded=gammas if gammas is not None else [1.0] * n + [0.0] * (len(chain) - n))
 
 
 def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
            length: str | int | LengthPolicy | None = None, k: int = 5,
            drafters: Sequence[str] | None = None, max_new_tokens: int | None = None,
            strict: bool = False, costs: VerifyCostSurface | None = None,
-           tree: bool = False) -> ReplayResult:
+           tree: bool = False, tree_nodes: int = 15) -> ReplayResult:
     """Replay ``selector`` x ``length`` (names as for the engine, or fresh instances) over the
-    trace's prompts in order. ``drafters``: subset / order of the recorded drafters by spec or
-    name (``"none"`` is always available); default all, in recording order. ``max_new_tokens``
-    may lower the recorded budget. ``strict``: raise instead of clipping a round at the
-    recorded ``max_draft``. ``costs``: price rounds on this verify-cost surface instead of the
-    recorded one (as measured: no ``verify_scale``; prefills from it too), e.g. another
-    backend's: greedy paths are the target's argmax on every backend, so the trace's
-    acceptance data transfers (up to near-ties); drafter and engine overheads stay recorded.
-    ``tree=True`` raises: traces do not record trees (module docstring)."""
-    if tree:
-        raise ConfigError(TREES_NOT_REPLAYED)
+    trace's prompts in order, through the engine's own round (``round.Round``). ``drafters``:
+    subset / order of the recorded drafters by spec or name (``"none"`` is always available);
+    default all, in recording order. ``max_new_tokens`` may lower the recorded budget.
+    ``strict``: raise instead of clipping a recorded chain at the recorded ``max_draft``.
+    ``costs``: price rounds on this verify-cost surface instead of the recorded one (as
+    measured: no ``verify_scale``; prefills from it too), e.g. another backend's: greedy paths
+    are the target's argmax on every backend, so the trace's acceptance data transfers (up to
+    near-ties); drafter and engine overheads stay recorded. ``tree`` / ``tree_nodes``: draft
+    trees from the drafters that replay live (model-free), as ``SpeculativeEngine(tree=True)``."""
     validate_k(k)
+    if tree and (isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1):
+        raise ConfigError(f"tree_nodes must be an integer >= 1, got {tree_nodes!r}")
     pool = _Pool.of(trace, drafters)
+    price = _RoundPricer(trace, pool, costs)
+    clock = ReplayClock()
+    replayed = _replay_drafters(trace, pool, price, clock, strict)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
-    for policy in (sel, ln):  # as the engine does
-        if hasattr(policy, "bind_drafters"):
-            policy.bind_drafters([s is not None and trace.is_model[s] for s in pool.src])
-        if hasattr(policy, "bind_families"):
-            policy.bind_families([drafter_family(trace.specs[s]) if s is not None else "none" for s in pool.src])
-    if ln.needs_hidden and any(trace.is_model[s] for s in pool.src if s is not None):
+    bind_policies(sel, ln, replayed, tree)
+    if ln.needs_hidden and any(d.is_model for d in replayed):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "
                           "(adaspec bench)")
@@ -374,7 +552,6 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     if not isinstance(budget, int) or not 1 <= budget <= trace.max_new_tokens:
         raise ConfigError(f"max_new_tokens must be in [1, {trace.max_new_tokens}] (the recorded budget), "
                           f"got {max_new_tokens!r}")
-    price = _RoundPricer(trace, pool, costs)
     # as in the engine: the surface it loads, its noise pooled as the engine's policies read
     # it (``VerifyCostSurface.denoised``; not the live/measured-scaled one replay prices with:
     # the scale is not what live policies see), and running means of the (synthesised)
@@ -384,182 +561,56 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     for policy in (sel, ln):
         if getattr(policy, "wants_costs", False):
             policy.costs = cost_model
+    parts = RowParts(list(replayed), sel, ln, cost_model, tree=tree, tree_nodes=tree_nodes)
+    rnd = Round(lambda ids: "", set(trace.eos_ids) if trace.stop_on_eos else set(), clock=clock, tick=clock,
+                stopwatch=time.perf_counter)
     time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
     result = ReplayResult(sel.name if selector is None else _label(selector, "selector", k),
                           ln.name if length is None and ln.name != "static" else _label(length, "length", k),
-                          k, pool.labels, [],
-                          time_dep)
+                          k, pool.labels, [], time_dep)
     t0 = time.perf_counter()
     for p in range(len(trace.prompts)):
-        result.prompts.append(_replay_prompt(trace, p, pool, sel, ln, cost_model, price, budget, strict,
-                                             result))
+        result.prompts.append(_replay_prompt(trace, p, parts, rnd, clock, price, budget))
+    result.policy_s = rnd.policy_s
     result.wall_s = time.perf_counter() - t0
     return result
 
 
-def _peekers(trace: Trace, pool: _Pool, cheap: Sequence[int], prompt: Sequence[int]) -> dict[int, Drafter]:
-    """Fresh model-free drafters rebuilt from the trace's specs, so that replay looks at blocks
-    the way the engine does (with the match length behind them); a drafter that cannot be
-    rebuilt without the target (e.g. a corpus to tokenize) falls back to the recorded chains."""
-    out: dict[int, Drafter] = {}
-    for j in cheap:
-        try:
-            d = build_drafter(trace.specs[pool.src[j]], None)  # type: ignore[arg-type]
-        except Exception:  # noqa: BLE001 - any failure: use the recorded chains
-            continue
-        if not d.is_model:
-            d.begin_request(list(prompt))
-            out[j] = d
-    return out
-
-
-def _replay_prompt(trace: Trace, p: int, pool: _Pool, sel: DrafterPolicy, ln: LengthPolicy,
-                   cost_model: CostModel, price: _RoundPricer, budget: int, strict: bool,
-                   result: ReplayResult) -> PromptReplay:
-    """One request, mirroring ``SpeculativeEngine._run`` (greedy, no stop strings)."""
+def _replay_prompt(trace: Trace, p: int, parts: RowParts, rnd: Round, clock: ReplayClock,
+                   price: _RoundPricer, budget: int) -> PromptReplay:
+    """One request through the round, verified by the recorded target (``_oracle``), greedy."""
     pt: PromptTrace = trace.prompts[p]
     views = _views(trace, p)
-    path, n_prompt = pt.path, pt.n_prompt
-    eos = set(trace.eos_ids) if trace.stop_on_eos else set()
-    L = trace.max_draft
-    n_drafters = len(pool.src)
-    clock = time.perf_counter
-    policy_s = 0.0
-
-    def decide(step: DraftStep) -> Decision:
-        nonlocal policy_s
-        c = clock()
-        verdict = ln.decide(step)
-        policy_s += clock() - c
-        return verdict
-
-    cost_model.last_width = 0  # as the engine: the prefill came last
-    c = clock()
-    sel.begin_request(pool.names)
-    if hasattr(sel, "observe_prompt"):
-        sel.observe_prompt(pt.prompt)
-    ln.begin_request()
-    policy_s += clock() - c
-    seen = [0] * n_drafters
-    t, remaining = n_prompt, budget
+    drafters: list[ReplayDrafter] = parts.drafters  # type: ignore[assignment]
+    for d in drafters:
+        d.start(views[d.src] if d.src is not None else None)
+    cfg = GenerationConfig(max_new_tokens=budget, stop_on_eos=trace.stop_on_eos)
+    row = Row.new(p, parts, pt.prompt, cfg, "cpu", clock())
+    rnd.begin(row)
     rounds: list[ReplayRound] = []
-    evaluate = getattr(sel, "evaluate", None)
-    peek_k = int(getattr(sel, "peek_tokens", 0) or 0)
-    looks = getattr(sel, "looks", None)
-    cheap = [j for j, sj in enumerate(pool.src) if sj is not None and not trace.is_model[sj]]
-    peekers = _peekers(trace, pool, cheap, pt.prompt) if peek_k else {}
     while True:
-        cost_model.context = t - 1  # the target's cache length, as in the engine
-        peek_s, ingest_s, peeked = 0.0, 0.0, set()
-        looked = bool(peek_k) and (looks is None or looks())
-        if looked:  # as SpeculativeEngine._peek: every model-free drafter's block, from the trace
-            x0, top = t - n_prompt, min(peek_k, remaining - 1)
-            blocks = {}
-            for j in cheap:
-                chain = views[pool.src[j]].chains[x0][:top]
-                look = peekers[j].peek(path[:t], top) if j in peekers else None
-                blocks[j] = look if look is not None and look.tokens == chain else Peek(chain)
-                blocks[j].cut = len(blocks[j].tokens) >= top
-                peek_s += price.catch_up(j, t - seen[j], t) if 0 < seen[j] < t else 0.0
-                ingest_s += price.drafter_prefill(j, n_prompt) if seen[j] == 0 else 0.0
-                peek_s += price.draft(j, len(blocks[j].tokens), t)
-                seen[j] = t
-            peeked = set(blocks)
-            c = clock()
-            sel.observe_proposals(blocks)
-            policy_s += clock() - c
-        c = clock()
-        i = sel.select()
-        if not 0 <= i < n_drafters:
-            raise ConfigError(f"selector {sel.name!r} chose drafter #{i} of {n_drafters}")
-        wanted = ln.begin_round(i)
-        cap = min(wanted, remaining - 1)
-        policy_s += clock() - c
-        # priced peeks only (the engine also counts its planning's seconds): deterministic
-        if looked and looks is not None and rounds:
-            cost_model.observe_look(peek_s)
-        src = pool.src[i]
-        seconds = price.round_overhead() + peek_s + ingest_s
-        if seen[i] == 0:  # first use in this request: drafter prefill of the prompt
-            seen[i] = n_prompt
-            seconds += price.drafter_prefill(i, n_prompt)
-        catch_up = t - seen[i] if seen[i] < t else 0
-        x = t - n_prompt
-        tokens: list[int] = []
-        clipped = False
-        if cap > 0 and src is not None:
-            view = views[src]
-            chain = view.chains[x]
-            stats = view.stats[x] if view.stats is not None else None
-            for j in range(cap):
-                if j >= len(chain):
-                    if len(chain) >= L:  # the recording stopped here, the drafter might not have
-                        if strict:
-                            raise ConfigError(
-                                f"prompt {p}, round {len(rounds)}: the policy drafts past the recorded "
-                                f"max_draft={L}: record with a larger max_draft or cap the policy "
-                                "(e.g. max_len=...)")
-                        clipped = True
-                    break
-                step = DraftStep(j, chain[j], stats=StepStats(*stats[j]) if stats is not None else None)
-                verdict = decide(step)
-                if verdict is Decision.DISCARD:
-                    break
-                tokens.append(chain[j])
-                if verdict is Decision.STOP:
-                    break
-        kd = len(tokens)
-        n = min(views[src].accepted[x], kd) if kd else 0
-        emitted, reason = cut_at_stops(path[t: t + n + 1], remaining, eos)
-        m = len(emitted)
-        # as the engine (``_draft_chain``): a look is the draft, continued past a look cut at its depth
-        draft_s = 0.0
-        if cap > 0 and i not in peeked:
-            draft_s = price.draft(i, kd, t)
-        elif cap > 0 and blocks[i].cut and kd > len(blocks[i].tokens):
-            draft_s = price.draft(i, kd - len(blocks[i].tokens), t)
-        verify_s = price.verify(kd + 1, t)
-        catch_up_s = price.catch_up(i, catch_up, t)
-        fb = _ReplayFeedback(
-            round=len(rounds), drafter=i, draft=Draft(tokens=tokens), n_accepted=n, emitted=emitted,
-            k_cap=cap, target_logits=None, sampling=GREEDY, draft_s=draft_s, verify_s=verify_s,
-            catch_up_s=catch_up_s, catch_up_tokens=catch_up,
-            recorded=views[src].gammas[x][:kd] if kd else [])
-        eval_s = 0.0
-        if sel.full_information and (n_drafters > 1 or wanted == 0):  # as SpeculativeEngine._evaluate_others
-            cf: dict[int, list[float]] = {} if wanted == 0 else {i: fb.chosen_gammas()}
-            alphas: dict[int, list[float]] = {}
-            proposed: dict[int, list[bool]] = {}
-            for j, sj in enumerate(pool.src):
-                if (j == i and wanted != 0) or (evaluate is not None and not evaluate(j)):
-                    continue
-                first = views[sj].first if sj is not None else None
-                g = [1.0 if first is not None and first[x + y] == path[t + y] else 0.0 for y in range(m)]
-                cf[j], alphas[j] = g, list(g)
-                proposed[j] = [first is not None and first[x + y] >= 0 for y in range(m)]
-                seen[j] = t + m
-            eval_s = price.evaluate(cf.keys() - ({i} if wanted != 0 else set()), m, t)
-            fb.counterfactual, fb.counterfactual_alpha, fb.counterfactual_proposed = cf, alphas, proposed
-        t += m
-        remaining -= m
-        seen[i] = t
-        cost_model.observe(i, kd, draft_s, verify_s, catch_up, catch_up_s)
-        # as the engine's: outside draft/verify/catch-up, prompt ingestion and scoring
-        cost_model.observe_overhead(price.round_overhead() + peek_s)
-        cost_model.last_width = kd + 1
-        c = clock()
-        sel.update(fb)
-        ln.update(fb)
-        policy_s += clock() - c
-        rounds.append(ReplayRound(p, len(rounds), i, pool.names[i], cap, kd, n, m, catch_up,
-                                  seconds + draft_s + verify_s + catch_up_s + eval_s, clipped))
-        if reason:
+        for d in drafters:
+            d.clipped = False
+        plan = rnd.plan_row(row)
+        outcome = _oracle(row, plan, drafters, pt.path)
+        t = len(row.tokens)
+        t_verify = clock()
+        clock.advance(price.verify(plan.width, t))
+        verify_s = clock() - t_verify
+        clock.after_next(price.round_overhead())  # the round's own work: paid in its bookkeeping
+        settled = rnd.settle(row, plan, outcome, verify_s)
+        for d, seen in zip(drafters, row.seen):  # the round's bookkeeping of what each has seen
+            d.saw(seen)
+        rec = settled.record
+        rounds.append(ReplayRound(p, len(rounds), plan.drafter, rec.drafter, plan.cap, rec.drafted, rec.accepted,
+                                  rec.emitted, rec.catch_up_tokens, rec.total_s,
+                                  drafters[plan.drafter].clipped))
+        if settled.reason:
             break
-    result.policy_s += policy_s
-    new = t - n_prompt
-    ar = price.ar(pt, new)
+    rnd.finish(row)
+    new = len(row.output)
     total = price.request(pt) + sum(r.seconds for r in rounds) if trace.surface is not None else 0.0
-    return PromptReplay(p, new, reason, total, ar, rounds)
+    return PromptReplay(p, new, settled.reason, total, price.ar(pt, new), rounds)
 
 
 # -- bench configurations -----------------------------------------------------------------------
@@ -569,12 +620,10 @@ def predict_config(trace: Trace, drafters: Sequence[Any], selector: str | None, 
     trace; plain decoding (no drafters) is the ``none`` drafter alone. Raises ConfigError
     when the trace cannot replay it (a drafter it did not record, a policy needing hidden
     states, a drafter instance, draft trees)."""
-    if tree:
-        raise ConfigError(TREES_NOT_REPLAYED)
     specs = [d if isinstance(d, str) else None for d in drafters]
     if None in specs:
         raise ConfigError("drafter instances cannot be matched to a trace: give drafter specs")
-    return replay(trace, selector, length, k=k, drafters=specs or [NONE])
+    return replay(trace, selector, length, k=k, drafters=specs or [NONE], tree=tree)
 
 
 def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayResult | str]:
@@ -769,6 +818,9 @@ def replay_command(
     json_out: str | None = typer.Option(None, "--json", help="write the results as JSON here"),
     costs_file: str | None = typer.Option(None, "--costs", help="price on this verify-cost surface (JSON, as "
                                           "`adaspec costs` caches it), e.g. another backend's"),
+    tree: bool = typer.Option(False, "--tree", help="draft trees from the model-free drafters (as the engine's "
+                              "tree=True): replayed on the recorded greedy path"),
+    tree_nodes: int = typer.Option(15, "--tree-nodes", help="most nodes of a draft tree (with --tree)"),
 ) -> None:
     """Evaluate drafter x length policies on a recorded greedy trace, without models: MAT and
     acceptance are exact for time-independent policies; times are predicted from the recorded
@@ -787,7 +839,10 @@ def replay_command(
             build_length(spec)
         tr = Trace.load(trace)
         surface = load_surface(costs_file) if isinstance(costs_file, str) else None  # (called directly: OptionInfo)
-        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"], costs=surface)
+        tree = tree if isinstance(tree, bool) else False  # (called directly: OptionInfo)
+        tree_nodes = tree_nodes if isinstance(tree_nodes, int) else 15
+        results = [replay(tr, c["selector"], c["length"], c["k"], c["drafters"], costs=surface, tree=tree,
+                          tree_nodes=tree_nodes)
                    for c in _configs(tr, selector, length, k, drafter or None)]
         bounds = oracle_bounds(tr, k[0], drafter or None, costs=surface) if oracle else None
     except AdaspecError as exc:

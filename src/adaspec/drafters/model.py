@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from ..config import SamplingConfig
 from ..errors import AdaspecError, VocabularyMismatchError
 from ..backends.base import TargetBackend
-from ..models import TREE_ATTENTION, LoadedModel, _check_tree_cache, cache_arg
+from ..backends.transformers import TREE_ATTENTION, LoadedModel, _check_tree_cache, cache_arg
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, PrefixCut, TreeBudget, TreeNode, TreeSlots, dynamic_tree
 from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
@@ -44,7 +45,6 @@ def early_exit_model(target: LoadedModel, layers: int) -> LoadedModel:
     """The target's first ``layers`` decoder layers with its final norm and LM head, sharing
     the target's weights (no copy): a cheap model drafter that needs no training (a weak one:
     early layers rarely agree with the full model)."""
-    import copy
 
     from torch import nn
 
@@ -142,6 +142,13 @@ class ModelDrafter(Drafter):
             self.lm.release(self._cache)
             self._cache = None
         self._tree_kv = None
+
+    def fork(self) -> ModelDrafter:
+        """The same draft model (its weights shared) with a KV state of its own, so several
+        requests in a batch each draft with it (its forwards run one request at a time)."""
+        twin = copy.copy(self)
+        twin._cache, twin._fed, twin._trusted, twin._unfed, twin._tree_kv = None, [], 0, None, None
+        return twin
 
     def _settle_tree(self, context: Sequence[int]) -> None:
         """After ``draft_tree``: keep the cached tree nodes on ``context``'s path (gathered into

@@ -10,7 +10,6 @@ from the engine but tokens, and the engine verifies their drafts losslessly.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -23,15 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from ..config import SamplingConfig, validate_k, validate_scope
+from ..backends.transformers import LoadedModel
+from ..config import GenerationConfig, SamplingConfig, validate_k, validate_scope
+from ..costs import CostModel, StepCosts
 from ..drafters import Draft, Drafter, build_drafter, parse_params
 from ..drafters.indexed import share_indexes
 from ..errors import ConfigError
-from ..feedback import RoundFeedback
 from ..length import LengthPolicy, StaticLength, build_length
 from ..length.bandit import LengthUCB
 from ..length.rules import HFHeuristic
-from ..models import LoadedModel
+from ..round import Outcome, Round, Row, RowParts, RowPlan, bind_policies, fork_policies
 from ..selection import DrafterPolicy, StaticPolicy, build_selector
 from ..selection.banditspec import UCBSpec
 from ..selection.baselines import RoundRobinPolicy, UniformRandomPolicy
@@ -45,8 +45,9 @@ MODEL_FREE = ("none", "prompt-lookup", "pld", "suffix")
 SHARED_OK: tuple[type, ...] = (StaticPolicy, UniformRandomPolicy, RoundRobinPolicy, UCBSpec,
                                StaticLength, LengthUCB, HFHeuristic)
 #: the engine reports accepted counts, not the request's sampling settings: feedback is built
-#: from realised acceptances (1 per accepted draft, 0 at the rejected one), as under greedy
-_REALISED = SamplingConfig()
+#: from realised acceptances (1 per accepted draft, 0 at the rejected one), as under greedy;
+#: the engine ends its requests (no EOS, no budget here)
+_SERVED = GenerationConfig(max_new_tokens=2**62, stop_on_eos=False, sampling=SamplingConfig())
 
 
 @dataclass(frozen=True)
@@ -132,22 +133,6 @@ class BatchStats:
         return out
 
 
-@dataclass
-class _Request:
-    """Per-request state: its own drafter indices, its policies (shared ones for scope=global),
-    its context as a list and the last round's choice."""
-
-    drafters: list[Drafter]
-    selector: DrafterPolicy
-    length: LengthPolicy
-    tokens: list[int] = field(default_factory=list)
-    prompt_len: int = 0
-    rounds: int = 0
-    chosen: int = -1
-    cap: int = 0
-    draft_s: float = 0.0
-
-
 def with_scope(spec: str, scope: str) -> str:
     """``spec`` with ``scope=SCOPE`` added unless it sets a scope itself."""
     name, _, rest = spec.partition(":")
@@ -166,30 +151,38 @@ def model_free_drafter(spec: str, tokenizer: Any = None) -> Drafter:
     return build_drafter(spec, LoadedModel(model=None, tokenizer=tokenizer, name="serving target"))
 
 
+def _forks_sharing(policy: Any) -> bool:
+    """``auto``: forked per request with its global counts shared (``round.fork_policies``)."""
+    return getattr(getattr(policy, "controller", None), "scope", "") == "global"
+
+
 def check_policy(policy: DrafterPolicy | LengthPolicy, kind: str) -> None:
     """Refuse policies a serving proposer cannot feed, naming the fix."""
-    if getattr(policy, "wants_costs", False):
-        raise ConfigError(f"{kind} {policy.name!r} needs adaspec's measured verify costs, which a "
-                          "serving engine does not report: pick one without costs (e.g. ucbspec, "
-                          "ucbspec-length)")
     if getattr(policy, "needs_hidden", False):
         raise ConfigError(f"{kind} {policy.name!r} reads a model drafter's hidden states; a serving "
                           "proposer runs model-free drafters: pick another length policy")
-    if policy.scope == "global" and type(policy) not in SHARED_OK:
+    if policy.scope == "global" and type(policy) not in SHARED_OK and not _forks_sharing(policy):
         raise ConfigError(
             f"{kind} {policy.name!r} keeps state between choosing and learning, so one learner "
             "shared by interleaved requests would credit the wrong round: add scope=request "
             "(one learner per request) or use static, random, round-robin, ucbspec, "
-            "ucbspec-length or hf-heuristic")
+            "ucbspec-length, hf-heuristic or auto")
 
 
 class BatchProposer:
-    """Drafts for every row of a serving engine's batch with adaspec's policies.
+    """Drafts for every row of a serving engine's batch with adaspec's round (``round.Round``).
 
-    ``propose(sampled, num_tokens, token_ids)`` returns one draft list per row. Per-request
-    state (drafter indices, scope=request policies) follows the row mapping of
-    ``RowTracker``; global state (scope=global policies, suffix datastores, ``stats``) is shared.
-    ``clock`` times drafting and the engine's step between calls (cost-aware rewards).
+    ``propose(sampled, num_tokens, token_ids)`` returns one draft list per row. Each request is a
+    ``Row`` (its drafters forked; its policies shared or its own, as below) that follows the row
+    mapping of ``RowTracker``: a call first settles each row's last round with what the engine
+    made of its drafts (``rows.read_verification``: accepted, verified, consistent; the engine's
+    step between the calls as the verify seconds), then plans the next round of every row.
+    Policies of ``scope=global`` are one learner for all requests, except ``auto``, whose
+    requests are forked with its global counts shared (as in ``BatchEngine``); ``scope=request``
+    gives each request its own. Cost-aware policies (``auto``, ``cost-model``, ...) price rounds
+    on the engine's step times, learnt online per batch size and draft width
+    (``costs.StepCosts``), and the batch's ``auto`` rows choose their width together.
+    ``clock`` times drafting and the engine's step between calls.
     """
 
     def __init__(self, config: BatchProposerConfig, tokenizer: Any = None,
@@ -198,46 +191,58 @@ class BatchProposer:
         self.prototypes = [model_free_drafter(s, tokenizer) for s in config.drafters]
         self.names = [d.name for d in self.prototypes]
         self.labels = list(dict.fromkeys(config.drafters))  # stats keys: the specs as given
-        self.selector = build_selector(with_scope(config.selector or "static", config.scope))
-        self.length = build_length(with_scope(config.length or f"static:k={config.k}", config.scope),
-                                   config.k)
+        selector = with_scope(config.selector or "static", config.scope)
+        length = with_scope(config.length or f"static:k={config.k}", config.scope)
+        sel = build_selector(selector)
+        paired = getattr(sel, "paired_length", None)  # auto sets the length too, unless one is given
+        self.selector = sel
+        self.length = paired() if config.length is None and paired is not None else build_length(length, config.k)
         check_policy(self.selector, "selector")
         check_policy(self.length, "length policy")
+        bind_policies(self.selector, self.length, self.prototypes, tree=False)
+        self.steps = StepCosts()
+        self.cost_model = CostModel()
+        for policy in (self.selector, self.length):
+            if getattr(policy, "wants_costs", False):
+                policy.costs = self.cost_model
         self.selector.begin_request(self.names)  # checks the arms (static index, ...) once
         self.length.begin_request()
-        self.tracker: RowTracker[_Request] = RowTracker(self._new_request, config.idle_steps)
+        self.round = Round(lambda ids: "", set(), clock=clock, tick=clock)
+        self.tracker: RowTracker[Row] = RowTracker(self._new_request, config.idle_steps)
         self.stats = BatchStats(drafters={label: DrafterTotals() for label in self.labels})
         self._clock = clock
         self._last_end: float | None = None
+        self._last_shape = (0, 1)  # rows drafted for and the widest block, at the last call
+        self._plans: dict[int, RowPlan] = {}  # stream id -> its last round's plan
         #: stream id of every row at the last call (None: no sampled tokens), for inspection
         self.last_rows: list[int | None] = []
 
     # -- per request ---------------------------------------------------------------------------
-    def _own(self, policy: Any, sid: int) -> Any:
-        """The shared learner (scope=global) or a fresh copy for one request, seeded per request."""
-        if policy.scope == "global":
-            return policy
-        twin = copy.deepcopy(policy)
-        twin.rng = np.random.default_rng(None if policy.seed is None else [policy.seed, sid])
-        return twin
+    def _policies(self, sid: int) -> tuple[DrafterPolicy, LengthPolicy]:
+        """The shared learners (scope=global), or the request's own copies, seeded per request
+        (``auto``'s global counts shared with the prototype's)."""
+        own = [p.scope != "global" or _forks_sharing(p) for p in (self.selector, self.length)]
+        if not any(own):
+            return self.selector, self.length
+        twins = fork_policies(self.selector, self.length, {id(self.cost_model): self.cost_model})
+        out = []
+        for policy, twin, mine in zip((self.selector, self.length), twins, own):
+            if mine and getattr(twin, "rng", None) is not None:
+                twin.rng = np.random.default_rng(None if policy.seed is None else [policy.seed, sid])
+            out.append(twin if mine else policy)
+        return out[0], out[1]
 
-    def _new_request(self, sid: int, context: np.ndarray) -> _Request:
-        req = _Request([d.fork() for d in self.prototypes], self._own(self.selector, sid),
-                       self._own(self.length, sid))
-        share_indexes(req.drafters)  # one index for the request's n-gram drafters, as the engine's
-        for d in req.drafters:
-            d.begin_request([])
-        if req.selector is not self.selector:
-            req.selector.begin_request(self.names)
-        if req.length is not self.length:
-            req.length.begin_request()
+    def _new_request(self, sid: int, context: np.ndarray) -> Row:
+        drafters = [d.fork() for d in self.prototypes]
+        share_indexes(drafters)  # one index for the request's n-gram drafters, as the engine's
+        selector, length = self._policies(sid)
         self.stats.requests += 1
-        return req
+        return Row.new(sid, RowParts(drafters, selector, length, self.cost_model), [], _SERVED, "cpu",
+                       self._clock())
 
-    def _finish(self, stream: Stream[_Request]) -> None:
-        req = stream.payload
-        for d in req.drafters:  # suffix datastores with learn=true keep the output
-            d.end_request(req.tokens[req.prompt_len:])
+    def _finish(self, stream: Stream[Row]) -> None:
+        self.round.end(stream.payload)  # suffix datastores with learn=true keep the output
+        self._plans.pop(stream.sid, None)
         self.stats.finished += 1
 
     # -- one call --------------------------------------------------------------------------------
@@ -246,85 +251,73 @@ class BatchProposer:
         """One draft list per row (empty: no speculation for that row this step)."""
         start = self._clock()
         step_s = start - self._last_end if self._last_end is not None else 0.0
+        if self._last_end is not None and self._last_shape[0]:
+            self.steps.observe(*self._last_shape, step_s)
         matches, evicted = self.tracker.assign(sampled, num_tokens, token_ids)
         for stream in evicted:
             self._finish(stream)
-        out: list[list[int]] = []
-        for m in matches:
-            if m.stream is None:
-                out.append([])
-                continue
-            req = m.stream.payload
-            req.tokens.extend(m.stream.context[len(req.tokens):].tolist())
-            if m.new:
-                req.prompt_len = len(req.tokens) - len(m.sampled)
-            elif req.chosen >= 0 and m.outcome is not None:
-                self._learn(m, req, step_s)
-            m.stream.drafts = self._draft(req)
-            out.append(m.stream.drafts)
+        live = [m for m in matches if m.stream is not None]
+        for m in live:
+            self._settle(m, step_s, max(1, self._last_shape[0]))
+        cm = self.cost_model  # this call's plans are priced on the step times learnt so far
+        cm.surface, cm.batch, cm.rows, cm.batch_context = self.steps.surface(), self.steps.costs(), len(live), 0
+        try:
+            plans = self.round.plan([m.stream.payload for m in live], batch=cm if len(live) > 1 else None)
+        finally:
+            cm.rows = 1
+        drafts = {}
+        for m, plan in zip(live, plans):
+            self._plans[m.stream.sid] = plan
+            m.stream.drafts = drafts[m.stream.sid] = [int(t) for t in plan.draft.tokens]
+        out = [drafts[m.stream.sid] if m.stream is not None else [] for m in matches]
         self.last_rows = [None if m.stream is None else m.stream.sid for m in matches]
+        self._last_shape = (len(live), 1 + max((len(d) for d in out), default=0))
         self.stats.calls += 1
-        self.stats.rows += sum(1 for m in matches if m.stream is not None)
+        self.stats.rows += len(live)
         if self.config.stats_file and self.stats.calls % self.config.stats_every == 0:
             self.write_stats(self.config.stats_file)
         self._last_end = self._clock()
         self.stats.propose_s += self._last_end - start
         return out
 
-    def _draft(self, req: _Request) -> list[int]:
-        i = req.selector.select()
-        if not 0 <= i < len(req.drafters):
-            raise ConfigError(f"selector {req.selector.name!r} chose drafter #{i} of {len(req.drafters)}")
-        cap = min(req.length.begin_round(i), self.config.k)
-        if self.config.max_model_len is not None:  # the engine verifies nothing past its window
-            cap = min(cap, self.config.max_model_len - 1 - len(req.tokens))
-        t0 = self._clock()
-        draft = req.drafters[i].draft(req.tokens, cap, _REALISED, None, req.length.decide) \
-            if cap > 0 else Draft()
-        req.draft_s = self._clock() - t0
-        req.chosen, req.cap = i, max(cap, 0)
-        return [int(t) for t in draft.tokens]
+    def _settle(self, m: RowMatch[Row], step_s: float, rows: int) -> None:
+        """The row's last round settled with the fate of its drafts (``m.outcome``), its context
+        brought up to the engine's and its next draft capped (``k``, the model's window)."""
+        row, stream, outcome = m.stream.payload, m.stream, m.outcome
+        context = stream.context.tolist()
+        plan = self._plans.pop(stream.sid, None)
+        if m.new:
+            row.prompt_ids = context[: len(context) - len(m.sampled)]
+            row.tokens, row.stats.prompt_tokens = list(row.prompt_ids), len(row.prompt_ids)
+            self.round.begin(row)
+        elif plan is not None and outcome is not None:
+            if not outcome.consistent:
+                self.stats.inconsistent += 1
+                log.warning("row %d: sampled tokens disagree with the drafts proposed for its request; "
+                            "round not learnt from", m.row)
+            else:
+                self._learn(row, plan, outcome, list(m.sampled), step_s, rows)
+        if row.tokens != context:  # partial prefills, a round not learnt from
+            row.tokens = context
+        window = self.config.max_model_len
+        row.draft_cap = self.config.k if window is None else max(0, min(self.config.k, window - 1 - len(context)))
 
-    def _learn(self, m: RowMatch[_Request], req: _Request, step_s: float) -> None:
-        """Feed the request's policies the fate of its last drafts (``m.outcome``)."""
-        stream, outcome = m.stream, m.outcome
-        assert stream is not None and outcome is not None
-        if not outcome.consistent:
-            self.stats.inconsistent += 1
-            log.warning("row %d: sampled tokens disagree with the drafts proposed for its request; "
-                        "round not learnt from", m.row)
-            return
+    def _learn(self, row: Row, plan: RowPlan, outcome: Any, sampled: list[int], step_s: float, rows: int) -> None:
+        """Settle the row's round: ``outcome.accepted`` of the ``outcome.verified`` drafts (the
+        engine's scheduler may verify fewer than proposed) and the engine's next token."""
         k, n = outcome.verified, outcome.accepted
-        cut = k < len(stream.drafts)
+        cut = k < len(plan.draft.tokens)
         self.stats.cut += cut
+        if cut:
+            plan.draft, plan.cap = Draft(tokens=plan.draft.tokens[:k]), k
         gammas = [1.0] * n + ([0.0] if n < k else [])
-        fb = RoundFeedback(
-            round=req.rounds, drafter=req.chosen, draft=Draft(tokens=stream.drafts[:k]),
-            n_accepted=n, emitted=list(m.sampled), k_cap=k if cut else req.cap,
-            target_logits=None, sampling=_REALISED, draft_s=req.draft_s, verify_s=step_s,
-            gammas=gammas)
-        if req.selector.full_information and len(req.drafters) > 1:
-            self._counterfactual(fb, req, m.sampled)
-        req.selector.update(fb)
-        req.length.update(fb)
-        req.rounds += 1
-        totals = self.stats.drafters[self.config.drafters[req.chosen]]
+        settled = self.round.settle(row, plan, Outcome(n, sampled[n], gammas=gammas), step_s, rows)
+        totals = self.stats.drafters[self.config.drafters[plan.drafter]]
         totals.rounds += 1
-        totals.drafted += k
-        totals.accepted += n
+        totals.drafted += settled.record.drafted
+        totals.accepted += settled.record.accepted
+        row.stats.rounds.clear()  # a serving request is long-lived: no per-round history kept
 
-    def _counterfactual(self, fb: RoundFeedback, req: _Request, emitted: list[int]) -> None:
-        """Full information for model-free drafters: would drafter j have proposed each emitted
-        token? (1/0: the emitted token follows the target's distribution, so the indicator is an
-        unbiased estimate of p(proposal).)"""
-        before = req.tokens[: len(req.tokens) - len(emitted)]
-        cf: dict[int, list[float]] = {fb.drafter: fb.chosen_gammas()}
-        for j, d in enumerate(req.drafters):
-            if j != fb.drafter:
-                props = d.score(before, emitted, _REALISED).tokens or []
-                cf[j] = [1.0 if p == e else 0.0 for p, e in zip(props, emitted)]
-        fb.counterfactual = cf
-        fb.counterfactual_alpha = {j: g for j, g in cf.items() if j != fb.drafter}
 
     # -- reporting -------------------------------------------------------------------------------
     def write_stats(self, path: str | Path) -> None:

@@ -34,7 +34,7 @@ from ..selection import build_selector
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, AdaspecOptions, bad_request,
                        chunk_body, completion_body, new_id, parse_body, usage)
-from .scheduler import (BatchExecutor, Delta, EngineExecutor, Event, Failed, Finished, Job, Plan, QueueFull,
+from .scheduler import (BatchExecutor, Delta, Event, Failed, Finished, Job, Plan, QueueFull,
                         Scheduler, timeout_error)
 from .state import LearntState
 
@@ -64,7 +64,7 @@ class ServeConfig:
     save_every: int = 50
     default_max_tokens: int = 256
     shutdown_grace_s: float = 30.0
-    max_batch: int = 1  # > 1: continuous batching of up to this many requests (BatchExecutor)
+    max_batch: int = 1  # requests decoded together (continuous batching; 1: one at a time)
     prefix_cache: bool = True  # a request starts from the last one's shared prefix, where the backend can
 
 
@@ -82,13 +82,9 @@ class Server:
         self.metrics = ServerMetrics()
         self.state = LearntState(shared=engine.cost_model, fingerprint={
             "model": target_fingerprint(engine.target), "drafters": names})
-        self.executor = EngineExecutor(engine, self.state, self.metrics, config.timeout_s,
-                                       on_commit=self._maybe_save)
-        batch = None
-        if config.max_batch > 1:
-            batch = BatchExecutor(engine, self.state, self.metrics, config.timeout_s, config.max_batch,
-                                  on_commit=self._maybe_save)
-        self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics, batch=batch)
+        self.executor = BatchExecutor(engine, self.state, self.metrics, config.timeout_s, config.max_batch,
+                                      on_commit=self._maybe_save)
+        self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @asynccontextmanager

@@ -1,15 +1,12 @@
 """The bounded request queue and the engine worker.
 
 Handlers (on the event loop) turn a request into a ``Job`` and ``submit`` it; a full queue is
-refused at once (429). One worker thread takes jobs in arrival order and hands each to an
-executor, which runs the engine and sends ``Delta`` / ``Finished`` / ``Failed`` events back to
-the job's asyncio queue. Cancellation (client gone) and the deadline are checked after every
-round, so a cancelled job stops within one round and a queued one is skipped.
-
-With ``max_batch > 1`` (``adaspec serve --max-batch N``) the worker runs a ``BatchExecutor``
-instead: up to N jobs decode together on a ``BatchEngine`` (continuous batching: a job joins
-when a row is free and leaves when it ends), with the same events, cancellation and deadlines,
-checked before every batched round.
+refused at once (429). One worker thread takes jobs in arrival order and hands them to the
+``BatchExecutor``: up to ``max_batch`` jobs (``adaspec serve --max-batch N``; 1: one at a time)
+decode together on a ``BatchEngine`` (continuous batching: a job joins when a row is free and
+leaves when it ends), which sends ``Delta`` / ``Finished`` / ``Failed`` events back to each job's
+asyncio queue. Cancellation (client gone) and the deadline are checked before every round and
+act by request id, so a cancelled job stops within one round and a queued one is skipped.
 """
 
 from __future__ import annotations
@@ -109,99 +106,28 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-class _Abort(Exception):
-    """Raised inside the engine's token callback to stop a cancelled or late request."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 def timeout_error(seconds: float) -> APIError:
     return APIError(504, f"the request did not finish within the server's timeout of {seconds:g}s: "
                          "ask for fewer tokens or retry later", type="timeout_error", code="timeout")
 
 
-class EngineExecutor:
-    """Runs one job on the engine with the configuration's learners checked out of the state."""
-
-    def __init__(self, engine: SpeculativeEngine, state: LearntState, metrics: ServerMetrics,
-                 timeout_s: float, on_commit: Callable[[], None] | None = None):
-        self.engine, self.state, self.metrics = engine, state, metrics
-        self.timeout_s = timeout_s
-        self.on_commit = on_commit
-
-    def __call__(self, job: Job) -> str:
-        """Serve ``job``; returns its outcome for the metrics (ok, cancelled, timeout, error)."""
-        plan = job.plan
-        started = time.monotonic()
-        queue_s = started - job.arrived
-        self.metrics.queue_wait.observe(queue_s)
-        if job.cancelled.is_set():
-            return "cancelled"
-        if started > job.deadline:
-            job.emit(Failed(timeout_error(self.timeout_s)))
-            return "timeout"
-        text = TextAssembler(self.engine.decode, plan.config.stop)
-        first: list[float] = []
-
-        def on_tokens(chunk: list[int]) -> None:
-            if not first:
-                first.append(time.monotonic())
-            delta = text.push(chunk)
-            if delta:
-                job.emit(Delta(delta))
-            if job.cancelled.is_set():
-                raise _Abort("cancelled")
-            if time.monotonic() > job.deadline:
-                raise _Abort("timeout")
-
-        def build() -> tuple[Any, Any]:
-            view = self.engine.with_policies(plan.drafters, selector=plan.selector,
-                                             length=plan.length, k=plan.k)
-            return view.selector, view.length
-
-        selector, length = self.state.checkout(plan.key, build)
-        view = self.engine.with_policies(plan.drafters, selector=selector, length=length, k=plan.k)
-        stats: RequestStats | None = None
-        try:
-            result = view.generate(plan.prompt_ids, plan.config, on_tokens=on_tokens)
-            stats = result.stats
-        except _Abort as stop:
-            if stop.reason == "timeout":
-                job.emit(Failed(timeout_error(self.timeout_s)))
-            return stop.reason
-        except AdaspecError as exc:
-            job.emit(Failed(APIError(400, str(exc), param="adaspec")))
-            return "error"
-        finally:
-            self.state.commit(plan.key, (selector, length), stats)
-            if self.on_commit is not None:
-                self.on_commit()
-        rest = text.finish()
-        if rest:
-            job.emit(Delta(rest))
-        reason = "stop" if text.stopped else FINISH_REASONS.get(stats.stop_reason, "stop")
-        ttft = (first[0] if first else time.monotonic()) - job.arrived
-        self._observe(stats, ttft, time.monotonic() - job.arrived, plan.endpoint)
-        job.emit(Finished(reason, stats.new_tokens, stats, queue_s, ttft))
-        return "ok"
-
-    def _observe(self, stats: RequestStats, ttft: float, latency: float, endpoint: str) -> None:
-        m = self.metrics
-        m.prompt_tokens.inc(stats.prompt_tokens)
-        m.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
-        m.completion_tokens.inc(stats.new_tokens)
-        if stats.n_rounds:
-            m.mat.observe(stats.mat)
-        if stats.drafted:
-            m.acceptance.observe(stats.acceptance_rate)
-        for name, n in stats.drafter_usage().items():
-            m.drafter_rounds.labels(name).inc(n)
-        m.ttft.observe(ttft)
-        m.latency.labels(endpoint).observe(latency)
-        if stats.new_tokens > 1:
-            m.tpot.observe((latency - ttft) / (stats.new_tokens - 1))
+def observe_request(metrics: ServerMetrics, stats: RequestStats, ttft: float, latency: float,
+                    endpoint: str) -> None:
+    """A finished request's counts and times into the server's metrics."""
+    m = metrics
+    m.prompt_tokens.inc(stats.prompt_tokens)
+    m.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
+    m.completion_tokens.inc(stats.new_tokens)
+    if stats.n_rounds:
+        m.mat.observe(stats.mat)
+    if stats.drafted:
+        m.acceptance.observe(stats.acceptance_rate)
+    for name, n in stats.drafter_usage().items():
+        m.drafter_rounds.labels(name).inc(n)
+    m.ttft.observe(ttft)
+    m.latency.labels(endpoint).observe(latency)
+    if stats.new_tokens > 1:
+        m.tpot.observe((latency - ttft) / (stats.new_tokens - 1))
 
 
 @dataclass(eq=False)
@@ -216,14 +142,16 @@ class _Live:
 
 
 class BatchExecutor:
-    """Serves up to ``max_batch`` jobs together on a ``BatchEngine``: ``admit(job)`` when a row
-    is free (None, or the job's outcome if it ended at once), ``step()`` one batched round
-    (the outcomes of the jobs that ended); learners are checked out per job, as one at a time."""
+    """Serves up to ``max_batch`` jobs together on a ``BatchEngine`` (1: one at a time, drafting
+    with the engine's own drafters): ``admit(job)`` when a row is free (None, or the job's
+    outcome if it ended at once), ``step()`` one round (the outcomes of the jobs that ended).
+    Learners are checked out of the learnt state per job and committed back when it ends.
+    A cancelled or late job is dropped by its request id before the next round."""
 
     def __init__(self, engine: SpeculativeEngine, state: LearntState, metrics: ServerMetrics,
-                 timeout_s: float, max_batch: int, on_commit: Callable[[], None] | None = None):
-        self.one = EngineExecutor(engine, state, metrics, timeout_s, on_commit)  # its metrics and errors
+                 timeout_s: float, max_batch: int = 1, on_commit: Callable[[], None] | None = None):
         self.engine, self.state, self.metrics = engine, state, metrics
+        self.timeout_s, self.on_commit = timeout_s, on_commit
         self.batch = BatchEngine(engine, max_batch=max_batch)
         self.live: dict[int, _Live] = {}
 
@@ -239,7 +167,7 @@ class BatchExecutor:
         if job.cancelled.is_set():
             return "cancelled"
         if time.monotonic() > job.deadline:
-            job.emit(Failed(timeout_error(self.one.timeout_s)))
+            job.emit(Failed(timeout_error(self.timeout_s)))
             return "timeout"
 
         def build() -> tuple[Any, Any]:
@@ -258,7 +186,7 @@ class BatchExecutor:
         return None
 
     def step(self) -> list[tuple[Job, str]]:
-        """Drop cancelled and late jobs, then one batched round; the jobs that ended."""
+        """Drop cancelled and late jobs (by request id), then one round; the jobs that ended."""
         ended: list[tuple[Job, str]] = []
         for rid, live in list(self.live.items()):
             outcome = "cancelled" if live.job.cancelled.is_set() else (
@@ -266,14 +194,17 @@ class BatchExecutor:
             if outcome:
                 self.batch.cancel(rid)
                 if outcome == "timeout":
-                    live.job.emit(Failed(timeout_error(self.one.timeout_s)))
+                    live.job.emit(Failed(timeout_error(self.timeout_s)))
                 self._commit(live.job.plan, live.learners, None)
                 del self.live[rid]
                 ended.append((live.job, outcome))
-        for ev in self.batch.step():
-            done = self._deliver(ev)
-            if done is not None:
-                ended.append(done)
+        if len(self.batch):
+            with self.engine.target.request_scope():
+                events = self.batch.step()
+            for ev in events:
+                done = self._deliver(ev)
+                if done is not None:
+                    ended.append(done)
         return ended
 
     def _deliver(self, ev: BatchEvent) -> tuple[Job, str] | None:
@@ -293,7 +224,7 @@ class BatchExecutor:
             job.emit(Delta(rest))
         reason = "stop" if live.text.stopped else FINISH_REASONS.get(stats.stop_reason, "stop")
         ttft = (live.first or time.monotonic()) - job.arrived
-        self.one._observe(stats, ttft, time.monotonic() - job.arrived, job.plan.endpoint)
+        observe_request(self.metrics, stats, ttft, time.monotonic() - job.arrived, job.plan.endpoint)
         job.emit(Finished(reason, stats.new_tokens, stats, live.queue_s, ttft))
         return job, "ok"
 
@@ -302,28 +233,38 @@ class BatchExecutor:
             if getattr(p, "wants_costs", False):
                 p.costs = self.engine.cost_model
         self.state.commit(plan.key, learners, stats)
-        if self.one.on_commit is not None:
-            self.one.on_commit()
+        if self.on_commit is not None:
+            self.on_commit()
 
     def fail_all(self, error: APIError) -> list[Job]:
         """After an internal error: fail every live job and start over with an empty batch."""
         jobs = [live.job for live in self.live.values()]
-        for live in list(self.live.values()):
+        for rid, live in list(self.live.items()):
+            self.batch.cancel(rid)  # frees its state
             self._commit(live.job.plan, live.learners, None)
             live.job.emit(Failed(error))
         self.live.clear()
         self.batch = BatchEngine(self.engine, max_batch=self.batch.max_batch)
         return jobs
 
+    def run(self, job: Job) -> str:
+        """Serve ``job`` alone, to its end (tests, tools): its outcome (ok, cancelled, timeout, error)."""
+        outcome = self.admit(job)
+        if outcome is not None:
+            return outcome
+        while self.live:
+            for done, outcome in self.step():
+                if done is job:
+                    return outcome
+        return "ok"
+
 
 class Scheduler:
     """A bounded FIFO of jobs in front of one worker thread that runs ``execute``. A job whose
     client leaves while it waits is taken out of the queue at once (its place is free)."""
 
-    def __init__(self, execute: Callable[[Job], str], max_queue: int, metrics: ServerMetrics,
-                 batch: BatchExecutor | None = None):
-        self._execute = execute
-        self._batch = batch
+    def __init__(self, executor: BatchExecutor, max_queue: int, metrics: ServerMetrics):
+        self._batch = executor
         self._max = max_queue
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -343,8 +284,7 @@ class Scheduler:
         OpenMP workers first: the engine thread then computes without sharing the CPUs with
         them (``kernels.release_openmp_threads``: a SmolLM2 step 65-80 ms -> 32 ms)."""
         release_openmp_threads()
-        work = self._work if self._batch is None else self._work_batch
-        self._thread = threading.Thread(target=work, name="adaspec-engine", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="adaspec-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -377,33 +317,13 @@ class Scheduler:
             self._metrics.queue_length.set(len(self._jobs))
             return job
 
-    def _work(self) -> None:
-        while (job := self._next()) is not None:
-            if self.closing:
-                self._reject_closing(job)
-                continue
-            self.running = 1
-            self._metrics.running.set(1)
-            t0 = time.monotonic()
-            try:
-                outcome = self._execute(job)
-            except Exception:  # noqa: BLE001 - a bug must fail one request, not the worker
-                log.exception("request failed")
-                job.emit(Failed(APIError(500, "internal error while generating: see the server log",
-                                         type="server_error", code="internal_error")))
-                outcome = "error"
-            self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
-            self.running = 0
-            self._metrics.running.set(0)
-            self._metrics.requests.labels(job.plan.endpoint, outcome).inc()
-
     def _reject_closing(self, job: Job) -> None:
         job.emit(Failed(APIError(503, "the server shut down before serving this request",
                                  type="server_error", code="shutting_down")))
         self._metrics.requests.labels(job.plan.endpoint, "rejected").inc()
 
-    def _work_batch(self) -> None:
-        """Admit queued jobs while rows are free, then one batched round; until stopped and idle."""
+    def _work(self) -> None:
+        """Admit queued jobs while rows are free, then one round; until stopped and idle."""
         ex = self._batch
         assert ex is not None
         while True:
@@ -433,6 +353,7 @@ class Scheduler:
                 ended += [(job, "error") for job in ex.fail_all(error)]
             for job, outcome in ended:
                 self._metrics.requests.labels(job.plan.endpoint, outcome).inc()
+                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.arrived)
             self.running = len(ex.live)
             self._metrics.running.set(self.running)
 

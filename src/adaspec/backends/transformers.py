@@ -1,0 +1,406 @@
+"""The transformers backend: a Hugging Face causal LM (PyTorch) as the engine's target.
+
+KV states are ``DynamicCache`` objects. Rows that decode together share one padded batch cache
+(``PaddedRows``): its columns are per-row slots; a round appends W = max row width columns to
+every row, a row's padding and rejected columns become *holes* that a per-row ``valid`` vector
+masks out of later rounds (a 4D mask), and positions come from each row's true length, so holes
+cost attention width but never a copy. Trailing columns that are holes in every row are cropped
+after each round; the cache is compacted (valid columns gathered per row, left-padded) when holes
+grow past ``compact_fraction`` of the longest row. A joining request's batch-1 cache is merged
+left-padded with holes; a row that leaves is dropped by ``index_select``. Per-request caches
+stacked into a batch every round would copy every cache every round (the alternative measured:
+docs/architecture.md, "Continuous batching").
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..kernels import GQA_ATTENTION, linear_mode, release_own_openmp_threads, small_rows_mode
+from ..trees import DraftTree, tree_attention_mask
+from .base import RowStates, TargetBackend
+
+#: compact the batch cache when its hole columns exceed this fraction of the longest row
+DEFAULT_COMPACT_FRACTION = 0.25
+
+
+@dataclass
+class LoadedModel(TargetBackend):
+    """A Hugging Face causal LM with its tokenizer and the name it was loaded from: the
+    ``transformers`` backend (KV states are ``DynamicCache`` objects)."""
+
+    model: Any
+    tokenizer: Any | None
+    name: str
+    #: the keyword ``model.forward`` takes the KV cache under (``cache_arg``)
+    cache_kw: str = field(init=False, repr=False, default="past_key_values")
+
+    backend = "transformers"
+    has_hidden_states = True
+    supports_trees = True
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.cache_kw = cache_arg(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_window(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def model_eos_ids(self) -> set[int]:
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    def new_state(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @contextmanager
+    def request_scope(self) -> Iterator[None]:
+        """After each request on a CPU, the thread's OpenMP workers are freed
+        (``kernels.release_own_openmp_threads``): whichever thread generates next then
+        computes at full speed, not at about half beside this thread's idle pool."""
+        try:
+            yield
+        finally:
+            if self.device.type == "cpu":
+                release_own_openmp_threads()
+
+    @torch.inference_mode()
+    def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
+                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = torch.tensor([list(ids)], device=self.device)
+        out = self.model(input_ids=x, **{self.cache_kw: state}, use_cache=True, logits_to_keep=keep,
+                         output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states[-1][0, -keep:] if hidden else None)
+
+    @torch.inference_mode()
+    def forward_tree(self, state: Any, last: int, tree: DraftTree,
+                     hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tree verification through the public 4D-mask input of transformers: a custom
+        ``[1, 1, q, kv]`` float mask is used as is by eager and SDPA attention, and
+        ``position_ids`` set the rotary positions (cache length + depth)."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in TREE_ATTENTION:
+            raise ConfigError(f"draft trees need an attention implementation that takes a custom 4D mask "
+                              f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
+                              "attn_implementation='sdpa', or drop --tree")
+        _check_tree_cache(state)
+        cached = int(state.get_seq_length())
+        device = self.device
+        ids = torch.tensor([[last, *tree.tokens]], device=device)
+        pos = torch.tensor([tree.position_offsets()], device=device) + cached
+        mask = tree_attention_mask(tree, cached, self.dtype, device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self.cache_kw: state},
+                         use_cache=True, output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
+
+    @torch.inference_mode()
+    def keep_path(self, state: Any, start: int, rows: Sequence[int]) -> None:
+        """Gather the accepted rows' keys and values into place in every layer, then crop."""
+        rows = list(rows)
+        if rows != list(range(len(rows))):  # rows[i] >= i: gather forward, a copy (no aliasing)
+            src = torch.tensor(rows, device=self.device) + start
+            for layer in state.layers:
+                if layer.get_seq_length() == 0:
+                    continue
+                for kv in (layer.keys, layer.values):
+                    kv[..., start:start + len(rows), :] = kv.index_select(-2, src)
+        self.truncate(state, start + len(rows))
+
+    def truncate(self, state: Any, length: int) -> None:
+        drop = int(state.get_seq_length()) - length
+        if drop > 0:
+            state.crop(-drop)  # this transformers accepts only a negative count
+
+    def state_length(self, state: Any) -> int:
+        return int(state.get_seq_length())
+
+    def new_rows(self, compact_fraction: float = DEFAULT_COMPACT_FRACTION) -> RowStates:
+        """One padded batch cache for the rows (``PaddedRows``) where the attention takes a
+        custom 4D mask, else rows one at a time."""
+        if self.batching_problem() is None:
+            return PaddedRows(self, compact_fraction)
+        return super().new_rows()
+
+    def batching_problem(self) -> str | None:
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in TREE_ATTENTION:
+            return (f"batched rounds need an attention implementation that takes a custom 4D mask "
+                    f"({', '.join(TREE_ATTENTION)}), and this model uses {impl!r}: load it with "
+                    "attn_implementation='sdpa'")
+        return None
+
+    def identity(self) -> str:
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
+                f"threads={torch.get_num_threads()}|torch={torch.__version__}|linear={linear_mode(self.model)}"
+                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}")
+
+
+#: attention implementations that add a custom 4D float mask to the scores (draft trees)
+TREE_ATTENTION = ("sdpa", GQA_ATTENTION, "eager")
+
+
+def cache_arg(module: Any) -> str:
+    """The keyword under which ``module.forward`` takes its KV cache: ``cache`` in transformers
+    5.24 and later (which deprecate ``past_key_values`` and drop it in 5.40), else
+    ``past_key_values``. A wrapper whose forward takes ``**kwargs`` is read through its class's
+    bases. Read once per module, not per forward (a signature costs ~20 us)."""
+    for cls in type(module).__mro__:
+        fwd = cls.__dict__.get("forward")
+        if fwd is None:
+            continue
+        try:
+            params = inspect.signature(fwd).parameters
+        except (TypeError, ValueError):
+            continue
+        for name in ("cache", "past_key_values"):
+            if name in params:
+                return name
+    return "past_key_values"
+
+
+def _check_tree_cache(state: Any) -> None:
+    """Trees gather KV entries in place, which needs full-length dynamic layers."""
+    from transformers.cache_utils import DynamicLayer
+
+    bad = [type(layer).__name__ for layer in state.layers
+           if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False)]
+    if bad:
+        raise ConfigError(f"draft trees need a cache of full-attention dynamic layers, and this model's has "
+                          f"{bad[0]} layers (sliding-window or linear attention): drop --tree for this model")
+
+
+class PaddedRows(RowStates):
+    """The rows' KV in one padded ``DynamicCache`` with masked holes (see the module docstring):
+    ``valid[r, c]`` says whether column c of row r holds one of the row's tokens."""
+
+    batched = True
+
+    def __init__(self, target: LoadedModel, compact_fraction: float = DEFAULT_COMPACT_FRACTION, pad: int = 0):
+        super().__init__(target)
+        self.compact_fraction, self.pad = compact_fraction, pad
+        self._cache: Any = None
+        self._valid = torch.zeros(0, 0, dtype=torch.bool)
+        self._before = 0  # columns before the round's forward
+        self._kept = 0  # the most columns a row kept of it
+        self._lent = False  # the lone row's cache was handed out (``state``): ``valid`` follows it
+        self.compactions = 0
+
+    def __len__(self) -> int:
+        return int(self._valid.shape[0])
+
+    @property
+    def valid(self) -> torch.Tensor:
+        self._sync()
+        return self._valid
+
+    @property
+    def columns(self) -> int:
+        self._sync()
+        return int(self._valid.shape[1])
+
+    def state(self, r: int) -> Any:
+        """The cache of the only row, without holes (compacted first if it has any): the
+        caller runs the backend's per-sequence operations on it (draft trees, features)."""
+        if len(self) != 1:
+            raise RuntimeError(f"PaddedRows.state: {len(self)} rows share one cache; only a lone row has its own")
+        if not self._lent and not bool(self._valid.all()):
+            self.compact()
+        self._lent = True
+        return self._cache
+
+    def _sync(self) -> None:
+        """After the lone row ran on its own cache: every column it holds is valid."""
+        if self._lent:
+            self._valid = torch.ones(1, int(self._cache.get_seq_length()), dtype=torch.bool)
+            self._lent = False
+
+    def join(self, state: Any, length: int) -> None:
+        """Append a batch-1 cache of ``length`` tokens as a new row (left-padded with holes)."""
+        self._sync()
+        b = len(self)
+        t = self._valid.shape[1] if b else 0
+        width = max(t, length)
+        row_valid = torch.zeros(1, width, dtype=torch.bool)
+        row_valid[0, width - length:] = True
+        if b == 0:
+            self._cache, self._valid = state, row_valid
+            return
+        for mine, theirs in zip(self._cache.layers, state.layers):
+            if theirs.get_seq_length() == 0 and mine.get_seq_length() == 0:
+                continue
+            ref = mine if mine.get_seq_length() else theirs
+            mk, mv = _kv(mine, b, t, ref)
+            tk, tv = _kv(theirs, 1, length, ref)
+            if not mine.is_initialized:
+                mine.lazy_initialization(ref.keys, ref.values)
+            mine.keys = torch.cat([_left_pad(mk, width), _left_pad(tk, width)], 0)
+            mine.values = torch.cat([_left_pad(mv, width), _left_pad(tv, width)], 0)
+        self._valid = torch.cat([_left_pad(self._valid, width), row_valid], 0)
+        self.target.release(state)
+
+    def leave(self, rows: Sequence[int]) -> None:
+        self._sync()
+        drop = set(rows)
+        keep = [i for i in range(len(self)) if i not in drop]
+        if not keep:
+            self._cache, self._valid = None, torch.zeros(0, 0, dtype=torch.bool)
+            return
+        idx = torch.tensor(keep)
+        self._cache.batch_select_indices(idx.to(self.target.device))
+        self._valid = self._valid[idx]
+        self._maybe_compact()
+
+    def forward(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One padded forward over every row's inputs: logits [rows, W, vocab]."""
+        self._sync()
+        self._before = self._valid.shape[1]
+        self._kept = 0
+        logits = forward_rows(self.target, self._cache, self._valid, inputs, self.pad)
+        self._valid = torch.cat([self._valid, torch.zeros(len(inputs), logits.shape[1], dtype=torch.bool)], 1)
+        return logits
+
+    def keep(self, r: int, kept: int) -> None:
+        self._valid[r, self._before: self._before + kept] = True
+        self._kept = max(self._kept, kept)
+
+    def end_round(self, leaving: Sequence[int] = ()) -> None:
+        if self._lent:  # the lone row ran on its own cache
+            if leaving:
+                self.leave(leaving)
+            return
+        columns = self._before + self._kept
+        drop = self._valid.shape[1] - columns
+        if drop > 0 and self._cache is not None:
+            self._cache.crop(-drop)
+            self._valid = self._valid[:, :columns]
+        if leaving:
+            self.leave(leaving)
+        else:
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Gather each row's valid columns (left-padded) when holes are worth a copy."""
+        lengths = self._valid.sum(1)
+        longest = int(lengths.max()) if len(lengths) else 0
+        t = self._valid.shape[1]
+        if t - longest <= max(8, self.compact_fraction * longest):
+            return
+        self.compact()
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Move every row's valid columns to the right end of ``max length`` columns."""
+        self._sync()
+        if not len(self):
+            return
+        lengths = self._valid.sum(1)
+        width = int(lengths.max())
+        # per row: the sorted indices of its valid columns, right-aligned; holes gather column 0
+        order = torch.sort((~self._valid).to(torch.int8), dim=1, stable=True).indices  # valid first
+        idx = torch.zeros(len(lengths), width, dtype=torch.long)
+        new_valid = torch.zeros(len(lengths), width, dtype=torch.bool)
+        for r, n in enumerate(lengths.tolist()):
+            idx[r, width - n:] = order[r, :n]
+            new_valid[r, width - n:] = True
+        dev_idx = idx.to(self.target.device)
+        for layer in self._cache.layers:
+            if layer.get_seq_length() == 0:
+                continue
+            g = dev_idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, g)
+            layer.values = layer.values.gather(2, g)
+        self._valid = new_valid
+        self.compactions += 1
+
+    def row_kv(self, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The valid keys and values of row ``r``, per layer ([heads, tokens, dim]): what a
+        batch-1 cache of its tokens would hold (tests, debugging)."""
+        self._sync()
+        cols = self._valid[r].nonzero().flatten().to(self.target.device)
+        return [(layer.keys[r].index_select(1, cols), layer.values[r].index_select(1, cols))
+                for layer in self._cache.layers]
+
+
+def batch_attention_mask(valid: torch.Tensor, widths: Sequence[int], width: int, dtype: torch.dtype,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive float mask [rows, 1, W, T + W] for a forward of ``width`` new columns per row on
+    a cache of ``T`` columns: query j < widths[r] sees the row's valid columns and new columns
+    0..j; a padding query (j >= widths[r]) sees only itself (a row with nothing to attend to
+    would give NaN under SDPA)."""
+    rows, t = valid.shape
+    j = torch.arange(width)
+    real = j[None, :] < torch.tensor(list(widths))[:, None]  # [rows, W]
+    allowed = torch.zeros(rows, width, t + width, dtype=torch.bool)
+    allowed[:, :, :t] = valid[:, None, :] & real[:, :, None]
+    causal = j[None, :] <= j[:, None]  # [W, W]: key i <= query j
+    allowed[:, :, t:] = (causal[None] & real[:, :, None]) | (torch.eye(width, dtype=torch.bool)[None] & ~real[:, :, None])
+    mask = torch.zeros(rows, width, t + width, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[:, None]
+
+
+@torch.inference_mode()
+def forward_rows(target: LoadedModel, cache: Any, valid: torch.Tensor, inputs: Sequence[Sequence[int]],
+                 pad: int = 0) -> torch.Tensor:
+    """One forward of every row's ``inputs`` (padded to the widest) on the padded batch cache:
+    positions continue each row's true length (its valid columns); logits [rows, W, vocab]. A
+    lone row without holes (concurrency 1) takes the backend's own forward, mask-free."""
+    if len(inputs) == 1 and bool(valid.all()):  # one row without holes: the batch-1 forward
+        return target.forward(cache, inputs[0], keep=len(inputs[0]))[0][None].float()
+    device = target.device
+    widths = [len(x) for x in inputs]
+    width = max(widths)
+    ids = torch.full((len(inputs), width), pad, dtype=torch.long)
+    for r, x in enumerate(inputs):
+        ids[r, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+    pos = valid.sum(1, keepdim=True) + torch.arange(width)[None, :]
+    mask = batch_attention_mask(valid, widths, width, target.dtype, device)
+    out = target.model(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device),
+                       **{target.cache_kw: cache}, use_cache=True)
+    return out.logits.float()
+
+
+def _kv(layer: Any, rows: int, length: int, ref: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values, or empty ones shaped like ``ref``'s (an unused cache)."""
+    if layer.get_seq_length() > 0:
+        return layer.keys, layer.values
+    shape = (rows, ref.keys.shape[1], length, ref.keys.shape[-1])
+    z = torch.zeros(shape, dtype=ref.keys.dtype, device=ref.keys.device)
+    return z, z.clone()
+
+
+def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the column axis (dim 2 of KV, dim 1 of a valid mask) on the left to ``width``."""
+    dim = 2 if x.dim() == 4 else 1
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
