@@ -376,7 +376,7 @@ class LlamaCppTarget(TargetBackend):
             raise ConfigError(f"threads must be >= 1, got {threads}")
         L.llama_backend_init()
         mp = model_params(L, self.path)
-        self.amx = bool(getattr(mp, "use_extra_bufts", False)) and amx_build(L)
+        self.amx = uses_amx(L, self.path)
         # loads repack weights with OpenMP: on the thread the decodes run on (``LlamaThread``)
         self._decoder = llama_thread(self.amx)
         mp.n_gpu_layers = gpu_layers
