@@ -56,7 +56,7 @@ import typer
 from ..config import GenerationConfig, SamplingConfig, validate_k
 from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
 from ..drafters import Drafter, NoDrafter, build_drafter, drafter_family
-from ..drafters.base import Decision, Draft, DraftStep, Peek, Proposals, StepStats
+from ..drafters.base import Decision, Draft, DrafterCaps, DraftStep, Peek, Proposals, StepStats
 from ..errors import AdaspecError, ConfigError
 from ..length import LengthPolicy, build_length
 from ..metrics import RoundRates
@@ -255,7 +255,7 @@ def _label(spec: str | DrafterPolicy | LengthPolicy | int | None, kind: str, k: 
         return "static" if kind == "selector" else f"static:k={k}"
     if isinstance(spec, int):
         return f"static:k={spec}"
-    return spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
+    return spec if isinstance(spec, str) else spec.name
 
 
 # -- pricing ------------------------------------------------------------------------------------
@@ -363,9 +363,13 @@ class ReplayDrafter(Drafter):
         self.live, self.recorded, self.strict = live, recorded, strict
         self.max_draft = trace.max_draft
         self.name = NONE if src is None else trace.names[src]
-        self.is_model = src is not None and trace.is_model[src]
-        self.family = live.family if live is not None else drafter_family(trace.specs[src]) if src is not None else NONE
-        self.supports_tree = not recorded and live is not None and live.supports_tree
+        is_model = src is not None and trace.is_model[src]
+        family = live.family if live is not None else drafter_family(trace.specs[src]) if src is not None else NONE
+        # looked at as live drafters are (the model-free ones), trees from the live ones only; it
+        # neither forks nor observes the target (a recorded drafter's rows are the trace's)
+        self.caps = DrafterCaps(family=family, runs_model=is_model, free_looks=not is_model, forks=False,
+                                drafts_trees=not recorded and live is not None and live.caps.drafts_trees,
+                                observes_target=False)
         self.view: _View | None = None
         self.clipped = False
         self._n_prompt = self._seen = 0
@@ -492,7 +496,7 @@ def _replay_drafters(trace: Trace, pool: _Pool, price: _RoundPricer, clock: Repl
                 live = build_drafter(trace.specs[src], None)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - any failure (e.g. a corpus to tokenize): the recorded chains
                 live = None
-        recorded = src is not None and (live is None or live.is_model or live.observes_target)
+        recorded = src is not None and (live is None or live.caps.runs_model or live.caps.observes_target)
         out.append(ReplayDrafter(j, src, trace, price, clock, live, recorded, strict))
     return out
 
@@ -544,7 +548,7 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     replayed = _replay_drafters(trace, pool, price, clock, strict)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
     bind_policies(sel, ln, replayed, tree)
-    if ln.needs_hidden and any(d.is_model for d in replayed):
+    if ln.caps.needs_hidden and any(d.caps.runs_model for d in replayed):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "
                           "(adaspec bench)")
@@ -559,12 +563,12 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     policy_surface = price.policy_surface
     cost_model = CostModel(None if policy_surface is None else policy_surface.denoised())
     for policy in (sel, ln):
-        if getattr(policy, "wants_costs", False):
+        if policy.caps.prices_rounds:
             policy.costs = cost_model
     parts = RowParts(list(replayed), sel, ln, cost_model, tree=tree, tree_nodes=tree_nodes)
     rnd = Round(lambda ids: "", set(trace.eos_ids) if trace.stop_on_eos else set(), clock=clock, tick=clock,
                 stopwatch=time.perf_counter)
-    time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
+    time_dep = sel.caps.time_dependent or ln.caps.time_dependent
     result = ReplayResult(sel.name if selector is None else _label(selector, "selector", k),
                           ln.name if length is None and ln.name != "static" else _label(length, "length", k),
                           k, pool.labels, [], time_dep)
@@ -631,12 +635,12 @@ def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayRes
     reason it cannot be replayed (peers run Hugging Face's loop, not the engine's)."""
     out: dict[str, ReplayResult | str] = {}
     for c in configs:
-        if getattr(c, "peer", None):
+        if c.peer:
             out[c.name] = "peer (not the engine's loop)"
             continue
         try:
             out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k,
-                                         tree=getattr(c, "tree", False))
+                                         tree=c.tree)
         except ConfigError as exc:
             out[c.name] = str(exc)
     return out

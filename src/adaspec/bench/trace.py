@@ -461,7 +461,7 @@ class TraceRecorder:
                   for d in self.drafters]
         for d in self.drafters:
             d.begin_request(ids)
-            if getattr(d, "uses_target_features", False):
+            if d.caps.reads_target_features:
                 d.bind_features(self._features(path))
         sweep = _TargetSweep(self.loaded, path, n_prompt, self._tree)
         live_end = n_prompt + n_out
@@ -771,11 +771,11 @@ class _CyclingLength(StaticLength):
 
     def __init__(self, caps: Sequence[int]):
         super().__init__(k=max(caps))
-        self.caps, self._j = list(caps), 0
+        self.cycle, self._j = list(caps), 0
 
     def begin_round(self, drafter: int) -> int:
         self._j += 1
-        return self.caps[(self._j - 1) % len(self.caps)]
+        return self.cycle[(self._j - 1) % len(self.cycle)]
 
 
 #: share of the largest live/surface verify ratios left out of each width's mean: a burst

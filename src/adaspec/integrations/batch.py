@@ -151,17 +151,12 @@ def model_free_drafter(spec: str, tokenizer: Any = None) -> Drafter:
     return build_drafter(spec, LoadedModel(model=None, tokenizer=tokenizer, name="serving target"))
 
 
-def _forks_sharing(policy: Any) -> bool:
-    """``auto``: forked per request with its global counts shared (``round.fork_policies``)."""
-    return getattr(getattr(policy, "controller", None), "scope", "") == "global"
-
-
 def check_policy(policy: DrafterPolicy | LengthPolicy, kind: str) -> None:
     """Refuse policies a serving proposer cannot feed, naming the fix."""
-    if getattr(policy, "needs_hidden", False):
+    if isinstance(policy, LengthPolicy) and policy.caps.needs_hidden:
         raise ConfigError(f"{kind} {policy.name!r} reads a model drafter's hidden states; a serving "
                           "proposer runs model-free drafters: pick another length policy")
-    if policy.scope == "global" and type(policy) not in SHARED_OK and not _forks_sharing(policy):
+    if policy.scope == "global" and not (policy.caps.shares_interleaved or policy.caps.forks_sharing):
         raise ConfigError(
             f"{kind} {policy.name!r} keeps state between choosing and learning, so one learner "
             "shared by interleaved requests would credit the wrong round: add scope=request "
@@ -194,16 +189,16 @@ class BatchProposer:
         selector = with_scope(config.selector or "static", config.scope)
         length = with_scope(config.length or f"static:k={config.k}", config.scope)
         sel = build_selector(selector)
-        paired = getattr(sel, "paired_length", None)  # auto sets the length too, unless one is given
+        paired = sel.paired_length() if config.length is None else None  # auto sets the length too
         self.selector = sel
-        self.length = paired() if config.length is None and paired is not None else build_length(length, config.k)
+        self.length = paired if paired is not None else build_length(length, config.k)
         check_policy(self.selector, "selector")
         check_policy(self.length, "length policy")
         bind_policies(self.selector, self.length, self.prototypes, tree=False)
         self.steps = StepCosts()
         self.cost_model = CostModel()
         for policy in (self.selector, self.length):
-            if getattr(policy, "wants_costs", False):
+            if policy.caps.prices_rounds:
                 policy.costs = self.cost_model
         self.selector.begin_request(self.names)  # checks the arms (static index, ...) once
         self.length.begin_request()
@@ -221,13 +216,13 @@ class BatchProposer:
     def _policies(self, sid: int) -> tuple[DrafterPolicy, LengthPolicy]:
         """The shared learners (scope=global), or the request's own copies, seeded per request
         (``auto``'s global counts shared with the prototype's)."""
-        own = [p.scope != "global" or _forks_sharing(p) for p in (self.selector, self.length)]
+        own = [p.scope != "global" or p.caps.forks_sharing for p in (self.selector, self.length)]
         if not any(own):
             return self.selector, self.length
         twins = fork_policies(self.selector, self.length, {id(self.cost_model): self.cost_model})
         out = []
         for policy, twin, mine in zip((self.selector, self.length), twins, own):
-            if mine and getattr(twin, "rng", None) is not None:
+            if mine:
                 twin.rng = np.random.default_rng(None if policy.seed is None else [policy.seed, sid])
             out.append(twin if mine else policy)
         return out[0], out[1]
@@ -260,11 +255,9 @@ class BatchProposer:
         for m in live:
             self._settle(m, step_s, max(1, self._last_shape[0]))
         cm = self.cost_model  # this call's plans are priced on the step times learnt so far
-        cm.surface, cm.batch, cm.rows, cm.batch_context = self.steps.surface(), self.steps.costs(), len(live), 0
-        try:
-            plans = self.round.plan([m.stream.payload for m in live], batch=cm if len(live) > 1 else None)
-        finally:
-            cm.rows = 1
+        cm.surface, cm.batch = self.steps.surface(), self.steps.costs()
+        plans = self.round.plan([m.stream.payload for m in live], batch=cm if len(live) > 1 else None,
+                                shared=len(live))
         drafts = {}
         for m, plan in zip(live, plans):
             self._plans[m.stream.sid] = plan

@@ -22,7 +22,7 @@ import math
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from ..selection.banditspec import DEFAULT_DELTA, confidence_radius
-from .base import LengthPolicy
+from .base import LengthCaps, LengthPolicy
 
 
 def _check_int(value: object, what: str, low: int, example: str) -> int:
@@ -53,6 +53,7 @@ class LengthUCB(LengthPolicy):
     """
 
     name = "ucbspec-length"
+    caps = LengthCaps(reads_time=True, shares_interleaved=True)
 
     def __init__(self, L: int = 4, delta: float = DEFAULT_DELTA, explore: float = 1.0, **kwargs):
         super().__init__(**kwargs)

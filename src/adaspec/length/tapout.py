@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -215,7 +216,7 @@ class TapOut(LengthPolicy):
         bad = [a for a in self.arms if not isinstance(a, LengthPolicy)]
         if bad:
             raise ConfigError(f"TapOut arms must be LengthPolicy stopping rules, got {bad[0]!r}")
-        self.needs_hidden = any(a.needs_hidden for a in self.arms)
+        self.caps = replace(type(self).caps, needs_hidden=any(a.caps.needs_hidden for a in self.arms))
         self.arm_names = [getattr(a, "name", type(a).__name__) for a in self.arms]
         self._arm = -1  # sequence level: arm of the current round
         self._consulted = False  # sequence level: did the arm decide anything this round

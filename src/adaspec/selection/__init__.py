@@ -75,8 +75,8 @@ def build_policies(selector: str | DrafterPolicy | None, length: Any, k: int = 5
     if selector is None and n_drafters > 1:
         selector = DEFAULT_SELECTOR
     sel = build_selector(selector)
-    paired = getattr(sel, "paired_length", None)
-    return sel, (paired() if length is None and paired is not None else build_length(length, k))
+    paired = sel.paired_length() if length is None else None
+    return sel, (paired if paired is not None else build_length(length, k))
 
 
 def parse_number(text: str) -> int | float | str:

@@ -111,15 +111,17 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
 from typing import Any, NamedTuple
 
 from ..drafters.base import Decision, DraftStep
 from ..errors import ConfigError
-from ..feedback import RoundFeedback
-from ..length.base import LengthPolicy
+from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from ..length.base import LengthCaps, LengthPolicy
 from ..length.cost_rule import BlockRate, ConfidenceCalibration
 from ..length.rules import step_confidence
-from .base import DrafterPolicy
+from .base import DrafterPolicy, SelectorCaps
 
 #: a model drafter whose plan keeps losing is scored every model_eval_every x 2^j rounds, j <= this
 MAX_EVAL_BACKOFF = 5
@@ -314,7 +316,9 @@ class AutoController:
         self.max_k, self.prior_weight = max_k, float(prior_weight)
         self.request_decay, self.global_decay = float(request_decay), float(global_decay)
         self.model_eval_every, self.scope, self.objective = model_eval_every, scope, objective
-        self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (wants_costs)
+        self.costs: Any = None  # adaspec.costs.CostModel, set by the engine (prices_rounds)
+        #: the round being planned (``choose``; the engine's ``RoundContext``): where costs are read
+        self.ctx = NO_CONTEXT
         self.names: list[str] = []
         self.is_model: list[bool] = []
         self._models: list[int] = []
@@ -416,10 +420,18 @@ class AutoController:
                 lower_bound(est[2], w + n[2], z * (gt[2] + rt[2]) / (gt[2] + rt[2] + w)))
 
     def _cost_fns(self) -> tuple[Callable[[int], float], Callable[[int, int], float], float]:
-        c = self.costs
+        c, ctx = self.costs, self.ctx
         if c is None or self.objective == "length":  # unit costs: the rate is the expected length
             return (lambda w: 1.0), (lambda d, n: 0.0), 0.0
-        return c.verify_cost, c.draft_cost, float(getattr(c, "round_overhead_s", 0.0) or 0.0)
+        return (partial(c.verify_cost, ctx=ctx), partial(c.draft_cost, ctx=ctx),
+                float(getattr(c, "round_overhead_s", 0.0) or 0.0))
+
+    def shared_state(self) -> list[Any]:
+        """What per-request copies share with this controller (``round.fork_policies``): its
+        global counts and their clock, with ``scope=global``."""
+        if self.scope != "global":
+            return []
+        return [self.global_counts, self.global_ctx, self.global_clock]
 
     def best_k(self, d: int, verify: Callable[[int], float] | None = None,
                draft: Callable[[int, int], float] | None = None, overhead: float | None = None,
@@ -496,11 +508,14 @@ class AutoController:
             return 0
         return max(0, min(MAX_LOOK_SKIP, math.ceil(look / (self.look_share * plain)) - 1))
 
-    def choose(self) -> Plan:
+    def choose(self, ctx: RoundContext | None = None) -> Plan:
         """The round's (drafter, cap): the best rate over every drafter and cap. A plain step
         (k = 0) goes to the ``none`` drafter if there is one, else to the best drafter, which
         is then scored like the others (the engine evaluates a chosen drafter that drafted
-        nothing). While skipping looks (``looks``): ``none``, unplanned."""
+        nothing). While skipping looks (``looks``): ``none``, unplanned. ``ctx``: the round's
+        ``RoundContext`` (where its costs are read; kept for the round's later questions)."""
+        if ctx is not None:
+            self.ctx = ctx
         looked, self._looked = self._looked, False
         self.skipping = self.skip_left > 0
         if self.skipping:
@@ -516,7 +531,7 @@ class AutoController:
             need = self._plan_width()
             row = getattr(self.costs, "verify_row", None) if self.objective == "time" else None
             if row is not None:  # V(w) at this round's context, once, as wide as a plan can go
-                widths = row(need + 1)
+                widths = row(need + 1, self.ctx)
             else:
                 widths = [0.0] + [verify(w) for w in range(1, need + 2)]
             if need == 0 and self._none is not None:  # nothing can draft: a plain step, unplanned
@@ -800,7 +815,7 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     with ``AutoLength`` (the same controller) unless a length policy is given."""
 
     name = "auto"
-    wants_costs = True
+    caps = SelectorCaps(scores_subset=True, prices_rounds=True, plans_jointly=True)
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, model_eval_every: int = 4, scope: str = "global",
@@ -829,18 +844,18 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         self.controller.peek_depth = peek_depth
         self.controller.look_share = float(look_share)
         self.controller.eval_share = float(eval_share)
-        #: peek this round? (``AutoController.looks``); None when looks are never skipped, so
-        #: the engine neither asks each round nor times the looks
-        self.looks = self.controller.looks if look_share > 0 else None
         self._full = feedback == "full"
         #: > 0: the engine shows this many tokens of every model-free drafter's proposal first
         self.peek_tokens = peek_depth if peek else 0
         self._is_model: list[bool] | None = None
         #: the paired length stops a model drafter's block on its confidence (``AutoLength``)
         self.confidence_stop = _check_confidence_stop(confidence_stop)
+        # looks skipped only with look_share > 0 (``AutoController.looks``): else the round
+        # neither asks each round nor times the looks
+        self.caps = replace(type(self).caps, looks=self.peek_tokens, skips_looks=look_share > 0,
+                            forks_sharing=scope == "global", full_information=self._scores_others())
 
-    @property
-    def full_information(self) -> bool:  # type: ignore[override]
+    def _scores_others(self) -> bool:
         """Ask the engine to score the other drafters? Not when it told which drafters run a
         model (``bind_drafters``) and none does: an engine that binds shows every block
         (``peek_tokens``), scored for free (``peek_chain``), and its scoring costs 0.3-0.5 ms a
@@ -849,9 +864,20 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
         bound_model_free = self._is_model is not None and not any(self._is_model)
         return self._full and not (self.peek_tokens and bound_model_free)
 
+    def bind(self, drafters: Sequence[Any], trees: Sequence[bool]) -> None:
+        self.bind_drafters([d.runs_model for d in drafters])
+        self.bind_families([d.family for d in drafters])
+
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine tells; evaluated less often, never looked at)."""
         self._is_model = list(is_model)
+        self.caps = replace(self.caps, full_information=self._scores_others())
+
+    def looks(self) -> bool:
+        return self.controller.looks()
+
+    def shared_state(self) -> list[Any]:
+        return self.controller.shared_state()
 
     def bind_families(self, families: Sequence[str]) -> None:
         """Each drafter's family (``drafters.drafter_family``; the engine and replay tell):
@@ -868,8 +894,8 @@ class AutoSelector(_SharedCosts, DrafterPolicy):
     def observe_proposals(self, blocks: dict[int, Any]) -> None:
         self.controller.observe_proposals(blocks)
 
-    def select(self) -> int:
-        return self.controller.choose().drafter
+    def select(self, ctx: RoundContext | None = None) -> int:
+        return self.controller.choose(ctx).drafter
 
     def block_curve(self) -> list[tuple[float, int, int]] | None:
         """Expected tokens per cap for a batch's joint width (``AutoController.block_curve``)."""
@@ -901,8 +927,7 @@ class AutoLength(_SharedCosts, LengthPolicy):
     rule's test and calibration, priced on auto's costs). Model-free drafters: the plan's cap."""
 
     name = "auto"
-    wants_costs = True
-    plans_round_rate = True
+    caps = LengthCaps(plans_round_rate=True, prices_rounds=True)
 
     def __init__(self, max_k: int = 16, prior_weight: float = 8.0, request_decay: float = 0.98,
                  global_decay: float = 0.999, scope: str = "global", seed: int | None = 0,
@@ -919,6 +944,15 @@ class AutoLength(_SharedCosts, LengthPolicy):
         self._is_model: list[bool] | None = None
         self._trees: list[bool] = []
         self._drafter, self._confs, self._rate = 0, [], None
+        self.caps = replace(type(self).caps, follows_selector=self.shared,
+                            forks_sharing=self.controller.scope == "global")
+
+    def bind(self, drafters: Sequence[Any], trees: Sequence[bool]) -> None:
+        self.bind_drafters([d.runs_model for d in drafters])
+        self.bind_trees(trees)
+
+    def shared_state(self) -> list[Any]:
+        return self.controller.shared_state()
 
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine and replay tell): their chains report q."""
@@ -958,10 +992,12 @@ class AutoLength(_SharedCosts, LengthPolicy):
             c.global_ctx.append({})
             c.request_ctx.append({})
 
-    def begin_round(self, drafter: int) -> int:
+    def begin_round(self, drafter: int, ctx: RoundContext | None = None) -> int:
         if not self.shared:
             self._ensure(drafter)
         c = self.controller
+        if ctx is not None:
+            c.ctx = ctx
         cap = c.cap_for(drafter)
         self._drafter, self._confs, self._rate = drafter, [], None
         if cap > 0 and self.confidence_stop and self._reports_q(drafter):

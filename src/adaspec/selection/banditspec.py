@@ -19,7 +19,7 @@ import math
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import DrafterPolicy, argmax, sample_index
+from .base import DrafterPolicy, SelectorCaps, argmax, sample_index
 
 #: maximum speculation length assumed before any round has been seen (NOTES: N_max = 5)
 DEFAULT_L = 5
@@ -111,6 +111,7 @@ class UCBSpec(_SpecLength, DrafterPolicy):
     """
 
     name = "ucbspec"
+    caps = SelectorCaps(shares_interleaved=True)
 
     def __init__(self, L: int | None = None, delta: float = DEFAULT_DELTA, explore: float = 1.0,
                  **kwargs):

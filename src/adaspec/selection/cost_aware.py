@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from .banditspec import (DEFAULT_DELTA, EXP3Spec, check_positive, check_unit,
                          confidence_radius, round_robin_then_ucb)
-from .base import DrafterPolicy
+from .base import DrafterPolicy, SelectorCaps
 
 #: a round time below this (seconds) is treated as this (guards a zero-cost synthetic round)
 MIN_ROUND_S = 1e-9
@@ -51,6 +51,7 @@ class CostAwareUCB(DrafterPolicy):
     """
 
     name = "cost-ucb"
+    caps = SelectorCaps(reads_time=True)
 
     def __init__(self, delta: float = DEFAULT_DELTA, explore: float = 1.0, **kwargs):
         super().__init__(**kwargs)
@@ -105,6 +106,7 @@ class CostAwareEXP3(EXP3Spec):
     """
 
     name = "cost-exp3"
+    caps = SelectorCaps(reads_time=True)
 
     def __init__(self, **kwargs):
         if "L" in kwargs:

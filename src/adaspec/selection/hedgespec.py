@@ -66,13 +66,14 @@ Decisions where the paper is silent (documented, ours):
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from ..costs import CostModel
 from ..errors import ConfigError
-from ..feedback import RoundFeedback
-from .base import DrafterPolicy, sample_index
+from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from .base import DrafterPolicy, SelectorCaps, sample_index
 
 #: estimator depth before any round has been seen (NOTES: N_max = 5)
 DEFAULT_K = 5
@@ -326,7 +327,7 @@ class HedgeSpec(DrafterPolicy):
     """
 
     name = "hedgespec"
-    full_information = True
+    caps = SelectorCaps(full_information=True)
 
     def __init__(self, learner: str = "normalhedge", game: str = "token", loss: str = "length",
                  K: int = 0, eta: float | str = "auto", hybrid: bool | int | str = True,
@@ -576,7 +577,7 @@ class CostAwareHedgeSpec(HedgeSpec):
     claimed (costs are estimated online)."""
 
     name = "cost-hedgespec"
-    wants_costs = True
+    caps = replace(HedgeSpec.caps, prices_rounds=True)
 
     def __init__(self, **kwargs: Any):
         if str(kwargs.get("loss", "length")).lower() != "length":
@@ -584,6 +585,10 @@ class CostAwareHedgeSpec(HedgeSpec):
                               "estimator: drop loss=... (only loss=length is supported)")
         super().__init__(**kwargs)
         self.costs: CostModel | None = None
+        self._ctx = NO_CONTEXT  # the round the losses are priced in (``feedback.context``)
+
+    def select(self, ctx: RoundContext | None = None) -> int:
+        return super().select()
 
     def _init_state(self) -> None:
         super()._init_state()
@@ -596,6 +601,7 @@ class CostAwareHedgeSpec(HedgeSpec):
 
     def _observe(self, feedback: RoundFeedback, m: int) -> None:
         self._scale_cache = {}
+        self._ctx = feedback.context
         i = feedback.drafter
         if 0 <= i < self.n_arms and feedback.k_cap > 0:
             self._fill_sum[i] += min(1.0, feedback.n_drafted / feedback.k_cap)
@@ -610,19 +616,19 @@ class CostAwareHedgeSpec(HedgeSpec):
 
     def round_time(self, i: int) -> float:
         """Estimated seconds of a round with drafter i (or target forwards if costs unknown)."""
-        c = self.costs
+        c, ctx = self.costs, self._ctx
         d = self.drafted(i)
-        v = self._verify(c, 1.0 + d) if c is not None else 0.0
+        v = self._verify(c, 1.0 + d, ctx) if c is not None else 0.0
         if v <= 0.0:
             return 1.0
-        return max(1e-12, c.draft_cost(i, d) + v + c.catch_up_cost(i, self._behind[i]))
+        return max(1e-12, c.draft_cost(i, d, ctx) + v + c.catch_up_cost(i, self._behind[i], ctx))
 
     @staticmethod
-    def _verify(c: CostModel, width: float) -> float:
+    def _verify(c: CostModel, width: float, ctx: RoundContext = NO_CONTEXT) -> float:
         lo = math.floor(width)
         f = width - lo
-        a = c.verify_cost(lo)
-        return a if f < 1e-9 else (1.0 - f) * a + f * c.verify_cost(lo + 1)
+        a = c.verify_cost(lo, ctx)
+        return a if f < 1e-9 else (1.0 - f) * a + f * c.verify_cost(lo + 1, ctx)
 
     def _scales(self, top: float) -> list[float]:
         """``1 / (T_i r_max)`` for windows whose longest possible length is ``top`` (cached

@@ -25,7 +25,7 @@ from typing import Any
 from ..drafters.base import Decision, DraftStep
 from ..errors import AdaspecError, ConfigError
 from ..length.base import LengthPolicy
-from .base import DrafterPolicy
+from .base import DrafterPolicy, SelectorCaps
 
 FORMAT = "adaspec.router/1"
 FEATURES = ("log_prompt_tokens", "distinct_token_ratio", "repeated_bigram_rate", "repeated_4gram_rate",
@@ -115,6 +115,7 @@ class RouterPolicy(DrafterPolicy):
     paired with ``RouterLength`` (the chosen K; K = 0 is plain decoding)."""
 
     name = "router"
+    caps = SelectorCaps(reads_prompt=True)
 
     def __init__(self, path: str = "", **kwargs: Any):
         super().__init__(**kwargs)
