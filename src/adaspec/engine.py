@@ -26,7 +26,7 @@ from .backends import DEFAULT_BACKEND, TargetBackend
 from .batch import BatchEngine
 from .config import GenerationConfig
 from .costs import CostModel, VerifyCostSurface, load_or_measure
-from .drafters import Drafter, NoDrafter, build_drafter
+from .drafters import Drafter, NoDrafter, build_drafter, default_drafters
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .drafters.indexed import share_indexes
 from .errors import ConfigError, PromptError
@@ -45,21 +45,11 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
-#: what ``SpeculativeEngine`` drafts with when no drafters are given (``default_drafters``, plus
-#: a pool found in the cache: ``pools.pool_drafters``): the model-free drafters and plain
-#: decoding, chosen among (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
-DEFAULT_DRAFTERS = ("prompt-lookup", "suffix", "recycle", "none")
-
-
-def default_drafters(backend: str) -> tuple[str, ...]:
-    """``DEFAULT_DRAFTERS`` for a target backend: without ``recycle`` on llama.cpp, whose verify
-    block of 2 tokens costs ~1.2-1.7x a plain step (SmolLM2 GGUF), where a recycled token
-    (~40% accepted) does not pay and feeding its table cost ~0.7% of the wall time; on
-    PyTorch a 2-token block costs 1.03-1.06x and ``auto`` with it ran 1.045x ``auto`` without
-    (docs/results.md, "Token recycling")."""
-    if backend == "transformers":
-        return DEFAULT_DRAFTERS
-    return tuple(d for d in DEFAULT_DRAFTERS if d != "recycle")
+#: what ``SpeculativeEngine`` drafts with on the transformers backend when no drafters are
+#: given (``default_drafters``: the drafters registered as defaults, plus a pool found in the
+#: cache: ``pools.pool_drafters``): the model-free drafters and plain decoding, chosen among
+#: (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
+DEFAULT_DRAFTERS = default_drafters(DEFAULT_BACKEND)
 
 
 class SpeculativeEngine:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
-from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
+from .backends.base import DEFAULT_BACKEND, TargetBackend, backend_loader, check_backend
 from .backends.transformers import TREE_ATTENTION, LoadedModel, cache_arg  # noqa: F401 (public names, re-exported)
 from .errors import ConfigError, ModelLoadError
 from .kernels import (SMALL_KINDS, PackedLinear, auto_linear, machine_identity, set_small_plan, tunable_layers,
@@ -244,10 +244,9 @@ def load_model(
     backend = check_backend(backend)
     check_linear(linear, backend)
     gguf = locate_model(spec)
-    if backend == "llama.cpp":
-        from .backends.llamacpp import load_llamacpp
-
-        return load_llamacpp(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn)
+    load = backend_loader(backend)  # a registered backend's own loader (llama.cpp); None: below
+    if load is not None:
+        return load(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn)
     if threads is not None:
         raise ConfigError("threads= is for the llama.cpp backend: on transformers, set torch's "
                           "threads (torch.set_num_threads or --threads)")

@@ -4,30 +4,70 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError
 from ..exactness import NEAR_TIE_NATS
+from ..registry import REGISTRY, Entry, Params, Spec
 
 if TYPE_CHECKING:
     from ..trees import DraftTree
 
-#: backend names accepted by ``load_model(..., backend=)`` and ``--backend``
-BACKENDS = ("transformers", "llama.cpp")
 DEFAULT_BACKEND = "transformers"
 
 
+@dataclass(frozen=True)
+class BackendParams(Params):
+    """A backend's spec has no parameters: its options are ``load_model``'s (``threads``, ...)."""
+
+
+def _load_llamacpp(spec: Spec, *, model: str, gguf: Any, **options: Any) -> TargetBackend:
+    from .llamacpp import load_llamacpp
+
+    return load_llamacpp(model, gguf, **options)
+
+
+def register_backend(name: str, load: Callable[..., TargetBackend] | None, **options: Any) -> Entry:
+    """Register a target backend (``registry.Registry.register`` for kind ``backend``):
+    ``load(spec, model=SPEC, gguf=PATH_OR_NONE, device=, dtype=, threads=, flash_attn=)`` loads a
+    model on it (``models.load_model`` calls it); None: ``load_model``'s own transformers path."""
+    return REGISTRY.register("backend", name, load or _in_models, params=BackendParams, **options)
+
+
+def _in_models(spec: Spec, **_: Any) -> TargetBackend:
+    raise ConfigError(f"backend {spec.name!r} is loaded by models.load_model itself")
+
+
+register_backend("transformers", None, aliases=("hf", "torch", "pytorch"))
+register_backend("llama.cpp", _load_llamacpp, aliases=("llamacpp", "llama-cpp", "llama_cpp"))
+
+#: backend names accepted by ``load_model(..., backend=)`` and ``--backend`` (the built-in ones;
+#: ``REGISTRY.entries("backend")`` lists every registered one)
+BACKENDS = tuple(e.name for e in REGISTRY.entries("backend"))
+
+
 def check_backend(name: str) -> str:
-    """The canonical backend name for ``name`` (``llamacpp`` and ``hf`` are accepted too)."""
-    key = str(name).strip().lower()
-    key = {"hf": "transformers", "torch": "transformers", "pytorch": "transformers",
-           "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama_cpp": "llama.cpp"}.get(key, key)
-    if key not in BACKENDS:
-        raise ConfigError(f"unknown backend {name!r}: use one of {', '.join(BACKENDS)}")
-    return key
+    """The canonical backend name for ``name`` (its aliases, ``llamacpp`` and ``hf``, too)."""
+    found = REGISTRY.find("backend", str(name))
+    if found is None:
+        raise ConfigError(f"unknown backend {name!r}: use one of "
+                          f"{', '.join(e.name for e in REGISTRY.entries('backend'))}")
+    return found.name
+
+
+def backend_loader(name: str) -> Callable[..., TargetBackend] | None:
+    """How ``models.load_model`` loads a model on backend ``name``: the registered loader
+    (called with the model spec, the GGUF file or None and the load options), or None for the
+    transformers path of ``load_model`` itself."""
+    entry = REGISTRY.entry("backend", check_backend(name))
+    if entry.build is _in_models:
+        return None
+    return lambda model, gguf, **options: entry.build(REGISTRY.parse("backend", entry.name), model=model,
+                                                      gguf=gguf, **options)
 
 
 class TargetBackend(ABC):

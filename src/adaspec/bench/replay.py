@@ -24,8 +24,9 @@ drafted, accepted, emitted) sequence equals a live run's ``stats.rounds`` (check
 tests/test_trace_replay.py), up to floating-point batch invariance of the models (the
 recording's forwards are batched differently from a live run's; a near-tie can flip). A
 recorded chain drafted past the recorded ``max_draft`` is cut there and counted (``clipped``).
-Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost model) see
-times synthesised from the recorded costs, so the replay is deterministic but not a live run.
+Time-dependent policies (``caps.time_dependent``: they read round seconds or the cost model;
+``time_dependent_policies``) see times synthesised from the recorded costs, so the replay is
+deterministic but not a live run.
 
 Predicted seconds price every round where it runs (``_RoundPricer``): the verify-cost
 surface V(k+1, L) at the round's cache length L (times the recorded live/measured ratio at
@@ -55,21 +56,27 @@ import typer
 
 from ..config import GenerationConfig, SamplingConfig, validate_k
 from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
-from ..drafters import Drafter, NoDrafter, build_drafter, drafter_family
+from ..drafters import Drafter, NoDrafter, build_drafter, drafter_family, parse_drafter
 from ..drafters.base import Decision, Draft, DrafterCaps, DraftStep, Peek, Proposals, StepStats
 from ..errors import AdaspecError, ConfigError
 from ..length import LengthPolicy, build_length
 from ..metrics import RoundRates
+from ..registry import REGISTRY
 from ..round import Outcome, Round, Row, RowParts, RowPlan, bind_policies, tree_outcome
 from ..selection import DrafterPolicy, build_policies, build_selector
 from ..trees import DraftTree, walk_tree
 from .trace import PromptTrace, Trace
 
 GREEDY = SamplingConfig()
-#: policies whose decisions depend on round times or the cost model: their replay is
-#: deterministic (synthesised times) but not claimed equal to a live run
-TIME_DEPENDENT = frozenset({"cost-ucb", "cost-exp3", "cost-hedgespec", "ucbspec-length", "cost-model", "auto"})
 NONE = "none"
+
+
+def time_dependent_policies() -> frozenset[str]:
+    """The registered policies whose decisions depend on round times or the cost model
+    (``caps.time_dependent``): their replay is deterministic (synthesised times) but not claimed
+    equal to a live run."""
+    return frozenset(e.name for kind in ("selector", "length") for e in REGISTRY.entries(kind)
+                     if e.caps.time_dependent)
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -492,9 +499,10 @@ def _replay_drafters(trace: Trace, pool: _Pool, price: _RoundPricer, clock: Repl
     for j, src in enumerate(pool.src):
         live: Drafter | None = NoDrafter() if src is None else None
         if src is not None and not trace.is_model[src]:
-            try:
-                live = build_drafter(trace.specs[src], None)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - any failure (e.g. a corpus to tokenize): the recorded chains
+            try:  # rebuilt from its spec through the registry when it needs no target
+                spec = parse_drafter(trace.specs[src])
+                live = None if spec.needs_target else build_drafter(spec.text, None)
+            except Exception:  # noqa: BLE001 - any failure (e.g. a moved datastore file): the recorded chains
                 live = None
         recorded = src is not None and (live is None or live.caps.runs_model or live.caps.observes_target)
         out.append(ReplayDrafter(j, src, trace, price, clock, live, recorded, strict))
@@ -896,5 +904,5 @@ def replay_command(
         console.print(f"written: {json_out}")
 
 
-__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "load_surface", "oracle_bounds", "predict_config",
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "time_dependent_policies", "load_surface", "oracle_bounds", "predict_config",
            "predict_configs", "replay", "replay_command"]

@@ -659,9 +659,9 @@ def train_head_cmd(
             err.print("[yellow]note:[/] drafter 'self' is the target itself, so every draft is "
                       "accepted (P = 1): the head is only a smoke test of the pipeline")
         elif kind == "early-exit":
-            from ..drafters import early_exit_model, parse_params
+            from ..drafters import early_exit_model, parse_drafter
 
-            draft_model = early_exit_model(target, int(parse_params(ref, spec)["layers"]))
+            draft_model = early_exit_model(target, parse_drafter(spec).params.layers)
         else:
             from ..drafters import check_same_vocabulary
 

@@ -3,8 +3,8 @@
 A bad option must cost milliseconds, not a model load or a benchmark run that fails at its
 end. Each check raises ``AdaspecError`` naming the option, the problem and the fix; the
 commands call them first and print the message (exit code 2). Checks here never load weights:
-model specs are only located (``models.locate_model``) and drafter specs are parsed by the real
-factories against a placeholder target that stops them where they would need the model.
+model specs are only located (``models.locate_model``) and component specs are parsed against
+their registered parameters (``registry.Registry.parse``), which builds nothing.
 """
 
 from __future__ import annotations
@@ -26,18 +26,6 @@ def fail(exc: Exception) -> NoReturn:
 
     Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
     raise typer.Exit(2) from None
-
-
-class _NeedsTarget(Exception):
-    """Raised by ``_TargetProbe``: the spec is well-formed so far; the rest needs the model."""
-
-
-class _TargetProbe:
-    """Stands in for the loaded target while a drafter spec is checked: any use of it stops
-    the factory (everything before that, names, parameters and files, has been checked)."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise _NeedsTarget(name)
 
 
 def check_target(model: str, device: str = "cpu", dtype: str | None = None,
@@ -76,25 +64,22 @@ def check_target(model: str, device: str = "cpu", dtype: str | None = None,
 
 
 def check_drafters(specs: Iterable[str], option: str = "--drafter") -> None:
-    """Every drafter spec names a known drafter with valid parameters and existing files."""
-    from ..drafters import build_drafter
-    from ..models import locate_model
+    """Every drafter spec names a registered drafter with valid parameters and existing files
+    (``registry.Registry.parse``: nothing is built, no model is loaded)."""
+    from ..drafters import parse_drafter
 
     for spec in specs:
-        name, _, rest = str(spec).strip().partition(":")
         try:
-            if name.strip().lower() == "model" and rest.strip():
-                locate_model(rest.strip())
-            build_drafter(spec, _TargetProbe())  # type: ignore[arg-type]
-        except _NeedsTarget:
-            pass
+            parse_drafter(spec)
         except AdaspecError as exc:
             raise AdaspecError(f"{option} {spec!r}: {exc}") from None
 
 
 def check_policies(selectors: Iterable[str | None] = (), lengths: Iterable[str | None] = (),
                    ks: Iterable[int] = (5,)) -> None:
-    """Selector and length-policy specs, and draft lengths K (policies are cheap to build)."""
+    """Selector and length-policy specs, and draft lengths K. A spec is parsed against its
+    policy's parameters (``registry.Registry.parse``); a policy's constructor is the check of
+    its values (pure, no model: e.g. ``auto:peek=3``), so the policy is also built, then dropped."""
     from ..config import validate_k
     from ..length import build_length
     from ..selection import build_selector
