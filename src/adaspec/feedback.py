@@ -17,6 +17,7 @@ import torch
 
 from .config import SamplingConfig
 from .drafters.base import Draft, Proposals
+from .persist import state_type
 from .sampling import row_argmax
 
 
@@ -65,6 +66,7 @@ def alphas_from_proposals(target_probs: torch.Tensor | None, proposals: Proposal
     return (q[i, x] / target_probs[i, x].clamp_min(1e-30)).clamp(max=1.0).tolist()
 
 
+@state_type
 @dataclass(frozen=True)
 class RoundContext:
     """The round a row is planned in, as the policies that price rounds read it: passed by the

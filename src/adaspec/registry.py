@@ -295,9 +295,11 @@ _PLAIN = (bool, int, float, str, Path)
 def params_of(cls: type, skip: Sequence[str] = ("self",)) -> type:
     """A ``Params`` dataclass of the parameters of ``cls.__init__`` that a spec can set (those of
     plain types: numbers, booleans, strings, paths, unions of them, or unannotated), following
-    ``**kwargs`` to the base classes' ``__init__``; defaults as in the signatures."""
+    ``**kwargs`` to the base classes' ``__init__`` (whose parameters without a default the
+    class passes itself); defaults as in the signatures."""
     fields: list[tuple[str, Any, Any]] = []
     seen = set(skip)
+    first = True
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
@@ -314,6 +316,8 @@ def params_of(cls: type, skip: Sequence[str] = ("self",)) -> type:
             if p.kind is inspect.Parameter.VAR_POSITIONAL or p.name in seen:
                 continue
             seen.add(p.name)
+            if not first and p.default is inspect.Parameter.empty:
+                continue  # a base's required parameter: the class passes it itself
             hint = hints.get(p.name, Any)
             if _members(hint) is None and hint is not Any and p.annotation is not inspect.Parameter.empty:
                 continue  # an object (a controller, a model): not settable from a spec
@@ -326,6 +330,7 @@ def params_of(cls: type, skip: Sequence[str] = ("self",)) -> type:
             fields.append((p.name, hint, spec_field))
         if not more:
             break
+        first = False
     return dataclasses.make_dataclass(f"{cls.__name__}Params", fields, bases=(Params,), frozen=True, kw_only=True)
 
 

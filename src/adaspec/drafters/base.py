@@ -21,8 +21,10 @@ import torch
 from ..config import SamplingConfig
 from ..errors import AdaspecError
 from ..trees import DraftTree, PrefixCut, TreeBudget
+from ..persist import state_type
 
 
+@state_type
 class Decision(enum.Enum):
     """What a length policy says after seeing one drafted token."""
 

@@ -118,6 +118,7 @@ from typing import Any, NamedTuple
 from ..drafters.base import Decision, DraftStep
 from ..errors import ConfigError
 from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from ..persist import state_type
 from .base import LengthCaps, LengthPolicy
 from .cost_rule import BlockRate, ConfidenceCalibration
 from .rules import step_confidence
@@ -150,6 +151,7 @@ MAX_LOOK_SKIP = 8
 EVAL_SHARE = 0.005
 
 
+@state_type
 class DecayClock:
     """Rounds seen by one level of counts (a request's, or the global one), and its per-round
     decay: counts decay lazily, by keep^(rounds since they were last touched), so a round
@@ -161,6 +163,7 @@ class DecayClock:
         self.keep, self.now = float(keep), 0
 
 
+@state_type
 class ChainCounts:
     """Discounted success / trial counts of one drafter's acceptance chain: (proposal, first,
     continue), decayed by its level's ``DecayClock`` (none: never decayed)."""
@@ -277,6 +280,7 @@ def expected_tokens(h: float, a: float, c: float, k: int) -> float:
     return 1.0 + h * a * geo
 
 
+@state_type
 class Plan(NamedTuple):
     """The controller's choice for a round (a tuple: one is built per drafter per round)."""
 
@@ -285,6 +289,7 @@ class Plan(NamedTuple):
     rate: float  # expected tokens per second
 
 
+@state_type
 class AutoController:
     """The shared state of ``auto``: per-drafter chain counts, costs and the round's plan.
 

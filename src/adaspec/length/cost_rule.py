@@ -10,6 +10,7 @@ from typing import Any
 
 from ..drafters.base import Decision, DraftStep
 from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from ..persist import state_type
 from .base import LengthCaps, LengthPolicy
 from .rules import TAPOUT_MAX_LEN, check_float, check_int, step_confidence
 
@@ -222,6 +223,7 @@ class CostModelRule(LengthPolicy):
             self.acceptance_sums[d] = [keep * g + sum(gammas), keep * n + len(gammas)]
 
 
+@state_type
 class ConfidenceCalibration:
     """A model drafter's acceptance given its confidence, learned online (the cost-model
     rule's estimate; ``auto`` shares it): a token drafted with top probability max q is
@@ -254,6 +256,7 @@ class ConfidenceCalibration:
         self.sums[drafter] = [self.decay * g + sum(gammas[:n]), self.decay * c + sum(confs[:n])]
 
 
+@state_type
 class BlockRate:
     """A round's expected tokens per second as its block grows, and the cost-model rule's
     verdict after each drafted token (``auto`` shares it for drafters that report q).

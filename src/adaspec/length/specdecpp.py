@@ -191,6 +191,8 @@ class SpecDecPPPolicy(LengthPolicy):
 
     name = "specdecpp"
     caps = LengthCaps(needs_hidden=True)
+    #: the trained head is loaded from the spec, not learnt: never stored (``persist``)
+    state_skip = ("head_file", "head")
 
     def __init__(self, head: Any = None, h: float = 0.7, max_len: int = 20, fallback_k: int = 5,
                  **kwargs: Any):

@@ -44,6 +44,7 @@ import numpy as np
 from ..drafters.base import Decision, DraftStep
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
+from ..persist import state_type
 from .base import LengthPolicy
 
 LEVELS = ("sequence", "token")
@@ -79,6 +80,7 @@ def arms_from_names(spec: str, **kwargs) -> list[LengthPolicy]:
     return out
 
 
+@state_type
 class ArmStats:
     """Counts, reward sums and sums of squares of one K-armed bandit, with the index rules of
     TapOut 3.3: UCB1 (Auer et al. 2002), UCB-Tuned, Gaussian and Beta-Bernoulli Thompson

@@ -18,6 +18,7 @@ import numpy as np
 from ..config import validate_scope
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
+from ..persist import load_state, state_of, state_type
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,17 @@ class DrafterPolicy(ABC):
                  if attr in cls.__dict__ and isinstance(cls.__dict__[attr], bool)}
         if flags:
             cls.caps = replace(cls.caps, **flags)
+        state_type(cls)  # its objects may be stored (``state_dict``)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the policy has learnt, as plain JSON data (``persist``: its attributes but the
+        cost model and the capability record); ``load_state_dict`` puts it into a policy
+        built from the same spec."""
+        return state_of([self])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``'s data into this policy (built from the same spec)."""
+        load_state([self], [state])
 
     def __init__(self, seed: int | None = 0, scope: str = "request"):
         self.seed, self.scope = seed, validate_scope(scope)

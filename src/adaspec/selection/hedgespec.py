@@ -73,6 +73,7 @@ from typing import Any
 from ..costs import CostModel
 from ..errors import ConfigError
 from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from ..persist import state_type
 from .base import DrafterPolicy, SelectorCaps, sample_index
 
 #: estimator depth before any round has been seen (NOTES: N_max = 5)
@@ -137,6 +138,7 @@ def _accept_lengths(window: Sequence[Sequence[float]]) -> list[float]:
 
 
 # -- base learners (full information, losses in [0, 1]) ---------------------------------------
+@state_type
 class BaseLearner:
     """A full-information learner over ``n`` experts: ``probs()`` and ``update(losses)``."""
 
@@ -155,6 +157,7 @@ class BaseLearner:
         raise NotImplementedError
 
 
+@state_type
 class Hedge(BaseLearner):
     """Hedge / exponential weights (Not-a-Bandit B.1 remarks): ``w_i <- w_i exp(-eta l_i)``.
     ``eta="auto"``: the anytime rate ``eta_t = sqrt(8 ln N / t)`` (Cesa-Bianchi & Lugosi 2006,
@@ -216,6 +219,7 @@ def normalhedge_scale(regrets: Sequence[float], guess: float | None = None,
     return m2 / (2.0 * v)
 
 
+@state_type
 class NormalHedge(BaseLearner):
     """NormalHedge (Chaudhuri et al. 2009; Not-a-Bandit 3.4 default, parameter-free):
     regrets ``R_i += l_A - l_i`` with ``l_A = <p, l>``, then ``p_i ∝ [R_i]_+ / c exp([R_i]_+^2
@@ -245,6 +249,7 @@ class NormalHedge(BaseLearner):
         self._p = [x / s for x in w]
 
 
+@state_type
 class AdaNormalHedge(BaseLearner):
     """AdaNormalHedge (Luo & Schapire 2015, Alg. 1, uniform prior; Not-a-Bandit D.5):
     ``Phi(R, C) = exp([R]_+^2 / (3C))``, ``w(R, C) = (Phi(R+1, C+1) - Phi(R-1, C+1)) / 2``,

@@ -25,6 +25,7 @@ from typing import Any
 from ..drafters.base import Decision, DraftStep
 from ..errors import AdaspecError, ConfigError
 from ..length.base import LengthPolicy
+from ..persist import state_type
 from .base import DrafterPolicy, SelectorCaps
 
 FORMAT = "adaspec.router/1"
@@ -70,6 +71,7 @@ def prompt_features(ids: Sequence[int]) -> list[float]:
 
 
 @dataclass
+@state_type
 class RouterModel:
     """Softmax regression over (drafter name, K) classes on standardised prompt features."""
 
@@ -116,6 +118,8 @@ class RouterPolicy(DrafterPolicy):
 
     name = "router"
     caps = SelectorCaps(reads_prompt=True)
+    #: the trained router is loaded from the spec, not learnt: never stored (``persist``)
+    state_skip = ("model", "_trained")
 
     def __init__(self, path: str = "", **kwargs: Any):
         super().__init__(**kwargs)
