@@ -25,29 +25,16 @@ class BackendParams(Params):
     """A backend's spec has no parameters: its options are ``load_model``'s (``threads``, ...)."""
 
 
-def _load_llamacpp(spec: Spec, *, model: str, gguf: Any, **options: Any) -> TargetBackend:
-    from .llamacpp import load_llamacpp
-
-    return load_llamacpp(model, gguf, **options)
-
-
 def register_backend(name: str, load: Callable[..., TargetBackend] | None, **options: Any) -> Entry:
-    """Register a target backend (``registry.Registry.register`` for kind ``backend``):
-    ``load(spec, model=SPEC, gguf=PATH_OR_NONE, device=, dtype=, threads=, flash_attn=)`` loads a
-    model on it (``models.load_model`` calls it); None: ``load_model``'s own transformers path."""
+    """Register a target backend (``registry.Registry.register`` for kind ``backend``; the
+    built-in ones in ``backends/__init__.py``): ``load(spec, model=SPEC, gguf=PATH_OR_NONE,
+    device=, dtype=, threads=, flash_attn=)`` loads a model on it (``models.load_model`` calls
+    it); None: ``load_model``'s own transformers path."""
     return REGISTRY.register("backend", name, load or _in_models, params=BackendParams, **options)
 
 
 def _in_models(spec: Spec, **_: Any) -> TargetBackend:
     raise ConfigError(f"backend {spec.name!r} is loaded by models.load_model itself")
-
-
-register_backend("transformers", None, aliases=("hf", "torch", "pytorch"))
-register_backend("llama.cpp", _load_llamacpp, aliases=("llamacpp", "llama-cpp", "llama_cpp"))
-
-#: backend names accepted by ``load_model(..., backend=)`` and ``--backend`` (the built-in ones;
-#: ``REGISTRY.entries("backend")`` lists every registered one)
-BACKENDS = tuple(e.name for e in REGISTRY.entries("backend"))
 
 
 def check_backend(name: str) -> str:
@@ -80,7 +67,7 @@ class TargetBackend(ABC):
     accepted prefix is not recomputed).
     """
 
-    #: the backend's name (one of ``BACKENDS``); implementations also have ``name`` (what
+    #: the backend's name (a registered backend); implementations also have ``name`` (what
     #: the model was loaded from) and ``tokenizer`` (Hugging Face style, or None)
     backend: str = ""
     #: whether ``forward(..., hidden=True)`` and feature drafters work on this backend

@@ -801,7 +801,7 @@ def check_confidence_stop(value: object) -> bool:
 
 
 class SharedCosts:
-    """``costs`` (set by the engine: ``wants_costs``) is the controller's, whichever view gets it."""
+    """``costs`` (set by the engine: ``caps.prices_rounds``) is the controller's, whichever view gets it."""
 
     controller: AutoController
 

@@ -14,7 +14,7 @@ as in BanditSpec 6.2, which used throughput as UCBSpec's reward to pick speculat
 Normalisation (our choice): the radius formulas need rewards in a known interval, and
 throughput has no a-priori bound, so the learners divide by the largest per-round
 throughput observed so far, ``M = max_rounds y/s``. This needs no cost model and no
-calibration (no ``wants_costs``), and ``y/(s M)`` is in [0, 1]. UCB keeps raw sums and
+calibration (no ``caps.prices_rounds``), and ``y/(s M)`` is in [0, 1]. UCB keeps raw sums and
 divides at selection time, so a new maximum rescales all arms alike and never changes their
 order. When every round costs the same, ``M = (L+1)/s`` once a fully accepted round was seen
 and CostAwareUCB reduces to UCBSpec up to the reward interval ([0, 1] vs [1, L+1]).

@@ -568,7 +568,7 @@ class CostAwareHedgeSpec(HedgeSpec):
     mean of drafted/k_cap when i was chosen; prior 1, or 0 for a drafter named ``none``, which
     drafts nothing: verify width 1, draft cost 0, all gammas 0, so r = 1/verify_cost(1)), and
     ``behind_i`` the tokens drafter i is behind (0 under full information: the evaluation phase
-    prefills everyone). Costs come from ``self.costs`` (``wants_costs``; the engine's
+    prefills everyone). Costs come from ``self.costs`` (``caps.prices_rounds``; the engine's
     CostModel). A drafter never chosen has an unobserved, hence zero, draft cost: optimism
     that makes the learner try it once and then learn its cost.
 
