@@ -238,6 +238,25 @@ def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
+class Stored:
+    """A class whose objects keep what they learn as data: ``state_dict`` / ``load_state_dict``
+    (the drafter and length policies' base classes); every subclass is a state type."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        state_type(cls)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the object has learnt, as plain JSON data (its attributes but ``SKIPPED`` and
+        its class's ``state_skip``); ``load_state_dict`` puts it into an object built from the
+        same spec."""
+        return state_of([self])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``'s data into this object (built from the same spec)."""
+        load_state([self], [state])
+
+
 def state_of(objs: Sequence[Any]) -> list[dict[str, Any]]:
     """The JSON-able state of ``objs`` (policies), encoded together: an object they share (a
     controller) is stored once and referenced."""
@@ -254,4 +273,4 @@ def load_state(objs: Sequence[Any], data: Sequence[dict[str, Any]]) -> None:
         dec.load(obj, v)
 
 
-__all__ = ["SKIPPED", "dropped_type", "load_state", "state_of", "state_type"]
+__all__ = ["SKIPPED", "Stored", "dropped_type", "load_state", "state_of", "state_type"]

@@ -214,6 +214,13 @@ class Registry:
         return parsed.entry.build(parsed, **context)
 
 
+def read_flags(cls: type, flags: dict[str, str]) -> dict[str, Any]:
+    """The capability-record fields a class sets as the boolean class attributes of earlier
+    versions (``{attribute: field}``), read into its record when the class is created."""
+    return {field: cls.__dict__[attr] for attr, field in flags.items()
+            if attr in cls.__dict__ and isinstance(cls.__dict__[attr], bool)}
+
+
 def _key(name: str) -> str:
     return str(name).strip().lower()
 
@@ -338,4 +345,4 @@ def params_of(cls: type, skip: Sequence[str] = ("self",)) -> type:
 REGISTRY = Registry()
 
 __all__ = ["Entry", "KINDS", "Params", "REGISTRY", "Registry", "Spec", "convert", "params_of", "parse_bool",
-           "parse_number", "parse_params"]
+           "parse_number", "parse_params", "read_flags"]

@@ -22,6 +22,7 @@ from ..config import SamplingConfig
 from ..errors import AdaspecError
 from ..trees import DraftTree, PrefixCut, TreeBudget
 from ..persist import state_type
+from ..registry import read_flags
 
 
 @state_type
@@ -197,8 +198,9 @@ class Drafter(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         declared = cls.__dict__.get("caps", cls._declared)
-        flags = {field: cls.__dict__[attr] for attr, field in _FLAGS.items()
-                 if attr in cls.__dict__ and not isinstance(cls.__dict__[attr], property)}
+        flags = read_flags(cls, {k: f for k, f in _FLAGS.items() if k != "family"})
+        if isinstance(cls.__dict__.get("family"), str):
+            flags["family"] = cls.__dict__["family"]
         if flags:
             declared = replace(declared, **flags)
         cls._declared = declared

@@ -13,7 +13,7 @@ from typing import Any
 from ..registry import REGISTRY, Entry, Spec
 from .auto import AutoLength
 from .bandit import LengthUCB
-from .base import LengthCaps, LengthPolicy, StaticLength
+from .base import LengthCaps, LengthPolicy, PolicyCaps, StaticLength
 from .cost_rule import CostModelRule
 from .rules import AdaEDL, HFHeuristic, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy
 from .specdecpp import SpecDecPPPolicy
@@ -54,5 +54,5 @@ def build_length(spec: str | int | LengthPolicy | None, k: int = 5) -> LengthPol
     return REGISTRY.build("length", parsed)
 
 
-__all__ = ["AutoLength", "LengthCaps", "LengthPolicy", "StaticLength", "LENGTH_POLICIES", "build_length",
+__all__ = ["AutoLength", "LengthCaps", "LengthPolicy", "PolicyCaps", "StaticLength", "LENGTH_POLICIES", "build_length",
            "parse_length", "register_length"]

@@ -17,33 +17,26 @@ import numpy as np
 from ..config import validate_k, validate_scope
 from ..drafters.base import Decision, DraftStep
 from ..feedback import RoundFeedback
-from ..persist import load_state, state_of, state_type
+from ..persist import Stored
+from ..registry import read_flags
 
 
 @dataclass(frozen=True)
-class LengthCaps:
-    """What a length policy takes part in, declared by its class (``LengthPolicy.caps``; set on
-    the instance where it depends on the policy's parameters) and read by the round and its
-    callers, which never probe a policy for hooks.
+class PolicyCaps:
+    """What any policy (a selector, a length policy) may take part in; ``LengthCaps`` and
+    ``selection.base.SelectorCaps`` add their own. ``prices_rounds``: it prices rounds on the
+    engine's cost model (``costs``, bound by the engine, which then measures the verify-cost
+    surface) and receives the round's ``feedback.RoundContext`` (``select(ctx)``,
+    ``begin_round(drafter, ctx)``). ``reads_time``: its decisions read the rounds' measured
+    seconds (a replay synthesises them: deterministic, not a live run). ``shares_interleaved``:
+    its ``update`` reads only the feedback, so one learner may serve requests whose rounds
+    interleave (the vLLM proposer, ``scope=global``). ``forks_sharing``: per-request copies share
+    what it learns across requests (``shared_state``: auto's global counts)."""
 
-    ``needs_hidden``: model drafters report their final hidden state at each step
-    (``DraftStep.hidden``: SpecDec++'s head). ``plans_round_rate``: the cap is a plan that
-    maximises the round's own expected tokens per second (``auto``), whose gate already decided
-    that the round drafts: a draft tree's node budget keeps that objective instead of pricing
-    nodes against the generation's running rate (``trees.nodes_worth_verifying``), and a plain
-    step may become a model-free tree (``plain_rate``). ``prices_rounds``, ``reads_time``,
-    ``shares_interleaved``, ``forks_sharing``: as in ``selection.base.SelectorCaps``
-    (``begin_round`` receives the round's ``RoundContext`` when it prices rounds).
-    ``follows_selector``: its cap is its selector's plan (``auto`` paired with ``auto``), so a
-    batch that chooses the rows' common width (``SelectorCaps.plans_jointly``) commits both."""
-
-    needs_hidden: bool = False
-    plans_round_rate: bool = False
     prices_rounds: bool = False
     reads_time: bool = False
     shares_interleaved: bool = False
     forks_sharing: bool = False
-    follows_selector: bool = False
 
     @property
     def time_dependent(self) -> bool:
@@ -51,12 +44,32 @@ class LengthCaps:
         return self.prices_rounds or self.reads_time
 
 
+@dataclass(frozen=True)
+class LengthCaps(PolicyCaps):
+    """What a length policy takes part in, declared by its class (``LengthPolicy.caps``; set on
+    the instance where it depends on the policy's parameters) and read by the round and its
+    callers, which never probe a policy for hooks (``PolicyCaps``' fields, and these).
+
+    ``needs_hidden``: model drafters report their final hidden state at each step
+    (``DraftStep.hidden``: SpecDec++'s head). ``plans_round_rate``: the cap is a plan that
+    maximises the round's own expected tokens per second (``auto``), whose gate already decided
+    that the round drafts: a draft tree's node budget keeps that objective instead of pricing
+    nodes against the generation's running rate (``trees.nodes_worth_verifying``), and a plain
+    step may become a model-free tree (``plain_rate``). ``follows_selector``: its cap is its
+    selector's plan (``auto`` paired with ``auto``), so a batch that chooses the rows' common
+    width (``SelectorCaps.plans_jointly``) commits both."""
+
+    needs_hidden: bool = False
+    plans_round_rate: bool = False
+    follows_selector: bool = False
+
+
 #: class attributes of earlier policies, read into the record when a subclass sets them
 _LENGTH_FLAGS = {"needs_hidden": "needs_hidden", "plans_round_rate": "plans_round_rate",
                  "wants_costs": "prices_rounds"}
 
 
-class LengthPolicy(ABC):
+class LengthPolicy(Stored, ABC):
     """Decides when a drafter stops drafting. What it takes part in is its ``caps``
     (``LengthCaps``)."""
 
@@ -65,21 +78,9 @@ class LengthPolicy(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        flags = {field: cls.__dict__[attr] for attr, field in _LENGTH_FLAGS.items()
-                 if attr in cls.__dict__ and isinstance(cls.__dict__[attr], bool)}
+        flags = read_flags(cls, _LENGTH_FLAGS)
         if flags:
             cls.caps = replace(cls.caps, **flags)
-        state_type(cls)  # its objects may be stored (``state_dict``)
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the policy has learnt, as plain JSON data (``persist``: its attributes but the
-        cost model and the capability record); ``load_state_dict`` puts it into a policy
-        built from the same spec."""
-        return state_of([self])[0]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict``'s data into this policy (built from the same spec)."""
-        load_state([self], [state])
 
     @property
     def needs_hidden(self) -> bool:

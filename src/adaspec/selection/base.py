@@ -18,15 +18,18 @@ import numpy as np
 from ..config import validate_scope
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from ..persist import load_state, state_of, state_type
+from ..length.base import PolicyCaps
+from ..persist import Stored
+from ..registry import read_flags
 
 
 @dataclass(frozen=True)
-class SelectorCaps:
+class SelectorCaps(PolicyCaps):
     """What a drafter policy takes part in, declared by its class (``DrafterPolicy.caps``; set on
     the instance where it depends on the policy's parameters) and read by the round and its
-    callers, which never probe a policy for hooks. Every hook named here has a default on
-    ``DrafterPolicy``; the record says which ones the round calls.
+    callers, which never probe a policy for hooks (``length.base.PolicyCaps``' fields, and
+    these). Every hook named here has a default on ``DrafterPolicy``; the record says which
+    ones the round calls.
 
     ``looks``: tokens of every free-looking drafter's block (``DrafterCaps.free_looks``) the
     round shows ``observe_proposals`` before ``select`` (0: none). ``skips_looks``: the round
@@ -34,37 +37,22 @@ class SelectorCaps:
     ``full_information``: the round scores the other drafters on the verified tokens
     (``feedback.counterfactual``); ``scores_subset``: only those ``to_score`` names.
     ``reads_prompt``: ``observe_prompt(prompt_ids)`` at each request's start (a router).
-    ``prices_rounds``: it prices rounds on the engine's cost model (``costs``, bound by the
-    engine; the engines then measure the verify-cost surface) and ``select`` receives the
-    round's ``feedback.RoundContext``. ``reads_time``: its decisions read the rounds' measured
-    seconds (a replay synthesises them: deterministic, not a live run). ``shares_interleaved``:
-    its ``update`` reads only the feedback, so one learner may serve requests whose rounds
-    interleave (the vLLM proposer, ``scope=global``). ``forks_sharing``: per-request copies share
-    what it learns across requests (``shared_state``: auto's global counts). ``plans_jointly``:
-    ``block_curve`` / ``commit`` let a batch choose the rows' common width (auto)."""
+    ``plans_jointly``: ``block_curve`` / ``commit`` let a batch choose the rows' common width
+    (auto)."""
 
     looks: int = 0
     skips_looks: bool = False
     full_information: bool = False
     scores_subset: bool = False
     reads_prompt: bool = False
-    prices_rounds: bool = False
-    reads_time: bool = False
-    shares_interleaved: bool = False
-    forks_sharing: bool = False
     plans_jointly: bool = False
-
-    @property
-    def time_dependent(self) -> bool:
-        """Do its decisions depend on round times or the cost model?"""
-        return self.prices_rounds or self.reads_time
 
 
 #: class attributes of earlier policies, read into the record when a subclass sets them
 _SELECTOR_FLAGS = {"full_information": "full_information", "wants_costs": "prices_rounds"}
 
 
-class DrafterPolicy(ABC):
+class DrafterPolicy(Stored, ABC):
     """Chooses a drafter each round and learns from the round's feedback.
 
     ``scope="request"`` re-initialises the learner at every request (the papers' protocol,
@@ -78,21 +66,9 @@ class DrafterPolicy(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        flags = {field: cls.__dict__[attr] for attr, field in _SELECTOR_FLAGS.items()
-                 if attr in cls.__dict__ and isinstance(cls.__dict__[attr], bool)}
+        flags = read_flags(cls, _SELECTOR_FLAGS)
         if flags:
             cls.caps = replace(cls.caps, **flags)
-        state_type(cls)  # its objects may be stored (``state_dict``)
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the policy has learnt, as plain JSON data (``persist``: its attributes but the
-        cost model and the capability record); ``load_state_dict`` puts it into a policy
-        built from the same spec."""
-        return state_of([self])[0]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict``'s data into this policy (built from the same spec)."""
-        load_state([self], [state])
 
     def __init__(self, seed: int | None = 0, scope: str = "request"):
         self.seed, self.scope = seed, validate_scope(scope)
