@@ -3,6 +3,7 @@ cache with holes, and the batch cost surface, on tiny fp32 models."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from adaspec import SpeculativeEngine
 from adaspec.backends.transformers import batch_attention_mask
 from adaspec.batch import BatchEngine
 from adaspec.costs import BatchCosts, CostModel, VerifyCostSurface
+from adaspec.feedback import RoundContext
 from adaspec.errors import ConfigError
 from adaspec.round import Round, drafting_can_pay
 from adaspec.selection.auto import AutoSelector
@@ -353,11 +355,10 @@ def test_batch_costs_interpolate_and_price_the_margin():
         BatchCosts([1], [1, 2], [1], [[[1.0]]])
 
     model = CostModel(VerifyCostSurface([100], [1, 2, 4], [[0.01, 0.0101, 0.0102]]))
-    model.context = 100
-    model.batch, model.batch_context = costs, 100
-    assert model.verify_cost(4) == pytest.approx(0.0102)  # one row: the batch-1 surface
-    model.rows = 8
-    assert model.verify_cost(4) == pytest.approx(costs.row_cost(8, 4, 100))
+    model.batch = costs
+    one = RoundContext(cache_len=100, batch_columns=100)
+    assert model.verify_cost(4, one) == pytest.approx(0.0102)  # one row: the batch-1 surface
+    assert model.verify_cost(4, replace(one, rows=8)) == pytest.approx(costs.row_cost(8, 4, 100))
 
 
 def test_rows_draft_less_as_the_batch_grows_compute_bound():
@@ -365,14 +366,13 @@ def test_rows_draft_less_as_the_batch_grows_compute_bound():
     nearly free) and plays plain steps in a large compute-bound batch."""
     costs = _synthetic(compute=2e-3)
     model = CostModel(VerifyCostSurface([100], [1, 2, 4, 8], [[0.01, 0.0101, 0.0102, 0.0104]]))
-    model.batch, model.batch_context, model.context = costs, 100, 100
+    model.batch = costs
     selector = AutoSelector()
     selector.costs = model
     selector.begin_request(["prompt-lookup", "none"])
     caps = {}
     for rows in (1, 2, 32):
-        model.rows = rows
-        caps[rows] = selector.controller.choose().k
+        caps[rows] = selector.controller.choose(RoundContext(cache_len=100, rows=rows, batch_columns=100)).k
     assert caps[1] > 0 and caps[32] == 0 and caps[1] >= caps[2] >= caps[32]
 
 
@@ -388,7 +388,8 @@ def test_rows_skip_planning_where_no_block_can_pay(model, monkeypatch):
                           length="static", k=3)
     planned: list[int] = []
     real_plan = Round.plan_row
-    monkeypatch.setattr(Round, "plan_row", lambda rnd, row, look=None: planned.append(row.id) or real_plan(rnd, row, look))
+    monkeypatch.setattr(Round, "plan_row", lambda rnd, row, look=None, ctx=None: planned.append(row.id)
+                        or real_plan(rnd, row, look, ctx))
     results = batch.run()
     assert planned and set(planned) == {static_id}  # only the static row was planned
     assert any(r.drafted for r in results[static_id].stats.rounds)
@@ -397,8 +398,7 @@ def test_rows_skip_planning_where_no_block_can_pay(model, monkeypatch):
         assert all(r.drafter == "none" and r.drafted == 0 for r in results[i].stats.rounds)
         assert results[i].token_ids == plain.generate(p, max_new_tokens=10).token_ids
     assert batch.cost_model.batch is not None
-    batch.cost_model.rows = 1
-    assert drafting_can_pay(batch.cost_model)  # one row: the batch price does not apply
+    assert drafting_can_pay(batch.cost_model, 1)  # one row: the batch price does not apply
 
 
 def test_requests_share_auto_global_counts_but_not_request_state(model):
@@ -502,7 +502,7 @@ def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monk
     def run(joint: bool) -> tuple[dict, list]:
         batch = BatchEngine(engine, max_batch=4, batch_costs=_shared_widening())
         if not joint:  # every row plans alone on its row price (the rule before the joint width)
-            monkeypatch.setattr(batch.round, "_joint_plans", lambda rows, cm: [batch.round.plan_row(r) for r in rows])
+            monkeypatch.setattr(batch.round, "_joint_plans", lambda rows, cm, ctxs: [batch.round.plan_row(r, ctx=c) for r, c in zip(rows, ctxs)])
         widths, real = [], batch.states.forward
         monkeypatch.setattr(batch.states, "forward", lambda inputs: widths.append(sorted(len(x) for x in inputs))
                             or real(inputs))

@@ -15,6 +15,7 @@ from adaspec.bench.trace import record_trace
 from adaspec.bench.trace import Trace, _CyclingLength, _trimmed_mean, calibration_ratios
 from adaspec.costs import (CostModel, DrafterCosts, EngineOverheads, LinearCost, VerifyCostCurve,
                            VerifyCostSurface, cached_surface, load_or_measure, nonneg_lstsq)
+from adaspec.feedback import RoundContext
 from adaspec.drafters import Decision, DraftStep
 from adaspec.errors import ConfigError
 from adaspec.length.cost_rule import CostModelRule
@@ -88,11 +89,9 @@ def test_malformed_surfaces_are_refused(bad):
 
 def test_cost_model_prices_at_the_rounds_context():
     cm = CostModel(surface())
-    cm.context = 100
-    assert cm.verify_cost(3) == 1.6
-    cm.context = 1000
-    assert cm.verify_cost(3) == 3.0
-    assert cm.verify_cost(3, context=100) == 1.6  # an explicit context wins
+    assert cm.verify_cost(3, RoundContext(cache_len=100)) == 1.6
+    assert cm.verify_cost(3, RoundContext(cache_len=1000)) == 3.0
+    assert cm.verify_row(3, RoundContext(cache_len=100))[3] == 1.6
 
 
 def test_linear_cost_fit_recovers_the_drivers():
@@ -114,10 +113,9 @@ def _rule_block(surface_: VerifyCostSurface, context: int, acceptance: float = 0
     rule = CostModelRule(max_len=8, prior_acceptance=acceptance, prior_weight=1e9)
     cm = CostModel(surface_)
     cm.draft_token_s[0] = 0.01
-    cm.context = context
     rule.costs = cm
     rule.begin_request()
-    rule.begin_round(0)
+    rule.begin_round(0, RoundContext(cache_len=context))
     for j in range(8):
         if rule.decide(DraftStep(j, 1)) is not Decision.CONTINUE:
             return j + 1
@@ -227,9 +225,8 @@ def test_cost_model_drafter_functions_take_precedence_over_running_means():
                                                         catch_up=LinearCost(0.0, 0.003, 0.0))})
     cm.observe(0, 4, draft_s=1.0, verify_s=1.0, catch_up_tokens=2, catch_up_s=1.0)
     cm.observe(1, 4, draft_s=0.4, verify_s=1.0, catch_up_tokens=2, catch_up_s=0.2)
-    cm.context = 1000
-    assert cm.draft_cost(0, 3) == pytest.approx(0.001 + 0.006 + 0.001)
-    assert cm.draft_cost(0, 3, context=0) == pytest.approx(0.007)
+    assert cm.draft_cost(0, 3, RoundContext(cache_len=1000)) == pytest.approx(0.001 + 0.006 + 0.001)
+    assert cm.draft_cost(0, 3) == pytest.approx(0.007)
     assert cm.catch_up_cost(0, 2) == pytest.approx(0.006) and cm.catch_up_cost(0, 0) == 0.0
     assert cm.draft_cost(1, 3) == pytest.approx(0.3) and cm.catch_up_cost(1, 1) == pytest.approx(0.1)
 
@@ -415,7 +412,7 @@ def test_a_views_drafters_keep_their_own_seconds_in_the_shared_cost_model():
     """An engine view drafting with a subset of the drafters (a server request, a batch row)
     shares the cost model through ``for_drafters``: its drafter i is the engine's drafter
     keys[i], so suffix's seconds are never written under prompt lookup's index; the scalars
-    (context, overheads) are the shared model's, and a copy keeps the mapping."""
+    (overheads, the surface) are the shared model's, and a copy keeps the mapping."""
     import copy
 
     base = CostModel(surface(), live_verify=False)  # the surface as given: verify_s below is made up
@@ -425,14 +422,15 @@ def test_a_views_drafters_keep_their_own_seconds_in_the_shared_cost_model():
     assert view.draft_cost(0, 3) == pytest.approx(base.draft_cost(2, 3)) == pytest.approx(0.3)
     assert view.draft_cost(1, 3) == base.draft_cost(0, 3) == 0.0
     assert view.knows(0) and not view.knows(1) and base.knows(2) and not base.knows(0)
-    view.context = 1000  # written through
-    assert base.context == 1000 and view.verify_cost(1) == base.verify_cost(1) == 2.0
+    view.round_overhead_s = 0.5  # written through
+    at = RoundContext(cache_len=1000)
+    assert base.round_overhead_s == 0.5 and view.verify_cost(1, at) == base.verify_cost(1, at) == 2.0
     nested = view.for_drafters([1])  # a view of a view maps through both
     nested.observe(0, 2, 0.1, 1.0, 0, 0.0)
     assert base.draft_token_s[0] == pytest.approx(0.05)
     twin = copy.copy(view)  # BatchEngine's copy: its own scalars, the same mapping and tables
-    twin.context = 100
-    assert base.context == 1000 and twin.keys == view.keys
+    twin.round_overhead_s = 0.1
+    assert base.round_overhead_s == 0.5 and twin.keys == view.keys
     assert twin.draft_cost(0, 1) == pytest.approx(0.1)
 
 
@@ -462,19 +460,16 @@ def test_a_run_of_blocks_pays_one_rebuild_going_in_and_one_coming_out():
     base = surface()
     s = dataclasses.replace(base, switch_s=0.25)
     cm = CostModel(s)
-    cm.context = 100
+    at = RoundContext(cache_len=100)  # last_width 0: nothing verified yet, as after the prefill
     v = [base.cost(w, 100) for w in range(7)]
-    assert cm.last_width == 0  # nothing verified yet: as after a plain step (the prefill)
-    assert cm.verify_cost(1) == v[1] and cm.verify_cost(3) == v[3] + 0.5
-    cm.last_width = 1
-    assert [cm.switch_cost(w) for w in range(1, 7)] == [0.0, 0.5, 0.5, 0.5, 0.5, 0.5]
-    cm.last_width = 4
-    assert [cm.switch_cost(w) for w in range(1, 7)] == [0.0, 0.25, 0.25, 0.0, 0.25, 0.25]
-    assert cm.verify_cost(4) == v[4] and cm.verify_cost(5) == v[5] + 0.25 and cm.verify_cost(1) == v[1]
-    assert cm.verify_row(6) == [0.0] + [cm.verify_cost(w) for w in range(1, 7)]
+    assert cm.verify_cost(1, at) == v[1] and cm.verify_cost(3, at) == v[3] + 0.5
+    assert [cm.switch_cost(w, 1) for w in range(1, 7)] == [0.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert [cm.switch_cost(w, 4) for w in range(1, 7)] == [0.0, 0.25, 0.25, 0.0, 0.25, 0.25]
+    at = RoundContext(cache_len=100, last_width=4)
+    assert cm.verify_cost(4, at) == v[4] and cm.verify_cost(5, at) == v[5] + 0.25 and cm.verify_cost(1, at) == v[1]
+    assert cm.verify_row(6, at) == [0.0] + [cm.verify_cost(w, at) for w in range(1, 7)]
     plain = CostModel(base)
-    plain.context, plain.last_width = 100, 1
-    assert plain.verify_row(6) == v and plain.switch_cost(3) == 0.0
+    assert plain.verify_row(6, RoundContext(cache_len=100, last_width=1)) == v and plain.switch_cost(3) == 0.0
     # kept through serialisation and the live/measured scaling replay applies
     assert VerifyCostSurface.from_dict(s.to_dict()).switch_s == 0.25
     assert s.scaled(1.1).switch_s == 0.25 and "+250.00 ms" in s.table()
@@ -581,7 +576,8 @@ def test_the_grid_is_timed_inside_the_backends_request_scope(monkeypatch):
 
 
 def test_engine_tells_the_cost_model_the_last_width():
-    """The engine sets ``last_width`` to each round's verify width (0 at a request's start)."""
+    """The engine's rounds price at the last verify width (``RoundContext.last_width``: 0 at a
+    request's start, then the previous round's width)."""
     from adaspec import SpeculativeEngine
     from adaspec.config import GenerationConfig
 
@@ -589,24 +585,24 @@ def test_engine_tells_the_cost_model_the_last_width():
     eng = SpeculativeEngine(model, ["prompt-lookup"], k=3)
     eng.cost_model.surface = dataclasses.replace(surface(), switch_s=1e-3)
     widths = []
-    eng.cost_model.observe_overhead = lambda s, _cm=eng.cost_model: widths.append(_cm.last_width)
+    observe = eng.cost_model.observe
+    eng.cost_model.observe = lambda *args: widths.append(args[6].last_width) or observe(*args)
     out = eng.generate([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], GenerationConfig(max_new_tokens=12))
     assert widths[0] == 0  # the first round follows the prefill
     assert widths[1:] == [r.drafted + 1 for r in out.stats.rounds][:-1]
-    assert eng.cost_model.last_width == out.stats.rounds[-1].drafted + 1
 
 
 def test_replay_tells_the_cost_model_the_last_width(priced, monkeypatch):
-    """Replay sets ``last_width`` as the engine does, so replayed policies price the same
-    switches as live ones."""
+    """Replay passes ``RoundContext.last_width`` as the engine does, so replayed policies price
+    the same switches as live ones."""
     import adaspec.bench.replay as replay_mod
 
     seen: list[int] = []
 
     class Recording(CostModel):
-        def observe_overhead(self, seconds):
-            seen.append(self.last_width)
-            super().observe_overhead(seconds)
+        def observe(self, *args):
+            seen.append(args[6].last_width)
+            super().observe(*args)
 
     monkeypatch.setattr(replay_mod, "CostModel", Recording)
     res = replay(priced, None, None, k=4, drafters=["prompt-lookup"])

@@ -12,6 +12,7 @@ import torch
 from conftest import make_tiny_model
 
 from adaspec.costs import CostModel, LiveVerifyRatio, VerifyCostSurface, _surface_key, machine_identity
+from adaspec.feedback import RoundContext
 from adaspec.errors import ConfigError
 
 
@@ -20,14 +21,17 @@ def flat_surface(step: float = 0.01, per_token: float = 0.001) -> VerifyCostSurf
     return VerifyCostSurface(contexts=[100], ks=ks, seconds=[[step + per_token * (k - 1) for k in ks]])
 
 
-def feed(cm: CostModel, width: int, ratio: float, n: int = 1) -> None:
+#: the surfaces here are measured at one cache length (100 tokens): every round is priced there
+AT_100 = RoundContext(cache_len=100)
+
+
+def feed(cm: CostModel, width: int, ratio: float, n: int = 1, ctx: RoundContext = AT_100) -> None:
     for _ in range(n):
-        cm.observe(0, width - 1, 0.0, ratio * cm.surface.cost(width, cm.context), 0, 0.0)
+        cm.observe(0, width - 1, 0.0, ratio * cm.surface.cost(width, ctx.cache_len), 0, 0.0, ctx)
 
 
 def test_before_any_round_the_surface_is_priced_as_measured():
     cm = CostModel(flat_surface())
-    cm.context = 100
     assert not cm.live.seen
     assert cm.verify_cost(5) == cm.surface.cost(5, 100)
     assert cm.verify_row(8) == cm.surface.row(100, 8)
@@ -35,7 +39,6 @@ def test_before_any_round_the_surface_is_priced_as_measured():
 
 def test_a_uniform_ratio_scales_every_width():
     cm = CostModel(flat_surface())
-    cm.context = 100
     for w in (1, 3, 6):
         feed(cm, w, 1.2, n=30)
     for w in (1, 2, 3, 6, 12, 40):  # observed, between, past the widest
@@ -45,7 +48,6 @@ def test_a_uniform_ratio_scales_every_width():
 
 def test_ratios_per_width_interpolate_between_and_stay_flat_past_the_ends():
     cm = CostModel(flat_surface())
-    cm.context = 100
     feed(cm, 1, 1.0, n=300)
     feed(cm, 9, 1.3, n=300)
     f = cm.live.factors(20)
@@ -59,7 +61,6 @@ def test_a_width_seen_once_reads_mostly_the_trend():
     """One round at a new width moves its price by at most 1 / (1 + prior) of the clipped
     deviation from the line the other widths draw."""
     cm = CostModel(flat_surface())
-    cm.context = 100
     feed(cm, 1, 1.0, n=200)
     feed(cm, 9, 1.2, n=200)
     line = cm.live.trend(5)
@@ -72,7 +73,6 @@ def test_a_width_seen_once_reads_mostly_the_trend():
 
 def test_one_slow_forward_barely_moves_a_well_seen_width():
     cm = CostModel(flat_surface())
-    cm.context = 100
     feed(cm, 1, 1.0, n=100)
     before = cm.verify_cost(1)
     feed(cm, 1, 20.0)  # a preempted forward
@@ -84,7 +84,6 @@ def test_noisy_rounds_give_the_median_ratio():
     3% of 1.1 (its standard error at ~200 rounds' memory is ~1%: a 3-sigma band)."""
     rng = random.Random(0)
     cm = CostModel(flat_surface())
-    cm.context = 100
     for _ in range(2000):
         w = rng.choice((1, 1, 1, 6))
         feed(cm, w, 1.1 * math.exp(rng.gauss(0.0, 0.15)))
@@ -94,7 +93,6 @@ def test_noisy_rounds_give_the_median_ratio():
 
 def test_a_drifting_machine_is_followed():
     cm = CostModel(flat_surface())
-    cm.context = 100
     feed(cm, 1, 1.0, n=500)
     feed(cm, 1, 1.5, n=1000)  # the machine got slower: ~5 memories later
     assert cm.live.factor(1) == pytest.approx(1.5, rel=0.02)
@@ -102,8 +100,7 @@ def test_a_drifting_machine_is_followed():
 
 def test_batched_rows_and_surfaceless_models_do_not_feed_it():
     cm = CostModel(flat_surface())
-    cm.context, cm.rows = 100, 4  # a row's share of a batched forward is not V
-    feed(cm, 2, 3.0, n=20)
+    feed(cm, 2, 3.0, n=20, ctx=RoundContext(cache_len=100, rows=4))  # a row's share of a batched forward is not V
     assert not cm.live.seen
     bare = CostModel()
     bare.observe(0, 3, 0.0, 0.05, 0, 0.0)
@@ -112,7 +109,6 @@ def test_batched_rows_and_surfaceless_models_do_not_feed_it():
 
 def test_it_can_be_turned_off_and_refuses_bad_parameters():
     cm = CostModel(flat_surface(), live_verify=False)
-    cm.context = 100
     cm.observe(0, 3, 0.0, 1.0, 0, 0.0)
     assert cm.live is None and cm.verify_cost(4) == cm.surface.cost(4, 100)
     for bad in ({"decay": 0.0}, {"decay": 1.5}, {"prior": 0.0}, {"clip": -1.0}):
@@ -131,7 +127,6 @@ def test_the_engine_learns_its_own_verify_steps():
     res = eng.generate(list(range(2, 30)) * 2, max_new_tokens=40)
     live = sorted(r.verify_s for r in res.stats.rounds if r.drafted == 3)
     assert len(live) >= 5 and eng.cost_model.live.seen
-    eng.cost_model.context = 100
     median = live[len(live) // 2]
     assert median / 3 < eng.cost_model.verify_cost(4) < 3 * median  # from 1.3 s to what width 4 took
 

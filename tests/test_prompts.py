@@ -254,12 +254,12 @@ def test_long_context_is_outside_all_and_mixed():
 def test_long_context_prompts_are_700_to_1500_tokens():
     """Each prompt under SmolLM2's chat template, as ``adaspec bench`` encodes it, is 700-1,500 tokens
     (750-1,425 when written), spread over that range."""
-    from adaspec.bench.runner import _turn_prompt
+    from adaspec.bench.workloads import turn_prompt
     from adaspec.engine import SpeculativeEngine
     from adaspec.models import load_model
 
     engine = SpeculativeEngine(load_model("smollm2"), [])
-    sizes = {p.id: len(_turn_prompt(p, 0, [], engine)) for p in load_suite("long-context")}
+    sizes = {p.id: len(turn_prompt(p, 0, [], engine)) for p in load_suite("long-context")}
     outside = {k: v for k, v in sizes.items() if not 700 <= v <= 1500}
     assert not outside, sizes
     assert min(sizes.values()) < 850 and max(sizes.values()) > 1300, sizes  # spread, not bunched

@@ -38,10 +38,10 @@ class FixedCosts:
                  overhead: float = 0.0):
         self.verify, self.draft_token_s, self.round_overhead_s = verify, draft_token_s or {}, overhead
 
-    def verify_cost(self, width: int) -> float:
+    def verify_cost(self, width: int, ctx=None) -> float:
         return self.verify.get(width, self.verify[max(self.verify)])
 
-    def draft_cost(self, drafter: int, n: int) -> float:
+    def draft_cost(self, drafter: int, n: int, ctx=None) -> float:
         return self.draft_token_s.get(drafter, 0.0) * n
 
 

@@ -206,10 +206,10 @@ class _FixedCosts:
 
     round_overhead_s = 0.001
 
-    def verify_cost(self, width: int, context: int | None = None) -> float:
+    def verify_cost(self, width: int, ctx=None) -> float:
         return 0.01 * (1.0 + 0.08 * (width - 1))
 
-    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+    def draft_cost(self, drafter: int, n_tokens: float, ctx=None) -> float:
         return 0.0002 * n_tokens
 
 

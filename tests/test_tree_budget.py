@@ -132,13 +132,13 @@ def test_model_free_trees_grown_under_the_cut_are_the_whole_trees_cut(monkeypatc
         eng.cost_model.live = None  # the curve as given, not what the tiny model's forwards teach
         compared = []
 
-        def both(rnd, row, index, cap, room):
+        def both(rnd, row, index, cap, room, ctx):
             grow_all["on"] = True
             with monkeypatch.context() as m:  # the whole tree: every node offered is taken
                 m.setattr(PrefixCut, "offer", lambda self, s: self.add(s) or True)
-                whole = orig(rnd, row, index, cap, room)
+                whole = orig(rnd, row, index, cap, room, ctx)
             grow_all["on"] = False
-            got = orig(rnd, row, index, cap, room)
+            got = orig(rnd, row, index, cap, room, ctx)
             compared.append((None if whole is None else (whole.tokens, whole.parents),
                              None if got is None else (got.tokens, got.parents)))
             return got

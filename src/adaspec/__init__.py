@@ -19,8 +19,7 @@ from .length import LengthPolicy, StaticLength
 from .metrics import RequestStats, RoundRecord
 from .models import LoadedModel, load_model
 from .selection import DrafterPolicy, StaticPolicy
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "AdaspecError", "ConfigError", "Decision", "Draft", "Drafter", "DrafterPolicy", "DraftStep",

@@ -9,6 +9,7 @@ module is the runtime's half of that pair and imports nothing from the tools.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -126,6 +127,15 @@ def get_artifact(name: str) -> Artifact:
         raise UnknownNameError(
             f"unknown model {name!r} to fetch: use one of {', '.join(ARTIFACTS)} (`adaspec fetch --list`)"
         ) from None
+
+
+def gguf_conversion_dir(gguf: Path) -> Path:
+    """Where the transformers backend keeps its conversion of a GGUF file (its Hugging Face
+    config, tokenizer and weights), keyed by the file's path, size and mtime; the llama.cpp
+    backend reads the tokenizer from there when it is."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "models" / f"{gguf.stem}-{key[:12]}"
 
 
 def gguf_dir() -> Path:

@@ -79,10 +79,10 @@ def drafter_problem(d: Drafter) -> str | None:
     """Why drafter ``d`` cannot draft for requests that share a batched forward, or None: it
     must fork a per-request state (``Drafter.fork``), and a batched forward computes no target
     features (EAGLE-style heads draft from them)."""
-    if type(d).fork is Drafter.fork:
+    if not d.caps.forks:
         return (f"drafter {d.name!r} cannot draft for several requests at once: batch with the "
                 "model-free drafters (none, prompt-lookup, suffix, recycle) or model drafters")
-    if getattr(d, "uses_target_features", False):
+    if d.caps.reads_target_features:
         return (f"drafter {d.name!r} drafts from the target's features, which batched rounds do not "
                 "compute: batch with model-free or model drafters")
     return None
@@ -90,7 +90,7 @@ def drafter_problem(d: Drafter) -> str | None:
 
 def _pool_hint(engine: Any) -> str:
     """The fix when the unbatchable drafters came with the engine's default (a built pool)."""
-    if getattr(engine, "default_pool", None):
+    if engine.default_pool:
         return " (the engine's default drafters include a built pool's heads: SpeculativeEngine(..., pool=False))"
     return ""
 
@@ -136,8 +136,7 @@ class BatchEngine:
         self._wants_costs = engine.prices_rounds
         if not _solo:
             self.cost_model.batch = batch_costs
-            ctl = getattr(engine.selector, "controller", None)  # auto: global counts exist before forking
-            if ctl is not None and list(getattr(ctl, "names", [])) != engine.drafter_names:
+            if engine.selector.caps.forks_sharing:  # auto: its global counts exist before forking
                 engine.selector.begin_request(engine.drafter_names)
         self.round = Round(engine.decode, engine.eos_ids(), clock=engine._timer)
         self.states: RowStates = self.target.new_rows(compact_fraction)
@@ -308,15 +307,11 @@ class BatchEngine:
     def _round(self) -> list[BatchEvent]:
         rows, cm = self._rows, self.cost_model
         batched = self.states.batched and len(rows) > 1
-        cm.rows = len(rows) if batched else 1
-        cm.batch_context = self.states.columns if batched else 0
         if batched and self._wants_costs and cm.batch is None:
             cm.batch = load_or_measure_batch(self.target, rows=batch_grid_rows(self.max_batch))
-        try:
-            plans = self.round.plan(rows, batch=cm if batched and cm.batch is not None else None)
-            settled = self._verify_and_settle(plans, batched)
-        finally:
-            cm.rows = 1
+        plans = self.round.plan(rows, batch=cm if batched and cm.batch is not None else None,
+                                shared=len(rows) if batched else 1, columns=self.states.columns if batched else 0)
+        settled = self._verify_and_settle(plans, batched)
         events, done = [], []
         for r, (row, s) in enumerate(zip(rows, settled)):
             event = BatchEvent(row.id, s.emitted, round=s.record)

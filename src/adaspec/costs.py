@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .feedback import NO_CONTEXT, RoundContext
 from .backends.base import TargetBackend
 from .artifacts import cached_measurement
 from .kernels import machine_identity
@@ -814,10 +815,11 @@ class LiveVerifyRatio:
 class CostModel:
     """What rounds cost on this machine, for cost-aware policies (model-free numbers only).
 
-    Combines the measured verify-cost surface (if available), read at ``context`` -- the
-    cache length of the current round, set by the engine (and replay) before the policies
-    are asked -- with running means, updated after every round, of each drafter's seconds
-    per drafted token and per caught-up token, and of observed verify times per width.
+    Combines the measured verify-cost surface (if available), read at the round's context
+    (``feedback.RoundContext``: the row's cache length, the rows of its forward, the width of
+    the forward before it; passed to every price by the round and the policies that price
+    rounds, never kept here) with running means, updated after every round, of each drafter's
+    seconds per drafted token and per caught-up token, and of observed verify times per width.
     A one-context ``VerifyCostCurve`` is accepted as a surface that does not depend on L.
     The surface's prices are multiplied by the live/surface ratio of the rounds' verify
     steps per width (``LiveVerifyRatio``; ``live_verify=False``: the surface as measured).
@@ -830,10 +832,6 @@ class CostModel:
         #: live verify seconds over the surface's, per width (None: the surface as measured)
         self.live: LiveVerifyRatio | None = LiveVerifyRatio() if live_verify else None
         self.decay = decay
-        self.context = 0  # cache length of the round being decided
-        #: width of the last verify forward (0: none yet this request), set by the engine and
-        #: replay after every round: with the surface's ``switch_s``, see ``switch_cost``
-        self.last_width = 0
         #: measured cost functions per drafter index (e.g. a trace's); preferred over running means
         self.drafters: dict[int, DrafterCosts] = dict(drafters or {})
         self.draft_token_s: dict[int, float] = {}
@@ -854,11 +852,9 @@ class CostModel:
         #: decayed seconds of full-information scoring and of whole rounds (``observe_eval``)
         self._eval_s = 0.0
         self._round_s = 0.0
-        #: batched rounds (``adaspec.batch``): the batch surface, the round's rows and cache
-        #: columns; with rows > 1 ``verify_cost`` is the row's price in the batch (``row_cost``)
+        #: batched rounds (``adaspec.batch``): the batch surface; a round of several rows
+        #: (``RoundContext.rows`` > 1) is priced as the row's share of it (``row_cost``)
         self.batch: BatchCosts | None = None
-        self.rows = 1
-        self.batch_context = 0
 
     @property
     def curve(self) -> VerifyCostSurface | None:
@@ -874,17 +870,17 @@ class CostModel:
         table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
     def observe(self, drafter: int, drafted: int, draft_s: float, verify_s: float,
-                catch_up_tokens: int, catch_up_s: float) -> None:
-        """A round's measured seconds: drafting, verifying ``drafted + 1`` tokens (at the
-        round's ``context`` and after ``last_width``: call before updating them) and catching up."""
+                catch_up_tokens: int, catch_up_s: float, ctx: RoundContext = NO_CONTEXT) -> None:
+        """A round's measured seconds: drafting, verifying ``drafted + 1`` tokens (in the
+        round's context ``ctx``) and catching up."""
         if drafted:
             self._ema(self.draft_token_s, drafter, draft_s / drafted)
         if catch_up_tokens:
             self._ema(self.catch_up_token_s, drafter, catch_up_s / catch_up_tokens)
         width = drafted + 1
         self._ema(self.verify_width_s, width, verify_s)
-        if self.live is not None and self.surface is not None and self.rows <= 1:  # a batch row's share is not V
-            self.live.observe(width, verify_s, self._surface_price(width, self.context))
+        if self.live is not None and self.surface is not None and ctx.rows <= 1:  # a batch row's share is not V
+            self.live.observe(width, verify_s, self._surface_price(width, ctx))
 
     def observe_overhead(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
@@ -899,13 +895,13 @@ class CostModel:
         seconds = max(0.0, seconds)
         self.look_s = seconds if self.look_s == 0.0 else self.decay * self.look_s + (1 - self.decay) * seconds
 
-    def observe_round(self, emitted: int, width: int, other_s: float) -> None:
+    def observe_round(self, emitted: int, width: int, other_s: float, ctx: RoundContext = NO_CONTEXT) -> None:
         """A finished round: ``emitted`` tokens for a verify forward of ``width`` tokens (priced
-        by ``verify_cost`` at the round's context, so live runs and replays agree) plus
+        by ``verify_cost`` in the round's context, so live runs and replays agree) plus
         ``other_s`` measured seconds outside the verify step. Feeds ``running_rate``."""
         keep = self.rate_decay
         self._rate_tokens = keep * self._rate_tokens + emitted
-        self._rate_seconds = keep * self._rate_seconds + self.verify_cost(width) + max(0.0, other_s)
+        self._rate_seconds = keep * self._rate_seconds + self.verify_cost(width, ctx) + max(0.0, other_s)
 
     def observe_eval(self, eval_s: float, round_s: float) -> None:
         """A round's seconds scoring drafters it did not play (full information) and its whole
@@ -920,23 +916,23 @@ class CostModel:
         """Share of the wall time spent scoring drafters the rounds did not play (0 before any)."""
         return self._eval_s / self._round_s if self._round_s > 0.0 else 0.0
 
-    def running_rate(self) -> float:
+    def running_rate(self, ctx: RoundContext = NO_CONTEXT) -> float:
         """Tokens per second of the rounds so far (decayed by ``rate_decay`` per round, kept
-        across requests); before any round, plain decoding's 1 / (overhead + V(1))."""
+        across requests); before any round, plain decoding's 1 / (overhead + V(1)) in ``ctx``."""
         if self._rate_seconds > 0.0:
             return self._rate_tokens / self._rate_seconds
-        plain = self.round_overhead_s + self.verify_cost(1)
+        plain = self.round_overhead_s + self.verify_cost(1, ctx)
         return 1.0 / plain if plain > 0.0 else 0.0
 
-    def verify_cost(self, width: int, context: int | None = None) -> float:
-        """Seconds of one target forward over ``width`` tokens on a ``context``-token cache
-        (default: the current round's): the surface (times ``live``'s ratio), else observed
-        times, else 0. In a batch of several rows: the row's price of a ``width``-token block
+    def verify_cost(self, width: int, ctx: RoundContext = NO_CONTEXT) -> float:
+        """Seconds of one target forward over ``width`` tokens in the round's context (its
+        ``cache_len``-token cache): the surface (times ``live``'s ratio), else observed times,
+        else 0. In a batch of several rows: the row's price of a ``width``-token block
         (``BatchCosts.row_cost``)."""
-        if self.batch is not None and self.rows > 1:
-            return self.batch.row_cost(self.rows, width, self.batch_context)
+        if self.batch is not None and ctx.rows > 1:
+            return self.batch.row_cost(ctx.rows, width, ctx.batch_columns)
         if self.surface is not None:
-            v = self._surface_price(width, self.context if context is None else context)
+            v = self._surface_price(width, ctx)
             return v * self.live.factor(width) if self.live is not None else v
         if width in self.verify_width_s:
             return self.verify_width_s[width]
@@ -945,17 +941,17 @@ class CostModel:
             return self.verify_width_s[nearest]
         return 0.0
 
-    def _surface_price(self, width: int, context: int) -> float:
-        """The surface's V(width, context) plus ``switch_cost``: what the grid says, before
+    def _surface_price(self, width: int, ctx: RoundContext) -> float:
+        """The surface's V(width, cache length) plus ``switch_cost``: what the grid says, before
         ``live``'s ratio (the price that ratio is learned against)."""
-        v = self.surface.cost(width, context)
-        return v + self.switch_cost(width) if self.surface.switch_s else v
+        v = self.surface.cost(width, ctx.cache_len)
+        return v + self.switch_cost(width, ctx.last_width) if self.surface.switch_s else v
 
-    def verify_row(self, max_width: int) -> list[float]:
-        """[0, verify_cost(1), ..., verify_cost(max_width)] at the current round's context."""
-        if self.surface is not None and not (self.batch is not None and self.rows > 1):
-            row = self.surface.row(self.context, max_width)
-            extra, last = self._block_switch(), self.last_width
+    def verify_row(self, max_width: int, ctx: RoundContext = NO_CONTEXT) -> list[float]:
+        """[0, verify_cost(1), ..., verify_cost(max_width)] in the round's context."""
+        if self.surface is not None and not (self.batch is not None and ctx.rows > 1):
+            row = self.surface.row(ctx.cache_len, max_width)
+            extra, last = self._block_switch(ctx.last_width), ctx.last_width
             if extra and max_width > 1:  # ``switch_cost`` of every width, at once
                 steady, row = row, row[:2] + [v + extra for v in row[2:]]
                 if 1 < last <= max_width:
@@ -964,41 +960,41 @@ class CostModel:
                 f = self.live.factors(max_width)
                 row = [v * f[w] for w, v in enumerate(row)]
             return row
-        return [0.0] + [self.verify_cost(w) for w in range(1, max_width + 1)]
+        return [0.0] + [self.verify_cost(w, ctx) for w in range(1, max_width + 1)]
 
-    def switch_cost(self, width: int) -> float:
+    def switch_cost(self, width: int, last_width: int = 0) -> float:
         """What a verify forward of ``width`` tokens adds, on a backend that rebuilds its compute
         graph for a new shape (``VerifyCostSurface.switch_s`` = s), after a forward of
-        ``last_width``. A run of blocks costs one rebuild going in and one coming out (the plain
-        step after it), whenever it ends: a block after a plain step is charged both (2 s), a
+        ``last_width`` (0: the prefill, ``RoundContext.last_width``). A run of blocks costs one
+        rebuild going in and one coming out (the plain step after it), whenever it ends: a block after a plain step is charged both (2 s), a
         block of another width than the block before it one (s), a plain step or a block of
         the same width nothing (the way out was paid on the way in). 0 on other backends."""
-        if width <= 1 or width == self.last_width:
+        if width <= 1 or width == last_width:
             return 0.0
-        return self._block_switch()
+        return self._block_switch(last_width)
 
-    def _block_switch(self) -> float:
+    def _block_switch(self, last_width: int) -> float:
         """``switch_cost`` of a block of a width other than ``last_width``: 2 s after a plain
         step (or none yet), s after another block, 0 without a switch price."""
         s = self.surface.switch_s if self.surface is not None else 0.0
-        return s if self.last_width > 1 else 2.0 * s
+        return s if last_width > 1 else 2.0 * s
 
-    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
-        """Estimated seconds for ``drafter`` to draft ``n_tokens`` at ``context`` (default: the
-        current round's): its measured function, else the running mean per token (0 if never
+    def draft_cost(self, drafter: int, n_tokens: float, ctx: RoundContext = NO_CONTEXT) -> float:
+        """Estimated seconds for ``drafter`` to draft ``n_tokens`` in the round's context: its
+        measured function of (tokens, cache length), else the running mean per token (0 if never
         observed)."""
         f = self.drafters.get(drafter)
         if f is not None:
-            return f.draft(n_tokens, self.context if context is None else context)
+            return f.draft(n_tokens, ctx.cache_len)
         return self.draft_token_s.get(drafter, 0.0) * n_tokens
 
-    def catch_up_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
+    def catch_up_cost(self, drafter: int, n_tokens: float, ctx: RoundContext = NO_CONTEXT) -> float:
         """Estimated seconds for ``drafter`` to catch up on ``n_tokens`` (as ``draft_cost``)."""
         if n_tokens <= 0:
             return 0.0
         f = self.drafters.get(drafter)
         if f is not None:
-            return f.catch_up(n_tokens, self.context if context is None else context)
+            return f.catch_up(n_tokens, ctx.cache_len)
         return self.catch_up_token_s.get(drafter, 0.0) * n_tokens
 
     def knows(self, drafter: int) -> bool:
@@ -1018,8 +1014,7 @@ class DrafterCostView:
     learnt seconds stay its own whatever its index in a view (before, a request drafting with
     suffix alone wrote suffix's seconds under index 0, prompt lookup's in the engine, and a batch
     without the pool's heads wrote the datastore's under a head's). Every other attribute (the
-    surface, the overheads, the running rate, the round's context) is the shared model's, read and
-    written through; a copy (``copy.copy``, as ``BatchEngine`` takes) copies the shared model
+    surface, the overheads, the running rate) is the shared model's, read and written through; a copy (``copy.copy``, as ``BatchEngine`` takes) copies the shared model
     and keeps the mapping."""
 
     def __init__(self, base: CostModel, keys: Sequence[int]):
@@ -1048,11 +1043,11 @@ class DrafterCostView:
         return self._base.knows(self._keys[drafter])
 
     def observe(self, drafter: int, drafted: int, draft_s: float, verify_s: float,
-                catch_up_tokens: int, catch_up_s: float) -> None:
-        self._base.observe(self._keys[drafter], drafted, draft_s, verify_s, catch_up_tokens, catch_up_s)
+                catch_up_tokens: int, catch_up_s: float, ctx: RoundContext = NO_CONTEXT) -> None:
+        self._base.observe(self._keys[drafter], drafted, draft_s, verify_s, catch_up_tokens, catch_up_s, ctx)
 
-    def draft_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
-        return self._base.draft_cost(self._keys[drafter], n_tokens, context)
+    def draft_cost(self, drafter: int, n_tokens: float, ctx: RoundContext = NO_CONTEXT) -> float:
+        return self._base.draft_cost(self._keys[drafter], n_tokens, ctx)
 
-    def catch_up_cost(self, drafter: int, n_tokens: float, context: int | None = None) -> float:
-        return self._base.catch_up_cost(self._keys[drafter], n_tokens, context)
+    def catch_up_cost(self, drafter: int, n_tokens: float, ctx: RoundContext = NO_CONTEXT) -> float:
+        return self._base.catch_up_cost(self._keys[drafter], n_tokens, ctx)

@@ -26,7 +26,7 @@ from .backends import DEFAULT_BACKEND, TargetBackend
 from .batch import BatchEngine
 from .config import GenerationConfig
 from .costs import CostModel, VerifyCostSurface, load_or_measure
-from .drafters import Drafter, NoDrafter, build_drafter
+from .drafters import Drafter, NoDrafter, build_drafter, default_drafters
 from .drafters.feature_head import FeatureBuffer, TargetFeatureForward
 from .drafters.indexed import share_indexes
 from .errors import ConfigError, PromptError
@@ -45,21 +45,11 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
-#: what ``SpeculativeEngine`` drafts with when no drafters are given (``default_drafters``, plus
-#: a pool found in the cache: ``pools.pool_drafters``): the model-free drafters and plain
-#: decoding, chosen among (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
-DEFAULT_DRAFTERS = ("prompt-lookup", "suffix", "recycle", "none")
-
-
-def default_drafters(backend: str) -> tuple[str, ...]:
-    """``DEFAULT_DRAFTERS`` for a target backend: without ``recycle`` on llama.cpp, whose verify
-    block of 2 tokens costs ~1.2-1.7x a plain step (SmolLM2 GGUF), where a recycled token
-    (~40% accepted) does not pay and feeding its table cost ~0.7% of the wall time; on
-    PyTorch a 2-token block costs 1.03-1.06x and ``auto`` with it ran 1.045x ``auto`` without
-    (docs/results.md, "Token recycling")."""
-    if backend == "transformers":
-        return DEFAULT_DRAFTERS
-    return tuple(d for d in DEFAULT_DRAFTERS if d != "recycle")
+#: what ``SpeculativeEngine`` drafts with on the transformers backend when no drafters are
+#: given (``default_drafters``: the drafters registered as defaults, plus a pool found in the
+#: cache: ``pools.pool_drafters``): the model-free drafters and plain decoding, chosen among
+#: (with the draft length) by ``auto`` (``DEFAULT_SELECTOR``)
+DEFAULT_DRAFTERS = default_drafters(DEFAULT_BACKEND)
 
 
 class SpeculativeEngine:
@@ -118,7 +108,7 @@ class SpeculativeEngine:
         self._timer = Clock(self.target.device)
         self._costs: VerifyCostSurface | None = None
         self._feature_forward: TargetFeatureForward | None = None  # built when a drafter wants features
-        #: running cost estimates; policies with ``wants_costs = True`` get it as ``.costs``
+        #: running cost estimates; policies that price rounds (``caps.prices_rounds``) get it as ``.costs``
         self.cost_model = CostModel()
         #: model drafters' tree-node probabilities, calibrated on the nodes the target saw
         #: (``trees.calibrated_scores``; kept across requests, like the costs), keyed by the
@@ -139,7 +129,7 @@ class SpeculativeEngine:
             raise ConfigError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}")
         if not self.target.supports_trees:
             raise self.target.no_trees_error()
-        if not any(d.supports_tree for d in self.drafters):
+        if not any(d.caps.drafts_trees for d in self.drafters):
             log.info("tree=True, but none of %s drafts trees (prompt-lookup, suffix and model "
                      "drafters on transformers do): they draft chains", self.drafter_names)
 
@@ -147,7 +137,7 @@ class SpeculativeEngine:
         """Give cost-aware policies (and the tree budget) the cost model, priced on the measured
         surface with its timing noise pooled (``VerifyCostSurface.denoised``: a dip of a few
         percent between widths is not a cliff to stop in)."""
-        wanting = [p for p in (self.selector, self.length) if getattr(p, "wants_costs", False)]
+        wanting = [p for p in (self.selector, self.length) if p.caps.prices_rounds]
         if wanting or (self.tree and self.cost_model.surface is None):  # the node budget prices widths
             surface = VerifyCostSurface.of(self.verify_costs(progress=progress))
             self.cost_model.surface = None if surface is None else surface.denoised()
@@ -195,8 +185,8 @@ class SpeculativeEngine:
     @property
     def prices_rounds(self) -> bool:
         """Whether the selector or the length policy prices rounds on the cost model
-        (``wants_costs``): only then are verify-cost grids read or measured for them."""
-        return any(getattr(p, "wants_costs", False) for p in (self.selector, self.length))
+        (``caps.prices_rounds``): only then are verify-cost grids read or measured for them."""
+        return self.selector.caps.prices_rounds or self.length.caps.prices_rounds
 
     @property
     def drafter_names(self) -> list[str]:
@@ -288,7 +278,7 @@ class SpeculativeEngine:
         drafters, policies and generator). ``max_batch``: rows at once (default: all prompts, at
         most 32; the rest wait for a free row). Results in the order of ``prompts``."""
         engine = self
-        unbatched = [i for i, d in enumerate(self.drafters) if getattr(d, "uses_target_features", False)]
+        unbatched = [i for i, d in enumerate(self.drafters) if d.caps.reads_target_features]
         if unbatched and set(unbatched) <= set(self.default_pool):  # the default's pool heads: batch without them
             log.info("generate_batch: the pool's feature heads are not batched; the batch drafts with %s",
                      [d.name for i, d in enumerate(self.drafters) if i not in unbatched])
@@ -358,7 +348,7 @@ class SpeculativeEngine:
     def _features_for(self, drafters: Sequence[Drafter]) -> FeatureBuffer | None:
         """A fresh per-request buffer of target features, bound to every drafter that drafts from
         them (EAGLE-style heads); None (no extra work) when no drafter wants features."""
-        users = [d for d in drafters if getattr(d, "uses_target_features", False)]
+        users = [d for d in drafters if d.caps.reads_target_features]
         if not users:
             return None
         self.target.require_hidden_states(f"drafter {users[0].name!r}")

@@ -17,6 +17,7 @@ import torch
 
 from .config import SamplingConfig
 from .drafters.base import Draft, Proposals
+from .persist import state_type
 from .sampling import row_argmax
 
 
@@ -65,6 +66,33 @@ def alphas_from_proposals(target_probs: torch.Tensor | None, proposals: Proposal
     return (q[i, x] / target_probs[i, x].clamp_min(1e-30)).clamp(max=1.0).tolist()
 
 
+@state_type
+@dataclass(frozen=True)
+class RoundContext:
+    """The round a row is planned in, as the policies that price rounds read it: passed by the
+    round (``round.Round.plan``) to their ``select(ctx)`` and ``begin_round(drafter, ctx)``
+    (``SelectorCaps.prices_rounds`` / ``LengthCaps.prices_rounds``), to the cost model's prices
+    (``costs.CostModel.verify_cost(width, ctx)``, ...) and in the round's feedback
+    (``RoundFeedback.context``), instead of being set on a shared cost model. Plain data: a
+    policy given the same contexts and feedback decides the same way.
+
+    ``cache_len``: tokens in the row's target cache (its context less the last token, which the
+    verify forward feeds). ``rows``: rows verified by the round's forward (more than one: the
+    row pays its share of a batched forward, ``costs.BatchCosts.row_cost``). ``batch_columns``:
+    the batch cache's columns that forward reads (padded rows). ``last_width``: the width of the
+    forward before this round (0: the prefill), for backends that rebuild their compute graph
+    for a new shape (``CostModel.switch_cost``)."""
+
+    cache_len: int = 0
+    rows: int = 1
+    batch_columns: int = 0
+    last_width: int = 0
+
+
+#: the context of a lone row with an empty cache (a policy asked outside a round: tests, tools)
+NO_CONTEXT = RoundContext()
+
+
 @dataclass
 class RoundFeedback:
     """Everything a drafter or length policy may learn from one round."""
@@ -100,6 +128,8 @@ class RoundFeedback:
     #: ``acceptance_probs`` returns, while ``chosen_gammas`` stays the realised 0/1 under greedy
     recorded: list[float] | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    #: the round's context (its row's cache length, the rows of its forward, ...)
+    context: RoundContext = NO_CONTEXT
 
     @property
     def n_drafted(self) -> int:

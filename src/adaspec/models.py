@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
-from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
+from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf, gguf_conversion_dir
+from .backends.base import DEFAULT_BACKEND, TargetBackend, backend_loader, check_backend
 from .backends.transformers import TREE_ATTENTION, LoadedModel, cache_arg  # noqa: F401 (public names, re-exported)
 from .errors import ConfigError, ModelLoadError
 from .kernels import (SMALL_KINDS, PackedLinear, auto_linear, machine_identity, set_small_plan, tunable_layers,
@@ -138,16 +138,10 @@ def embedded_gguf(name: str = DEFAULT_MODEL) -> Path:
     return path
 
 
-def _gguf_cache_path(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_dir() / "models" / f"{gguf.stem}-{key[:12]}"
-
-
 def _load_gguf(path: Path, dtype: torch.dtype, convert_cache: bool) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cached = _gguf_cache_path(path)
+    cached = gguf_conversion_dir(path)
     if convert_cache and (cached / "config.json").is_file():
         return (AutoTokenizer.from_pretrained(cached),
                 AutoModelForCausalLM.from_pretrained(cached, dtype=dtype))
@@ -244,10 +238,9 @@ def load_model(
     backend = check_backend(backend)
     check_linear(linear, backend)
     gguf = locate_model(spec)
-    if backend == "llama.cpp":
-        from .backends.llamacpp import load_llamacpp
-
-        return load_llamacpp(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn)
+    load = backend_loader(backend)  # a registered backend's own loader (llama.cpp); None: below
+    if load is not None:
+        return load(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn)
     if threads is not None:
         raise ConfigError("threads= is for the llama.cpp backend: on transformers, set torch's "
                           "threads (torch.set_num_threads or --threads)")

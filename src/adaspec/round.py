@@ -35,6 +35,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from .drafters import Decision, Draft, Drafter, DraftStep
 from .drafters.base import Peek, apply_decisions
 from .drafters.feature_head import FeatureBuffer
 from .errors import ConfigError
-from .feedback import RoundFeedback, alphas_from_proposals, gammas_from_proposals
+from .feedback import NO_CONTEXT, RoundContext, RoundFeedback, alphas_from_proposals, gammas_from_proposals
 from .length import LengthPolicy
 from .length.cost_rule import ConfidenceCalibration
 from .metrics import RequestStats, RoundRecord
@@ -92,7 +93,7 @@ class RowParts:
     @property
     def prices_rounds(self) -> bool:
         """Do the selector or the length policy price rounds on the cost model?"""
-        return any(getattr(p, "wants_costs", False) for p in (self.selector, self.length))
+        return self.selector.caps.prices_rounds or self.length.caps.prices_rounds
 
 
 @dataclass(eq=False)
@@ -134,9 +135,9 @@ class Row:
         stats = RequestStats(prompt_tokens=len(prompt_ids), seed=None if sampling.greedy else seed)
         # tokens a stop string can span: at most its UTF-8 bytes (byte-fallback tokens are 1 byte)
         stop_max = max((len(s.encode("utf-8")) for s in cfg.stop), default=0)
-        trees = [parts.tree and d.supports_tree for d in parts.drafters]
-        plain_tree = next((j for j, d in enumerate(parts.drafters) if trees[j] and not d.is_model), None) \
-            if parts.length.plans_round_rate else None
+        trees = [parts.tree and d.caps.drafts_trees for d in parts.drafters]
+        plain_tree = next((j for j, d in enumerate(parts.drafters) if trees[j] and not d.caps.runs_model), None) \
+            if parts.length.caps.plans_round_rate else None
         return cls(rid, parts, list(prompt_ids), cfg, gen, stats, t_start, tokens=list(prompt_ids),
                    remaining=cfg.max_new_tokens, stop_max=stop_max, seen=[0] * len(parts.drafters),
                    trees=trees, plain_tree=plain_tree)
@@ -209,6 +210,8 @@ class RowPlan:
     times: PhaseTimes
     looked: bool = False  # the selector was shown the blocks (``peeked``)
     peeked: dict[int, Peek] = field(default_factory=dict)
+    #: the round's context, as its policies and cost model price it
+    ctx: RoundContext = NO_CONTEXT
 
     @property
     def width(self) -> int:
@@ -290,28 +293,24 @@ def fork_policies(selector: DrafterPolicy, length: LengthPolicy, memo: dict[int,
     """Per-request copies of a selector and its length policy (paired ones stay paired) that
     share ``auto``'s global counts (scope=global) with the originals: what one request teaches
     reaches the next ones, as in sequential serving; the rest is per request. ``memo``: objects
-    the copies keep as they are (the cost model they price rounds on: ``{id(old): new}``)."""
+    the copies keep as they are (the cost model they price rounds on: ``{id(old): new}``). What
+    a copy shares is the policy's ``shared_state()`` (``caps.forks_sharing``)."""
     memo = dict(memo)
     for p in (selector, length):
-        ctl = getattr(p, "controller", None)
-        if ctl is not None and getattr(ctl, "scope", "") == "global":
-            for attr in ("global_counts", "global_ctx", "global_clock"):
-                shared = getattr(ctl, attr, None)
-                if shared is not None:
-                    memo[id(shared)] = shared
+        if p.caps.forks_sharing:
+            for shared in p.shared_state():
+                memo[id(shared)] = shared
     return copy.deepcopy((selector, length), memo)
 
 
 def bind_policies(selector: DrafterPolicy, length: LengthPolicy, drafters: Sequence[Drafter], tree: bool) -> None:
-    """Tell the policies that ask which drafters run a network, their families (``auto`` does
-    not count agreement within one) and which draft trees (the node budget prices those)."""
-    for policy in (selector, length):
-        if hasattr(policy, "bind_drafters"):
-            policy.bind_drafters([d.is_model for d in drafters])
-        if hasattr(policy, "bind_families"):
-            policy.bind_families([d.family for d in drafters])
-        if hasattr(policy, "bind_trees"):
-            policy.bind_trees([tree and d.supports_tree for d in drafters])
+    """Tell both policies their drafters' capability records (which run a network, their
+    families: ``auto`` does not count agreement within one) and which draft trees (the node
+    budget prices those): ``bind`` of ``DrafterPolicy`` and ``LengthPolicy``."""
+    caps = [d.caps for d in drafters]
+    trees = [tree and c.drafts_trees for c in caps]
+    selector.bind(caps, trees)
+    length.bind(caps, trees)
 
 
 def cut_at_stops(emitted: list[int], remaining: int, eos: set[int],
@@ -351,7 +350,9 @@ class Round:
     with the device); ``tick``: the same seconds read without a device synchronise, for the
     length policy's rulings inside drafting (default ``time.perf_counter``). ``stopwatch``:
     when given, the real seconds of the policies' calls accumulate in ``policy_s`` (replay, whose
-    clock is virtual)."""
+    clock is virtual). ``last_width``: the width of the last verify forward the round settled
+    (0 after a request's prefill): the forward a row's next round follows on this target
+    (``RoundContext.last_width``)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], eos: set[int],
                  clock: Callable[[], float] = time.perf_counter, tick: Callable[[], float] | None = None,
@@ -359,6 +360,7 @@ class Round:
         self.decode, self.eos, self.clock = decode, set(eos), clock
         self.tick = time.perf_counter if tick is None else tick
         self.stopwatch, self.policy_s = stopwatch, 0.0
+        self.last_width = 0
 
     def _timed(self, call: Callable[[], Any]) -> Any:
         """``call()``, its real seconds added to ``policy_s`` when a stopwatch is set."""
@@ -381,12 +383,12 @@ class Round:
 
         def begin() -> None:
             parts.selector.begin_request(parts.names)
-            if hasattr(parts.selector, "observe_prompt"):  # policies that decide from the prompt (router)
+            if parts.selector.caps.reads_prompt:  # policies that decide from the prompt (router)
                 parts.selector.observe_prompt(row.prompt_ids)
             parts.length.begin_request()
 
         self._timed(begin)
-        parts.cost_model.last_width = 0  # the prefill's shape came last (``CostModel.switch_cost``)
+        self.last_width = 0  # the prefill's shape came last (``CostModel.switch_cost``)
         row.started = True
 
     def end(self, row: Row) -> None:
@@ -396,23 +398,33 @@ class Round:
                 d.end_request(row.output)
 
     # -- 1. plan ------------------------------------------------------------------------------
-    def plan(self, rows: Sequence[Row], batch: CostModel | None = None) -> list[RowPlan]:
-        """Every row's plan. ``batch``: the cost model of rows that share one forward and price
-        their rounds on its batch surface (``CostModel.batch``): cost-aware rows then take plain
-        steps without planning where no block could pay (``drafting_can_pay``), and ``auto``
-        rows with free blocks choose the batch's width together (``joint_width``)."""
-        if len(rows) == 1 or batch is None:
-            return [self.plan_row(row) for row in rows]
-        if not drafting_can_pay(batch):
-            return [self.plain(row) if row.parts.prices_rounds else self.plan_row(row) for row in rows]
-        return self._joint_plans(rows, batch)
+    def context(self, row: Row, rows: int = 1, columns: int = 0) -> RoundContext:
+        """The row's ``RoundContext`` this round: its cache length, the ``rows`` verified by the
+        round's forward over a batch cache of ``columns`` columns, the last forward's width."""
+        return RoundContext(len(row.tokens) - 1, rows, columns, self.last_width)
 
-    def plain(self, row: Row) -> RowPlan:
+    def plan(self, rows: Sequence[Row], batch: CostModel | None = None, shared: int = 1,
+             columns: int = 0) -> list[RowPlan]:
+        """Every row's plan. ``shared``: rows verified by one forward, over a batch cache of
+        ``columns`` columns (each row is priced as its share: ``RoundContext``). ``batch``: the
+        cost model of rows that share one forward and price their rounds on its batch surface
+        (``CostModel.batch``): cost-aware rows then take plain steps without planning where no
+        block could pay (``drafting_can_pay``), and ``auto`` rows with free blocks choose the
+        batch's width together (``joint_width``)."""
+        ctxs = [self.context(row, shared, columns) for row in rows]
+        if len(rows) == 1 or batch is None:
+            return [self.plan_row(row, ctx=ctx) for row, ctx in zip(rows, ctxs)]
+        if not drafting_can_pay(batch, shared, columns):
+            return [self.plain(row, ctx) if row.parts.prices_rounds else self.plan_row(row, ctx=ctx)
+                    for row, ctx in zip(rows, ctxs)]
+        return self._joint_plans(rows, batch, ctxs)
+
+    def plain(self, row: Row, ctx: RoundContext = NO_CONTEXT) -> RowPlan:
         """A plain step without asking the row's policies (drafting cannot pay in this batch)."""
         self.begin(row)
-        return RowPlan(PLAIN, 0, 0, Draft(), None, 0, PhaseTimes.at(self.clock()))
+        return RowPlan(PLAIN, 0, 0, Draft(), None, 0, PhaseTimes.at(self.clock()), ctx=ctx)
 
-    def _joint_plans(self, rows: Sequence[Row], cm: CostModel) -> list[RowPlan]:
+    def _joint_plans(self, rows: Sequence[Row], cm: CostModel, ctxs: Sequence[RoundContext]) -> list[RowPlan]:
         """Every row's plan, the batch's width chosen jointly for the rows that can (``auto``
         with free blocks: ``AutoController.block_curve``).
 
@@ -425,61 +437,64 @@ class Round:
         E_r(k) the row's expected emitted tokens at cap k (its best drafter's), V the batch
         surface (``BatchCosts.cost``), o the per-row round overhead; W is at least the other
         rows' widest block, and every joint row then drafts up to W - 1 tokens (free: the forward
-        is that wide anyway)."""
+        is that wide anyway). Joint rows are those whose selector plans jointly and whose length
+        policy follows it (``SelectorCaps.plans_jointly``, ``LengthCaps.follows_selector``)."""
         looks: dict[int, tuple[tuple[dict[int, Peek], bool, float, float], list]] = {}
         for r, row in enumerate(rows):
             sel, length = row.parts.selector, row.parts.length
-            if not (hasattr(sel, "block_curve") and getattr(length, "controller", None) is not None
-                    and length.controller is getattr(sel, "controller", None)):
+            if not (sel.caps.plans_jointly and length.caps.follows_selector):
                 continue
             look = self.look(row)
             looks[r] = (look, sel.block_curve() or [])  # no curve: planned on its own below
         plans: dict[int, RowPlan] = {}
         for r, row in enumerate(rows):
             if r not in looks or not looks[r][1]:
-                plans[r] = self.plan_row(row, looks[r][0] if r in looks else None)
+                plans[r] = self.plan_row(row, looks[r][0] if r in looks else None, ctxs[r])
         curves = {r: c for r, (_, c) in looks.items() if c}
         if curves:
             least = max((p.width for p in plans.values()), default=1)
-            ctx = cm.batch_context
+            columns = ctxs[0].batch_columns
             width = joint_width([[e for e, _, _ in c] for c in curves.values()], len(rows), least,
-                                cm.round_overhead_s, lambda w: cm.batch.cost(len(rows), w, ctx))
+                                cm.round_overhead_s, lambda w: cm.batch.cost(len(rows), w, columns))
             for r in curves:
                 rows[r].parts.selector.commit(width - 1)
-                plans[r] = self.plan_row(rows[r], looks[r][0])
+                plans[r] = self.plan_row(rows[r], looks[r][0], ctxs[r])
         return [plans[r] for r in range(len(rows))]
 
     def look(self, row: Row) -> tuple[dict[int, Peek], bool, float, float]:
-        """The row's looks at its model-free drafters' blocks (``Drafter.peek``), shown to its
-        selector when it looks first: (blocks, looked, round start, prompt ingestion seconds of
-        drafters looked at for the first time this request)."""
+        """The row's looks at its free-looking drafters' blocks (``Drafter.peek``), shown to its
+        selector when it looks first (``SelectorCaps.looks``): (blocks, looked, round start,
+        prompt ingestion seconds of drafters looked at for the first time this request)."""
         self.begin(row)
         t0 = self.clock()
         selector = row.parts.selector
-        row.parts.cost_model.context = len(row.tokens) - 1  # cache length: policies price this round at it
-        peek_k = int(getattr(selector, "peek_tokens", 0) or 0)
-        looks = getattr(selector, "looks", None)  # auto:look_share>0 skips looks that do not pay
-        looked = bool(peek_k) and (looks is None or looks())
+        caps = selector.caps
+        looked = caps.looks > 0 and (not caps.skips_looks or selector.looks())  # auto:look_share>0
         if not looked:
             return {}, False, t0, 0.0
-        peeked, ingest = self._peek(row, min(peek_k, row.remaining - 1))
+        peeked, ingest = self._peek(row, min(caps.looks, row.remaining - 1))
         self._timed(lambda: selector.observe_proposals(peeked))
         return peeked, True, t0, ingest
 
-    def plan_row(self, row: Row, look: tuple[dict[int, Peek], bool, float, float] | None = None) -> RowPlan:
+    def plan_row(self, row: Row, look: tuple[dict[int, Peek], bool, float, float] | None = None,
+                 ctx: RoundContext | None = None) -> RowPlan:
         """The row's drafter choice, catch-up and draft after its ``look`` (taken here if not
-        given): a chain, or a tree where the drafter drafts trees."""
+        given): a chain, or a tree where the drafter drafts trees. ``ctx``: the round's context
+        (default: the row alone, ``context``), passed to the policies that price rounds."""
         parts, tokens, clock = row.parts, row.tokens, self.clock
         peeked, looked, t0, look_ingest = self.look(row) if look is None else look
         selector, length, drafters = parts.selector, parts.length, parts.drafters
-        parts.cost_model.context = len(tokens) - 1
-        i = self._timed(selector.select)
+        if ctx is None:
+            ctx = self.context(row)
+        i = self._timed(partial(selector.select, ctx) if selector.caps.prices_rounds else selector.select)
         if not 0 <= i < len(drafters):
             raise ConfigError(f"selector {selector.name!r} chose drafter #{i} of {len(drafters)}")
-        wanted = self._timed(lambda: length.begin_round(i))  # 0: the policy chose a plain step (not the budget)
+        # 0: the policy chose a plain step (not the budget)
+        wanted = self._timed(partial(length.begin_round, i, ctx) if length.caps.prices_rounds
+                             else partial(length.begin_round, i))
         cap = min(wanted, row.remaining - 1) if row.draft_cap is None else min(wanted, row.remaining - 1, row.draft_cap)
         t_selected = clock()
-        if looked and getattr(selector, "looks", None) is not None and row.stats.rounds:
+        if looked and selector.caps.skips_looks and row.stats.rounds:
             parts.cost_model.observe_look(t_selected - t0)  # the first look also ingests the prompt
         times = PhaseTimes(t0, t_selected, t_selected, t_selected, t_selected, look_ingest=look_ingest)
         if self._ingest_prompt(row, i):
@@ -489,7 +504,7 @@ class Round:
             catch_up_tokens = len(tokens) - row.seen[i]  # produced while it was not used
             drafters[i].catch_up(tokens)
         times.caught_up = clock()
-        plan = RowPlan(i, wanted, cap, Draft(), None, catch_up_tokens, times, looked, peeked)
+        plan = RowPlan(i, wanted, cap, Draft(), None, catch_up_tokens, times, looked, peeked, ctx)
         self._draft(row, plan)
         times.drafted = clock()
         return plan
@@ -510,14 +525,14 @@ class Round:
 
         tree = None
         if plan.cap == 0 and row.plain_tree is not None and row.plain_tree in plan.peeked and room > 0:
-            tree = self._plain_tree(row, row.plain_tree, room)
+            tree = self._plain_tree(row, row.plain_tree, room, plan.ctx)
             if tree is not None:  # the round is that drafter's, allowed the tree's tokens
                 plan.drafter, plan.cap = row.plain_tree, len(tree)
                 plan.wanted = plan.cap
                 if tree.is_chain:
                     plan.draft, tree = Draft(tokens=list(tree.tokens)), None
         elif plan.cap > 0 and row.trees[plan.drafter]:
-            tree = self.draft_tree(row, plan.drafter, plan.cap, room)
+            tree = self.draft_tree(row, plan.drafter, plan.cap, room, plan.ctx)
             if tree is None:  # the drafter offered one chain: drafted as without trees
                 plan.draft = self.draft_chain(row, plan, decide)
             elif tree.is_chain:  # a chain (or a tree cut to one) is verified as one
@@ -551,9 +566,9 @@ class Round:
                     kept += apply_decisions(deeper.tokens[n:cap], go_on)
             return Draft(tokens=kept, look_s=look.seconds)
         return drafter.draft(tokens, cap, row.cfg.sampling, row.generator, decide,
-                             want_hidden=row.parts.length.needs_hidden and drafter.is_model)
+                             want_hidden=row.parts.length.caps.needs_hidden and drafter.caps.runs_model)
 
-    def _plain_tree(self, row: Row, index: int, room: int) -> DraftTree | None:
+    def _plain_tree(self, row: Row, index: int, room: int, ctx: RoundContext) -> DraftTree | None:
         """With trees on, ``auto`` planned a plain step (its looks found no chain that pays):
         model-free drafter ``index``'s tree (it was looked at, so it has seen the tokens), cut
         where its nodes stop paying at the generation's running rate R (the m maximising
@@ -562,10 +577,11 @@ class Round:
         None: the plain step."""
         if row.parts.length.plain_rate() is None:
             return None
-        tree = self.draft_tree(row, index, 1, room)
+        tree = self.draft_tree(row, index, 1, room, ctx)
         return tree if tree is not None and len(tree) else None
 
-    def draft_tree(self, row: Row, index: int, cap: int, room: int) -> DraftTree | None:
+    def draft_tree(self, row: Row, index: int, cap: int, room: int,
+                   ctx: RoundContext = NO_CONTEXT) -> DraftTree | None:
         """The drafter's tree cut to the best-first prefix worth verifying
         (``trees.nodes_worth_verifying``); None when a model-free drafter offered a single
         chain, which is then drafted exactly as without trees: a tree of one chain is the chain
@@ -585,19 +601,20 @@ class Round:
         (``auto``) planned a chain: its best-first nodes include the chain's, each priced by its
         calibrated score, so the cut is the best prefix-closed part of the candidates the chain
         is one of, and the tree replaces the chain whenever it branched. A model drafter's tree
-        keeps auto's ratio objective."""
+        keeps auto's ratio objective. ``ctx``: the round's context (where widths are priced)."""
         parts, tokens, sampling = row.parts, row.tokens, row.cfg.sampling
         drafter, costs, n_nodes = parts.drafters[index], parts.cost_model, parts.tree_nodes
-        verify_cost = costs.verify_row(n_nodes + 1).__getitem__  # every width at once
+        model = drafter.caps.runs_model
+        verify_cost = costs.verify_row(n_nodes + 1, ctx).__getitem__  # every width at once
         # the opportunity cost of a second is the generation's running rate; a model drafter's
         # tree under a policy that plans the round's rate (auto) keeps that policy's objective
-        rate = None if parts.length.plans_round_rate and drafter.is_model else costs.running_rate()
-        if drafter.is_model:
+        rate = None if parts.length.caps.plans_round_rate and model else costs.running_rate(ctx)
+        if model:
             # its q are calibrated on the tree nodes the target saw; a level is one drafter
             # forward: worth it while it may add more expected tokens than its seconds yield
             # at the running rate, and only for nodes the budget would verify
             f = parts.tree_calibration.factor(id(drafter))
-            level_s = max(0.0, costs.draft_cost(index, 1) - costs.draft_cost(index, 0))
+            level_s = max(0.0, costs.draft_cost(index, 1, ctx) - costs.draft_cost(index, 0, ctx))
 
             def budget(part: DraftTree) -> int:
                 if part.scores is None:
@@ -606,7 +623,7 @@ class Round:
                                              costs.round_overhead_s, rate)
 
             tree = drafter.draft_tree(tokens, min(cap, n_nodes), n_nodes, sampling,
-                                      level_gain=level_s * costs.running_rate() / max(f, 1e-6), budget=budget)
+                                      level_gain=level_s * costs.running_rate(ctx) / max(f, 1e-6), budget=budget)
             if tree.is_chain:
                 return tree
             scores = calibrated_scores(tree, f) if tree.scores is not None else None
@@ -622,7 +639,7 @@ class Round:
         return tree.prefix(nodes_worth_verifying(scores, verify_cost, costs.round_overhead_s, rate))
 
     def _peek(self, row: Row, max_tokens: int) -> tuple[dict[int, Peek], float]:
-        """Every drafter's proposal that costs no model call (``Drafter.peek``), by index, and
+        """Every free-looking drafter's proposal (``Drafter.peek``: ``DrafterCaps.free_looks``), by index, and
         the seconds of the prompt's ingestion by drafters looked at for the first time this
         request (once per request, not priced per round); the rest of the time counts as the
         round's policy overhead, which the cost model prices."""
@@ -630,7 +647,7 @@ class Round:
         ingest = 0.0
         clock, tokens = self.clock, row.tokens
         for j, d in enumerate(row.parts.drafters):
-            if d.is_model:
+            if not d.caps.free_looks:
                 continue
             ingest += self._ingest_prompt(row, j)
             t = clock()
@@ -664,7 +681,7 @@ class Round:
         drafters, cm = parts.drafters, parts.cost_model
         draft = outcome.draft if outcome.draft is not None else plan.draft
         n = outcome.n
-        observers = [d for d in drafters if d.observes_target]
+        observers = [d for d in drafters if d.caps.observes_target]
         fed = observed if observed is not None else [tokens[-1], *draft.tokens]
         emitted, reason = self.apply_stops(row, [*draft.tokens[:n], outcome.next_token])
         context_len = len(tokens)
@@ -688,10 +705,11 @@ class Round:
             round=len(row.stats.rounds), drafter=i, draft=draft, n_accepted=n, emitted=emitted,
             k_cap=plan.cap, target_logits=outcome.logits, sampling=row.cfg.sampling, draft_s=times.draft_s,
             verify_s=share, catch_up_s=times.catch_up_s, catch_up_tokens=plan.catch_up_tokens,
-            gammas=outcome.gammas, tree_nodes=0 if plan.tree is None else k, recorded=outcome.recorded)
+            gammas=outcome.gammas, tree_nodes=0 if plan.tree is None else k, recorded=outcome.recorded,
+            context=plan.ctx)
         t_eval = self.clock()
         eval_ingest = 0.0
-        if parts.selector.full_information and (len(drafters) > 1 or plan.wanted == 0):
+        if parts.selector.caps.full_information and (len(drafters) > 1 or plan.wanted == 0):
             feedback.counterfactual, eval_ingest = self.evaluate_others(
                 row, plan, tokens[:context_len], emitted, outcome.logits, feedback)
             for j in feedback.counterfactual:
@@ -701,8 +719,8 @@ class Round:
             for d in observers:  # after scoring: a score of this round must not read its own rows
                 d.observe_target(fed, outcome.logits)
         t_observed = self.clock()
-        cm.observe(i, k, times.draft_s, share, plan.catch_up_tokens, times.catch_up_s)
-        if plan.tree is not None and drafters[i].is_model and plan.tree.scores is not None and outcome.path is not None:
+        cm.observe(i, k, times.draft_s, share, plan.catch_up_tokens, times.catch_up_s, plan.ctx)
+        if plan.tree is not None and drafters[i].caps.runs_model and plan.tree.scores is not None and outcome.path is not None:
             parts.tree_calibration.observe(id(drafters[i]), *node_trials(plan.tree, outcome.path))
         self._timed(lambda: (parts.selector.update(feedback), parts.length.update(feedback)))
         t_end = self.clock()
@@ -717,8 +735,9 @@ class Round:
                             - times.look_ingest - eval_s)
         cm.observe_eval(eval_s, own + share)
         if parts.tree:  # the running rate prices tree nodes only (``draft_tree``)
-            cm.observe_round(len(emitted), k + 1, own - times.drafter_prefill_s - times.look_ingest - eval_ingest)
-        cm.last_width = k + 1
+            cm.observe_round(len(emitted), k + 1, own - times.drafter_prefill_s - times.look_ingest - eval_ingest,
+                             plan.ctx)
+        self.last_width = k + 1
         # the chosen drafter's look, when its block is the draft, was drafting (a static
         # configuration pays it too): recorded as such, not as the controller's time
         record = RoundRecord(
@@ -765,8 +784,8 @@ class Round:
         """Full information (Not-a-Bandit 3.2): prefill the verified tokens into every other
         drafter and compute its acceptance probability at each of them, without target calls.
         When the chosen drafter had a zero cap it is scored like the others. A selector may skip
-        drafters (``selector.evaluate(j)`` False: skipped evaluation, B.5; ``selector.to_score``
-        gives the round's set in one call). Under greedy decoding the target's argmax at each
+        drafters (``SelectorCaps.scores_subset``: ``selector.to_score`` gives the round's set;
+        skipped evaluation, B.5). Under greedy decoding the target's argmax at each
         emitted position is the emitted token, so no logits are needed. Also returns the
         seconds drafters scored for the first time this request spent ingesting the prompt."""
         parts, sampling = row.parts, row.cfg.sampling
@@ -778,13 +797,10 @@ class Round:
         alphas: dict[int, list[float]] = {}
         proposed: dict[int, list[bool]] = {}
         ingest = 0.0
-        to_score = getattr(parts.selector, "to_score", None)  # the round's set at once (auto)
-        if to_score is not None:
-            scored = to_score(chosen, score_chosen)
+        if parts.selector.caps.scores_subset:  # the round's set at once (auto)
+            scored = parts.selector.to_score(chosen, score_chosen)
         else:
-            evaluate = getattr(parts.selector, "evaluate", None)
-            scored = [j for j in range(len(parts.drafters)) if not (
-                (j == chosen and not score_chosen) or (evaluate is not None and not evaluate(j)))]
+            scored = [j for j in range(len(parts.drafters)) if j != chosen or score_chosen]
         target_logits = logits[:m] if logits is not None else torch.zeros(m, 0)
         for j in scored:
             ingest += self._ingest_prompt(row, j, context)
@@ -799,18 +815,20 @@ class Round:
         return out, ingest
 
 
-def drafting_can_pay(cm: CostModel) -> bool:
+def drafting_can_pay(cm: CostModel, rows: int, columns: int = 0) -> bool:
     """Could any block pay in this batch if every drafted token were accepted: w tokens for
-    o + price(w) against one for o + price(1), w up to ``MAX_WIDTH``, on the batch price
-    (``CostModel.verify_cost``) with the round overhead o? When not, no cost-aware policy
-    drafts, so their rows take plain steps without planning (whose per-row Python work, the
-    looks and the policies, is a noticeable share of a compute-bound round at many rows).
+    o + price(w) against one for o + price(1), w up to ``MAX_WIDTH``, on the batch price of a
+    row of ``rows`` over ``columns`` cache columns (``CostModel.verify_cost``) with the round
+    overhead o? When not, no cost-aware policy drafts, so their rows take plain steps without
+    planning (whose per-row Python work, the looks and the policies, is a noticeable share of a
+    compute-bound round at many rows).
 
     This is one row's best case at its row price, stricter than the joint width's (every row
     drafting and accepted: R w tokens for R o + V(R, w)), with which the rows looked and
     planned where the width seldom paid, and the batch ran slower."""
-    if cm.batch is None or cm.rows <= 1:
+    if cm.batch is None or rows <= 1:
         return True
+    ctx = RoundContext(rows=rows, batch_columns=columns)
     o = cm.round_overhead_s
-    plain = o + cm.verify_cost(1)
-    return any(w * plain > o + cm.verify_cost(w) for w in range(2, MAX_WIDTH + 1))
+    plain = o + cm.verify_cost(1, ctx)
+    return any(w * plain > o + cm.verify_cost(w, ctx) for w in range(2, MAX_WIDTH + 1))

@@ -5,9 +5,30 @@ engine needs: a forward over new tokens returning the logits of the last ``keep`
 truncation of a state to a length, the vocabulary, the context window, the tokenizer and EOS.
 Hugging Face / PyTorch (``transformers``, ``models.LoadedModel``) is the default; llama.cpp
 (``llama.cpp``, ``backends.llamacpp.LlamaCppTarget``) runs GGUF files on llama.cpp's kernels.
-Drafters and policies do not know which backend runs.
+Drafters and policies do not know which backend runs. Each backend is registered here in
+``registry.REGISTRY`` (kind ``backend``) with the loader ``models.load_model`` calls.
 """
 
-from .base import BACKENDS, DEFAULT_BACKEND, TargetBackend, check_backend
+from __future__ import annotations
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "TargetBackend", "check_backend"]
+
+from typing import Any
+
+from ..registry import REGISTRY, Spec
+from .base import DEFAULT_BACKEND, TargetBackend, check_backend, register_backend
+
+
+def _load_llamacpp(spec: Spec, *, model: str, gguf: Any, **options: Any) -> TargetBackend:
+    from .llamacpp import load_llamacpp  # llama-cpp-python is imported only to load a model
+
+    return load_llamacpp(model, gguf, **options)
+
+
+register_backend("transformers", None, aliases=("hf", "torch", "pytorch"))
+register_backend("llama.cpp", _load_llamacpp, aliases=("llamacpp", "llama-cpp", "llama_cpp"))
+
+#: backend names accepted by ``load_model(..., backend=)`` and ``--backend`` (the built-in ones;
+#: ``REGISTRY.entries("backend")`` lists every registered one)
+BACKENDS = tuple(e.name for e in REGISTRY.entries("backend"))
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "TargetBackend", "check_backend", "register_backend"]

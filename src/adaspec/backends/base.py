@@ -4,30 +4,57 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError
 from ..exactness import NEAR_TIE_NATS
+from ..registry import REGISTRY, Entry, Params, Spec
 
 if TYPE_CHECKING:
     from ..trees import DraftTree
 
-#: backend names accepted by ``load_model(..., backend=)`` and ``--backend``
-BACKENDS = ("transformers", "llama.cpp")
 DEFAULT_BACKEND = "transformers"
 
 
+@dataclass(frozen=True)
+class BackendParams(Params):
+    """A backend's spec has no parameters: its options are ``load_model``'s (``threads``, ...)."""
+
+
+def register_backend(name: str, load: Callable[..., TargetBackend] | None, **options: Any) -> Entry:
+    """Register a target backend (``registry.Registry.register`` for kind ``backend``; the
+    built-in ones in ``backends/__init__.py``): ``load(spec, model=SPEC, gguf=PATH_OR_NONE,
+    device=, dtype=, threads=, flash_attn=)`` loads a model on it (``models.load_model`` calls
+    it); None: ``load_model``'s own transformers path."""
+    return REGISTRY.register("backend", name, load or _in_models, params=BackendParams, **options)
+
+
+def _in_models(spec: Spec, **_: Any) -> TargetBackend:
+    raise ConfigError(f"backend {spec.name!r} is loaded by models.load_model itself")
+
+
 def check_backend(name: str) -> str:
-    """The canonical backend name for ``name`` (``llamacpp`` and ``hf`` are accepted too)."""
-    key = str(name).strip().lower()
-    key = {"hf": "transformers", "torch": "transformers", "pytorch": "transformers",
-           "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama_cpp": "llama.cpp"}.get(key, key)
-    if key not in BACKENDS:
-        raise ConfigError(f"unknown backend {name!r}: use one of {', '.join(BACKENDS)}")
-    return key
+    """The canonical backend name for ``name`` (its aliases, ``llamacpp`` and ``hf``, too)."""
+    found = REGISTRY.find("backend", str(name))
+    if found is None:
+        raise ConfigError(f"unknown backend {name!r}: use one of "
+                          f"{', '.join(e.name for e in REGISTRY.entries('backend'))}")
+    return found.name
+
+
+def backend_loader(name: str) -> Callable[..., TargetBackend] | None:
+    """How ``models.load_model`` loads a model on backend ``name``: the registered loader
+    (called with the model spec, the GGUF file or None and the load options), or None for the
+    transformers path of ``load_model`` itself."""
+    entry = REGISTRY.entry("backend", check_backend(name))
+    if entry.build is _in_models:
+        return None
+    return lambda model, gguf, **options: entry.build(REGISTRY.parse("backend", entry.name), model=model,
+                                                      gguf=gguf, **options)
 
 
 class TargetBackend(ABC):
@@ -40,7 +67,7 @@ class TargetBackend(ABC):
     accepted prefix is not recomputed).
     """
 
-    #: the backend's name (one of ``BACKENDS``); implementations also have ``name`` (what
+    #: the backend's name (a registered backend); implementations also have ``name`` (what
     #: the model was loaded from) and ``tokenizer`` (Hugging Face style, or None)
     backend: str = ""
     #: whether ``forward(..., hidden=True)`` and feature drafters work on this backend

@@ -641,9 +641,9 @@ def gguf_tokenizer(path: Path) -> Any:
     conversion cache when that model was loaded there before: much faster)."""
     from transformers import AutoTokenizer
 
-    from ..models import _gguf_cache_path
+    from ..artifacts import gguf_conversion_dir
 
-    cached = _gguf_cache_path(path)
+    cached = gguf_conversion_dir(path)
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     try:

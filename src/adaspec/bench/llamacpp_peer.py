@@ -25,7 +25,7 @@ from ..backends.llamacpp import import_llama_cpp, llama_thread, on_thread, safe_
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
-from .peers import PeerRun
+from .peer_run import PeerRun
 
 LLAMACPP_PEER_NAMES = ("llama.cpp[:flash_attn=0|1]", "llama.cpp-pld[:k=10,max_ngram=2,flash_attn=0|1]")
 _PLD_K, _PLD_NGRAM = 10, 2  # LlamaPromptLookupDecoding's defaults

@@ -24,8 +24,9 @@ drafted, accepted, emitted) sequence equals a live run's ``stats.rounds`` (check
 tests/test_trace_replay.py), up to floating-point batch invariance of the models (the
 recording's forwards are batched differently from a live run's; a near-tie can flip). A
 recorded chain drafted past the recorded ``max_draft`` is cut there and counted (``clipped``).
-Time-dependent policies (``TIME_DEPENDENT``: they read round seconds or the cost model) see
-times synthesised from the recorded costs, so the replay is deterministic but not a live run.
+Time-dependent policies (``caps.time_dependent``: they read round seconds or the cost model;
+``time_dependent_policies``) see times synthesised from the recorded costs, so the replay is
+deterministic but not a live run.
 
 Predicted seconds price every round where it runs (``_RoundPricer``): the verify-cost
 surface V(k+1, L) at the round's cache length L (times the recorded live/measured ratio at
@@ -55,21 +56,27 @@ import typer
 
 from ..config import GenerationConfig, SamplingConfig, validate_k
 from ..costs import CostModel, DrafterCosts, EngineOverheads, VerifyCostSurface
-from ..drafters import Drafter, NoDrafter, build_drafter, drafter_family
-from ..drafters.base import Decision, Draft, DraftStep, Peek, Proposals, StepStats
+from ..drafters import Drafter, NoDrafter, build_drafter, drafter_family, parse_drafter
+from ..drafters.base import Decision, Draft, DrafterCaps, DraftStep, Peek, Proposals, StepStats
 from ..errors import AdaspecError, ConfigError
 from ..length import LengthPolicy, build_length
 from ..metrics import RoundRates
+from ..registry import REGISTRY
 from ..round import Outcome, Round, Row, RowParts, RowPlan, bind_policies, tree_outcome
 from ..selection import DrafterPolicy, build_policies, build_selector
 from ..trees import DraftTree, walk_tree
 from .trace import PromptTrace, Trace
 
 GREEDY = SamplingConfig()
-#: policies whose decisions depend on round times or the cost model: their replay is
-#: deterministic (synthesised times) but not claimed equal to a live run
-TIME_DEPENDENT = frozenset({"cost-ucb", "cost-exp3", "cost-hedgespec", "ucbspec-length", "cost-model", "auto"})
 NONE = "none"
+
+
+def time_dependent_policies() -> frozenset[str]:
+    """The registered policies whose decisions depend on round times or the cost model
+    (``caps.time_dependent``): their replay is deterministic (synthesised times) but not claimed
+    equal to a live run."""
+    return frozenset(e.name for kind in ("selector", "length") for e in REGISTRY.entries(kind)
+                     if e.caps.time_dependent)
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -255,7 +262,7 @@ def _label(spec: str | DrafterPolicy | LengthPolicy | int | None, kind: str, k: 
         return "static" if kind == "selector" else f"static:k={k}"
     if isinstance(spec, int):
         return f"static:k={spec}"
-    return spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
+    return spec if isinstance(spec, str) else spec.name
 
 
 # -- pricing ------------------------------------------------------------------------------------
@@ -363,9 +370,13 @@ class ReplayDrafter(Drafter):
         self.live, self.recorded, self.strict = live, recorded, strict
         self.max_draft = trace.max_draft
         self.name = NONE if src is None else trace.names[src]
-        self.is_model = src is not None and trace.is_model[src]
-        self.family = live.family if live is not None else drafter_family(trace.specs[src]) if src is not None else NONE
-        self.supports_tree = not recorded and live is not None and live.supports_tree
+        is_model = src is not None and trace.is_model[src]
+        family = live.family if live is not None else drafter_family(trace.specs[src]) if src is not None else NONE
+        # looked at as live drafters are (the model-free ones), trees from the live ones only; it
+        # neither forks nor observes the target (a recorded drafter's rows are the trace's)
+        self.caps = DrafterCaps(family=family, runs_model=is_model, free_looks=not is_model, forks=False,
+                                drafts_trees=not recorded and live is not None and live.caps.drafts_trees,
+                                observes_target=False)
         self.view: _View | None = None
         self.clipped = False
         self._n_prompt = self._seen = 0
@@ -488,11 +499,12 @@ def _replay_drafters(trace: Trace, pool: _Pool, price: _RoundPricer, clock: Repl
     for j, src in enumerate(pool.src):
         live: Drafter | None = NoDrafter() if src is None else None
         if src is not None and not trace.is_model[src]:
-            try:
-                live = build_drafter(trace.specs[src], None)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - any failure (e.g. a corpus to tokenize): the recorded chains
+            try:  # rebuilt from its spec through the registry when it needs no target
+                spec = parse_drafter(trace.specs[src])
+                live = None if spec.needs_target else build_drafter(spec.text, None)
+            except Exception:  # noqa: BLE001 - any failure (e.g. a moved datastore file): the recorded chains
                 live = None
-        recorded = src is not None and (live is None or live.is_model or live.observes_target)
+        recorded = src is not None and (live is None or live.caps.runs_model or live.caps.observes_target)
         out.append(ReplayDrafter(j, src, trace, price, clock, live, recorded, strict))
     return out
 
@@ -544,7 +556,7 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     replayed = _replay_drafters(trace, pool, price, clock, strict)
     sel, ln = build_policies(selector, length, k, n_drafters=len(pool.src))
     bind_policies(sel, ln, replayed, tree)
-    if ln.needs_hidden and any(d.is_model for d in replayed):
+    if ln.caps.needs_hidden and any(d.caps.runs_model for d in replayed):
         raise ConfigError(f"length policy {ln.name!r} reads model drafters' hidden states, which a trace "
                           "does not record: replay it with model-free drafters only, or run it live "
                           "(adaspec bench)")
@@ -559,12 +571,12 @@ def replay(trace: Trace, selector: str | DrafterPolicy | None = None,
     policy_surface = price.policy_surface
     cost_model = CostModel(None if policy_surface is None else policy_surface.denoised())
     for policy in (sel, ln):
-        if getattr(policy, "wants_costs", False):
+        if policy.caps.prices_rounds:
             policy.costs = cost_model
     parts = RowParts(list(replayed), sel, ln, cost_model, tree=tree, tree_nodes=tree_nodes)
     rnd = Round(lambda ids: "", set(trace.eos_ids) if trace.stop_on_eos else set(), clock=clock, tick=clock,
                 stopwatch=time.perf_counter)
-    time_dep = sel.name in TIME_DEPENDENT or ln.name in TIME_DEPENDENT
+    time_dep = sel.caps.time_dependent or ln.caps.time_dependent
     result = ReplayResult(sel.name if selector is None else _label(selector, "selector", k),
                           ln.name if length is None and ln.name != "static" else _label(length, "length", k),
                           k, pool.labels, [], time_dep)
@@ -631,12 +643,12 @@ def predict_configs(trace: Trace, configs: Sequence[Any]) -> dict[str, ReplayRes
     reason it cannot be replayed (peers run Hugging Face's loop, not the engine's)."""
     out: dict[str, ReplayResult | str] = {}
     for c in configs:
-        if getattr(c, "peer", None):
+        if c.peer:
             out[c.name] = "peer (not the engine's loop)"
             continue
         try:
             out[c.name] = predict_config(trace, c.drafters, c.selector, c.length, c.k,
-                                         tree=getattr(c, "tree", False))
+                                         tree=c.tree)
         except ConfigError as exc:
             out[c.name] = str(exc)
     return out
@@ -892,5 +904,5 @@ def replay_command(
         console.print(f"written: {json_out}")
 
 
-__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "TIME_DEPENDENT", "load_surface", "oracle_bounds", "predict_config",
+__all__ = ["ReplayResult", "ReplayRound", "PromptReplay", "time_dependent_policies", "load_surface", "oracle_bounds", "predict_config",
            "predict_configs", "replay", "replay_command"]

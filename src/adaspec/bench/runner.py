@@ -33,7 +33,7 @@ from ..exactness import NEAR_TIE_NATS, divergence_gap
 from ..kernels import linear_mode
 from ..metrics import Rates, RequestStats
 from ..models import LoadedModel
-from .workloads import BUILTIN_PROMPTS, BenchPrompt
+from .workloads import BUILTIN_PROMPTS, BenchPrompt, turn_prompt
 
 SCHEMA = "adaspec.bench/1"
 AR_NAME = "AR (no drafter)"
@@ -457,7 +457,7 @@ class BenchRun:
 
     def summary(self) -> dict[str, Any]:
         """The ``summary.json`` document (schema ``adaspec.bench/1``)."""
-        from .. import __version__
+        from ..version import __version__
 
         regret = {}
         for c in self.configs:
@@ -719,19 +719,6 @@ def median_passes(times: Sequence[float]) -> set[int]:
     return {order[n // 2]} if n % 2 else {order[n // 2 - 1], order[n // 2]}
 
 
-def _turn_prompt(prompt: BenchPrompt, turn: int, answers: list[str], engine: SpeculativeEngine) -> Any:
-    """The input of a turn: chat messages with earlier answers (AR's), or raw text without a
-    chat template."""
-    tok = engine.target.tokenizer
-    if tok is not None and getattr(tok, "chat_template", None):
-        msgs: list[dict[str, str]] = []
-        for j in range(turn):
-            msgs += [{"role": "user", "content": prompt.turns[j]}, {"role": "assistant", "content": answers[j]}]
-        return engine.encode_prompt(msgs + [{"role": "user", "content": prompt.turns[turn]}])
-    parts = [x for j in range(turn) for x in (prompt.turns[j], answers[j])] + [prompt.turns[turn]]
-    return engine.encode_prompt("\n\n".join(parts), chat_template=False)
-
-
 def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
               prompts: Sequence[BenchPrompt] = BUILTIN_PROMPTS, max_new_tokens: int = 128,
               repeats: int = 1, warmup_tokens: int = 16, measure_costs: bool = True,
@@ -771,7 +758,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
     greedy = sampling.greedy
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
     warm = GenerationConfig(max_new_tokens=warmup_tokens, sampling=sampling)
-    first_ids = _turn_prompt(prompts[0], 0, [], ar_engine)
+    first_ids = turn_prompt(prompts[0], 0, [], ar_engine)
     for r in warmed:  # warm-up: first calls allocate and pick kernels
         r.run(first_ids, warm, eos)
 
@@ -801,7 +788,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
         for pos, prompt in enumerate(prompts):
             for turn, tr in enumerate(turns[pos]):
                 if rep == 0:
-                    tr.ids = _turn_prompt(prompt, turn, answers[pos], ar_engine)
+                    tr.ids = turn_prompt(prompt, turn, answers[pos], ar_engine)
                     prompt_lens.append(len(tr.ids))
                 for ci, r in enumerate(runners):
                     if progress:

@@ -114,7 +114,7 @@ class SyntheticEnv:
     def run(self, policy, n_tokens: int, names: Sequence[str] | None = None) -> SimResult:
         """Run ``policy`` until ``n_tokens`` tokens are produced (one request)."""
         policy.begin_request(list(names) if names else [f"arm{i}" for i in range(len(self.arms))])
-        full = bool(getattr(policy, "full_information", False))
+        full = policy.caps.full_information
         out = SimResult()
         produced = 0
         while produced < n_tokens:

@@ -57,6 +57,8 @@ from ..length.rules import stats_of, stats_probs
 from ..length import StaticLength
 from ..selection.baselines import RoundRobinPolicy
 from ..models import LoadedModel, as_loaded, check_fingerprint, target_fingerprint
+from ..version import __version__
+from .workloads import turn_prompt
 
 log = logging.getLogger(__name__)
 
@@ -461,7 +463,7 @@ class TraceRecorder:
                   for d in self.drafters]
         for d in self.drafters:
             d.begin_request(ids)
-            if getattr(d, "uses_target_features", False):
+            if d.caps.reads_target_features:
                 d.bind_features(self._features(path))
         sweep = _TargetSweep(self.loaded, path, n_prompt, self._tree)
         live_end = n_prompt + n_out
@@ -701,11 +703,7 @@ class TraceRecorder:
         }
         if self.live_rows:  # the table before the live rows priced it (``live_verify_table``'s fallback)
             info["verify_base"] = [[w, round(r, 6)] for w, r in self._verify_base]
-        try:
-            from .. import __version__
-            info["adaspec_version"] = __version__
-        except ImportError:  # pragma: no cover
-            pass
+        info["adaspec_version"] = __version__
         return Trace(target=target_fingerprint(self.loaded), specs=self.specs,
                      names=[d.name for d in self.drafters], is_model=[bool(d.is_model) for d in self.drafters],
                      max_new_tokens=self.max_new_tokens, max_draft=self.max_draft, eos_ids=list(self.eos),
@@ -771,11 +769,11 @@ class _CyclingLength(StaticLength):
 
     def __init__(self, caps: Sequence[int]):
         super().__init__(k=max(caps))
-        self.caps, self._j = list(caps), 0
+        self.cycle, self._j = list(caps), 0
 
     def begin_round(self, drafter: int) -> int:
         self._j += 1
-        return self.caps[(self._j - 1) % len(self.caps)]
+        return self.cycle[(self._j - 1) % len(self.cycle)]
 
 
 #: share of the largest live/surface verify ratios left out of each width's mean: a burst
@@ -899,11 +897,9 @@ def record(target: Any, drafters: Sequence[str | Drafter], prompts: Sequence[Any
         if turns is None:
             rec.add(p)
             continue
-        from .runner import _turn_prompt
-
         answers: list[str] = []
         for j in range(len(turns)):
-            got = rec.add(_turn_prompt(p, j, answers, rec.ar),
+            got = rec.add(turn_prompt(p, j, answers, rec.ar),
                           {"id": getattr(p, "id", ""), "category": getattr(p, "category", ""), "turn": j})
             answers.append(rec.ar.decode(got.output))
     def passes(done: int, total: int) -> None:  # the surface's measurement, shown as the trace's

@@ -276,3 +276,16 @@ def load_workload(spec: str, per_category: int | None = None, seed: int = 0) -> 
 
 BUILTIN_PROMPTS: tuple[BenchPrompt, ...] = tuple(load_suite("all", per_category=1))
 """The default ``adaspec bench`` set: the first prompt of each category (8 prompts)."""
+
+
+def turn_prompt(prompt: BenchPrompt, turn: int, answers: list[str], engine: Any) -> Any:
+    """The input of a turn of a multi-turn prompt for ``engine`` (a ``SpeculativeEngine``): chat
+    messages with the earlier answers (AR's), or raw text without a chat template."""
+    tok = engine.target.tokenizer
+    if tok is not None and getattr(tok, "chat_template", None):
+        msgs: list[dict[str, str]] = []
+        for j in range(turn):
+            msgs += [{"role": "user", "content": prompt.turns[j]}, {"role": "assistant", "content": answers[j]}]
+        return engine.encode_prompt(msgs + [{"role": "user", "content": prompt.turns[turn]}])
+    parts = [x for j in range(turn) for x in (prompt.turns[j], answers[j])] + [prompt.turns[turn]]
+    return engine.encode_prompt("\n\n".join(parts), chat_template=False)

@@ -458,7 +458,7 @@ def _verify_probe(target: Any, work: Sequence[Any], max_new_tokens: int) -> Any:
     """The verify probe of a recorded bench (``bench.trace.VerifyProbe``) on a cache of the
     workload's typical length (median first-turn prompt + half an answer); None on a backend
     whose states share one cache (llama.cpp)."""
-    from ..bench.runner import _turn_prompt
+    from ..bench.workloads import turn_prompt
     from ..bench.trace import VerifyProbe
     from ..costs import DEFAULT_KS
     from ..engine import SpeculativeEngine
@@ -466,7 +466,7 @@ def _verify_probe(target: Any, work: Sequence[Any], max_new_tokens: int) -> Any:
     if not VerifyProbe.supported(target):
         return None
     ar = SpeculativeEngine(target, [])
-    lens = sorted(len(_turn_prompt(p, 0, [], ar)) for p in work)
+    lens = sorted(len(turn_prompt(p, 0, [], ar)) for p in work)
     return VerifyProbe(target, DEFAULT_KS, lens[len(lens) // 2] + max_new_tokens // 2)
 
 
@@ -659,9 +659,9 @@ def train_head_cmd(
             err.print("[yellow]note:[/] drafter 'self' is the target itself, so every draft is "
                       "accepted (P = 1): the head is only a smoke test of the pipeline")
         elif kind == "early-exit":
-            from ..drafters import early_exit_model, parse_params
+            from ..drafters import early_exit_model, parse_drafter
 
-            draft_model = early_exit_model(target, int(parse_params(ref, spec)["layers"]))
+            draft_model = early_exit_model(target, parse_drafter(spec).params.layers)
         else:
             from ..drafters import check_same_vocabulary
 

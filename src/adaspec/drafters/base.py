@@ -13,15 +13,19 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from ..config import SamplingConfig
 from ..errors import AdaspecError
 from ..trees import DraftTree, PrefixCut, TreeBudget
+from ..persist import state_type
+from ..registry import read_flags
 
 
+@state_type
 class Decision(enum.Enum):
     """What a length policy says after seeing one drafted token."""
 
@@ -138,18 +142,90 @@ def apply_decisions(tokens: Sequence[int], decide: StepDecider) -> list[int]:
     return kept
 
 
+@dataclass(frozen=True)
+class DrafterCaps:
+    """What a drafter can do, declared once by its class (``Drafter.caps``) and read by the round
+    and its callers, which never probe a drafter for hooks.
+
+    ``family``: what kind of drafter it is, whatever its name (``suffix`` for every suffix
+    drafter, with or without a datastore): drafters of one family draw on the same evidence, so
+    ``auto`` does not count their agreement (``drafters.drafter_family``). ``runs_model``: it
+    runs a neural network (it exposes q, logits and hidden states; it is scored by the engine,
+    never looked at). ``drafts_trees``: ``draft_tree`` proposes draft trees (``adaspec.trees``);
+    the others draft chains. ``free_looks``: ``peek`` shows its block without a model call, so a
+    policy that looks first sees it before the choice. ``forks``: ``fork`` gives a twin with its
+    own per-request state (several requests at once: batches, the vLLM proposer).
+    ``observes_target``: the round calls ``observe_target`` with every round's verified rows.
+    ``reads_target_features``: it drafts from the target's hidden states (``bind_features``;
+    EAGLE-style heads), which only a one-request forward computes.
+
+    In a class's declaration ``None`` (the default) for ``drafts_trees``, ``free_looks``,
+    ``forks`` and ``observes_target`` means: whether the class implements ``draft_tree``,
+    ``peek`` (and runs no model), ``fork`` and ``observe_target``; ``family`` None: the class's
+    ``name``. ``Drafter.__init_subclass__`` resolves them when the class is created, and a
+    declaration of a hook the class does not implement is an error there: a drafter cannot
+    forget a declaration and silently run slower, nor claim one it cannot keep. A drafter whose
+    abilities depend on what it was built with (a model drafter's trees) sets its own resolved
+    record on the instance."""
+
+    family: str | None = None
+    runs_model: bool = False
+    drafts_trees: bool | None = None
+    free_looks: bool | None = None
+    forks: bool | None = None
+    observes_target: bool | None = None
+    reads_target_features: bool = False
+
+
+#: the record fields whose default is "the class implements this hook"
+_HOOKS = {"drafts_trees": "draft_tree", "free_looks": "peek", "forks": "fork", "observes_target": "observe_target"}
+#: class attributes of earlier drafters, read into the record when a subclass sets them
+_FLAGS = {"is_model": "runs_model", "supports_tree": "drafts_trees", "observes_target": "observes_target",
+          "uses_target_features": "reads_target_features", "family": "family"}
+
+
 class Drafter(ABC):
-    """One source of draft tokens. Implementations: model, prompt lookup, suffix."""
+    """One source of draft tokens. Implementations: model, prompt lookup, suffix.
+
+    What it can do is its ``caps`` (``DrafterCaps``): declare ``caps = DrafterCaps(...)`` in the
+    class; the hooks it implements are declared by implementing them."""
 
     name: str = "drafter"
-    #: what kind of drafter it is, whatever its name (``drafters.drafter_family``)
-    family: str = "drafter"
-    #: True if the drafter runs a neural network (then it exposes q, logits and hidden states)
-    is_model: bool = False
-    #: True if ``draft_tree`` proposes draft trees (``adaspec.trees``); others draft chains
-    supports_tree: bool = False
-    #: True if the engines call ``observe_target`` with every round's verified rows
-    observes_target: bool = False
+    caps: DrafterCaps = DrafterCaps(family="drafter", drafts_trees=False, free_looks=False, forks=False,
+                                    observes_target=False)
+    _declared: DrafterCaps = DrafterCaps()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__.get("caps", cls._declared)
+        flags = read_flags(cls, {k: f for k, f in _FLAGS.items() if k != "family"})
+        if isinstance(cls.__dict__.get("family"), str):
+            flags["family"] = cls.__dict__["family"]
+        if flags:
+            declared = replace(declared, **flags)
+        cls._declared = declared
+        cls.caps = resolve_caps(cls, declared)
+
+    # views of ``caps`` under the names earlier versions used
+    @property
+    def family(self) -> str:
+        return self.caps.family  # type: ignore[return-value]
+
+    @property
+    def is_model(self) -> bool:
+        return self.caps.runs_model
+
+    @property
+    def supports_tree(self) -> bool:
+        return bool(self.caps.drafts_trees)
+
+    @property
+    def observes_target(self) -> bool:
+        return bool(self.caps.observes_target)
+
+    @property
+    def uses_target_features(self) -> bool:
+        return self.caps.reads_target_features
 
     @abstractmethod
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
@@ -183,7 +259,7 @@ class Drafter(ABC):
                    sampling: SamplingConfig | None = None, level_gain: float = 0.0,
                    budget: TreeBudget | None = None, cut: PrefixCut | None = None) -> DraftTree:
         """A draft tree after ``context`` (nodes in best-first order, with scores), for drafters
-        with ``supports_tree``. Children are chosen deterministically (never sampled), so the
+        with ``caps.drafts_trees``. Children are chosen deterministically (never sampled), so the
         one-hot rule verifies any tree exactly (``adaspec.trees``); model drafters rank nodes by
         their q processed under ``sampling`` (softmax of the logits when greedy or None).
         ``level_gain``: a drafter that pays a forward per level drafts a level only while it
@@ -195,7 +271,7 @@ class Drafter(ABC):
         raise AdaspecError(f"drafter {self.name!r} drafts chains only (no draft trees)")
 
     def observe_target(self, inputs: Sequence[int], logits: torch.Tensor) -> None:
-        """A round's verify inputs and the target's logits row after each (``observes_target``
+        """A round's verify inputs and the target's logits row after each (``caps.observes_target``
         drafters: ``RecycleDrafter``), once the round's scoring is done, so that a score never
         reads the round it scores."""
 
@@ -216,3 +292,21 @@ class Drafter(ABC):
 
     def describe(self) -> str:
         return self.name
+
+
+def resolve_caps(cls: type, declared: DrafterCaps) -> DrafterCaps:
+    """``declared`` with its defaults filled from the hooks ``cls`` implements (``DrafterCaps``);
+    raises ``TypeError`` when it declares a hook ``cls`` does not implement."""
+    values: dict[str, Any] = {}
+    for field_name, hook in _HOOKS.items():
+        implemented = getattr(cls, hook) is not getattr(Drafter, hook)
+        if field_name == "free_looks":
+            implemented = implemented and not declared.runs_model
+        value = getattr(declared, field_name)
+        if value is None:
+            value = implemented
+        elif value and not implemented:
+            raise TypeError(f"drafter class {cls.__name__} declares {field_name}=True but does not implement "
+                            f"{hook}(): implement it or drop the declaration")
+        values[field_name] = bool(value)
+    return replace(declared, family=declared.family or getattr(cls, "name", "drafter"), **values)

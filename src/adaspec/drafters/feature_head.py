@@ -40,7 +40,7 @@ from ..kernels import (PackedLinear, follow_plan, linear, linear_mode, packed_li
 from ..models import LoadedModel, cache_arg, check_fingerprint, target_fingerprint
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, PrefixCut, TreeBudget, TreeNode, TreeSlots, dynamic_tree
-from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
+from .base import Decision, Draft, Drafter, DrafterCaps, DraftStep, Proposals, StepDecider
 
 FORMAT = "adaspec.feature-head/1"
 DEFAULT_DRAFT_VOCAB = 8192
@@ -209,6 +209,15 @@ class FeatureHeadNet(nn.Module):
         return self.norm(out)
 
 
+def check_head_file(path: str | Path) -> Path:
+    """A feature-head file (``~`` expanded) that exists; a clear error otherwise, nothing read."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"feature head file not found: {path}: train one with "
+                             "`adaspec train-drafter --kind feature-head --data DIR --out FILE`")
+    return path
+
+
 class FeatureHead:
     """A trained (or fresh) head bound to its target: network, draft vocabulary and target parts."""
 
@@ -278,10 +287,7 @@ class FeatureHead:
     @classmethod
     def load(cls, path: str | Path, target: LoadedModel) -> FeatureHead:
         """Load a head file for ``target`` (a clear error if it was trained for another model)."""
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise ModelLoadError(f"feature head file not found: {path}: train one with "
-                                 "`adaspec train-drafter --kind feature-head --data DIR --out FILE`")
+        path = check_head_file(path)
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
@@ -363,10 +369,7 @@ class FeatureHeadDrafter(Drafter):
     lazily from the engine's feature buffer (``catch_up``, then the rest in ``draft``/``score``).
     """
 
-    is_model = True
-    family = "feature-head"
-    uses_target_features = True
-    supports_tree = True
+    caps = DrafterCaps(family="feature-head", runs_model=True, reads_target_features=True)
     #: EAGLE-2 tree shape: children offered per expanded node, nodes expanded per level
     tree_branch, tree_width = 4, 4
 

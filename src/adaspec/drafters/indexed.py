@@ -176,8 +176,6 @@ class IndexedDrafter(Drafter):
         #: the last tree's context length and candidates per expanded path, settled at catch_up
         self._offered: tuple[int, dict[tuple[int, ...], list[tuple[int, CandidateKey]]]] | None = None
 
-    supports_tree = True
-
     @abstractmethod
     def propose(self) -> int | None:
         """Next-token proposal after the indexed tokens, or None if there is none."""

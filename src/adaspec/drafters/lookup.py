@@ -10,14 +10,22 @@ match and stay a pure function of the prefix.
 from __future__ import annotations
 
 from ..errors import ConfigError
+from .base import DrafterCaps
 from .indexed import CandidateKey, IndexedDrafter, frequent_candidates, level_candidates
 
 #: most recent matches per n-gram size read for a tree's candidates
 MAX_TREE_HITS = 64
 
 
+def check_ngrams(min_ngram: int, max_ngram: int) -> None:
+    """The n-gram sizes of prompt lookup: 1 <= min_ngram <= max_ngram."""
+    if not (1 <= min_ngram <= max_ngram):
+        raise ConfigError(f"prompt-lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+
+
 class PromptLookupDrafter(IndexedDrafter):
-    name = family = "prompt-lookup"
+    name = "prompt-lookup"
+    caps = DrafterCaps(family="prompt-lookup")
     #: tree candidates' acceptance per (n-gram size bucket, share bucket, late) before any data
     #: (``CandidateCalibration``): measured on the mixed suite (SmolLM2, 2 prompts per
     #: category, 128 tokens, buckets with >= 20 trials)
@@ -31,9 +39,7 @@ class PromptLookupDrafter(IndexedDrafter):
     CALIBRATION_DEFAULT = 0.05
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str | None = None):
-        if not (1 <= min_ngram <= max_ngram):
-            raise ConfigError(
-                f"prompt-lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        check_ngrams(min_ngram, max_ngram)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.name = name or self.name
         super().__init__(range(min_ngram, max_ngram + 1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from ..backends.base import TargetBackend
 from ..backends.transformers import TREE_ATTENTION, LoadedModel, _check_tree_cache, cache_arg
 from ..sampling import process_logits, sample
 from ..trees import DraftTree, PrefixCut, TreeBudget, TreeNode, TreeSlots, dynamic_tree
-from .base import Decision, Draft, Drafter, DraftStep, Proposals, StepDecider
+from .base import Decision, Draft, Drafter, DrafterCaps, DraftStep, Proposals, StepDecider
 
 #: EAGLE-2 tree shape of model drafters: children offered per expanded node, nodes expanded per level
 TREE_BRANCH, TREE_WIDTH = 4, 4
@@ -105,8 +105,7 @@ class ModelDrafter(Drafter):
     next use; tokens produced while it was not used are prefilled in ``catch_up``.
     """
 
-    is_model = True
-    family = "model"
+    caps = DrafterCaps(family="model", runs_model=True)
     #: EAGLE-2 tree shape: children offered per expanded node, nodes expanded per level
     tree_branch, tree_width = TREE_BRANCH, TREE_WIDTH
 
@@ -122,13 +121,11 @@ class ModelDrafter(Drafter):
         self._trusted = 0  # _fed[:_trusted] is known to equal the verified context
         self._unfed: tuple[int, int] | None = None  # (position, token): own last draft, not fed
         self._tree_kv: _TreeKV | None = None  # tree nodes in the cache beyond _fed (draft_tree)
-
-    @property
-    def supports_tree(self) -> bool:  # type: ignore[override]
-        """Trees need a transformers drafter whose attention takes a custom 4D mask."""
+        # trees need a transformers drafter whose attention takes a custom 4D mask
         cfg = getattr(self.model, "config", None)
-        return (bool(getattr(self.lm, "supports_trees", False)) and cfg is not None
-                and getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION)
+        trees = (bool(getattr(self.lm, "supports_trees", False)) and cfg is not None
+                 and getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION)
+        self.caps = replace(type(self).caps, drafts_trees=trees)
 
     # -- state --------------------------------------------------------------------------
     def begin_request(self, prompt_ids: Sequence[int]) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..config import SamplingConfig
-from .base import Draft, Drafter, Proposals
+from .base import Draft, Drafter, DrafterCaps, Proposals
 
 
 class NoDrafter(Drafter):
-    name = family = "none"
+    name = "none"
+    caps = DrafterCaps(family="none")
 
     def begin_request(self, prompt_ids: Sequence[int]) -> None:
         pass

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import row_argmax
+from .base import DrafterCaps
 from .indexed import CandidateKey, IndexedDrafter
 
 #: calibration buckets of recycled candidates: (RECYCLED, rank in the table's row, 0); a match
@@ -32,22 +33,28 @@ from .indexed import CandidateKey, IndexedDrafter
 RECYCLED = -1
 
 
+def check_top(top: int) -> None:
+    """The recycled candidates per token: 1 <= top <= 16."""
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 16:
+        raise ConfigError(f"recycle needs 1 <= top <= 16, got {top!r}: e.g. recycle:top=4")
+
+
 class RecycleDrafter(IndexedDrafter):
     """Drafts from the target's top ``top`` next tokens after each token, recorded from earlier
     verify steps (module docstring). The table is shared by ``fork``'s twins and kept across
     requests; before a token has been a verify input the drafter has nothing after it."""
 
-    name = family = "recycle"
+    name = "recycle"
+    #: the engines feed the table (``Drafter.observe_target``: ``observes_target`` by implementing it)
+    caps = DrafterCaps(family="recycle")
     #: a candidate's acceptance by its rank in the table's row before any data (measured on the
     #: mixed suite's greedy paths, SmolLM2: the target's next token 42%, 7%, 5%, 3% of the time)
     CALIBRATION_PRIOR = {(RECYCLED, 0, 0): 0.40, (RECYCLED, 1, 0): 0.07, (RECYCLED, 2, 0): 0.05,
                          (RECYCLED, 3, 0): 0.03}
     CALIBRATION_DEFAULT = 0.02
-    observes_target = True  # the engines feed the table (``Drafter.observe_target``)
 
     def __init__(self, top: int = 1, name: str | None = None):
-        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 16:
-            raise ConfigError(f"recycle needs 1 <= top <= 16, got {top!r}: e.g. recycle:top=4")
+        check_top(top)
         self.top = top
         self.name = name or self.name
         #: token -> the target's top next tokens the last time it was a verify input

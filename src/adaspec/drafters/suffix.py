@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AdaspecError
+from .base import DrafterCaps
 from .index import NgramIndex
 from .indexed import CandidateKey, IndexedDrafter, frequent_candidates, level_candidates
 
@@ -197,8 +198,15 @@ class SuffixDatastore:
         return store
 
 
+def check_matches(min_match: int, max_match: int) -> None:
+    """The match lengths of suffix matching: 1 <= min_match <= max_match."""
+    if not (1 <= min_match <= max_match):
+        raise AdaspecError(f"suffix needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
+
+
 class SuffixDrafter(IndexedDrafter):
-    name = family = "suffix"
+    name = "suffix"
+    caps = DrafterCaps(family="suffix")
     #: tree candidates' acceptance per (match-length bucket, share bucket, late) before any
     #: data (``CandidateCalibration``): measured on the mixed suite (SmolLM2, 2 prompts per
     #: category, 128 tokens, buckets with >= 20 trials; ``docs/drafters-and-policies.md``)
@@ -214,8 +222,7 @@ class SuffixDrafter(IndexedDrafter):
     def __init__(self, min_match: int = 2, max_match: int = 24, max_candidates: int = 64,
                  datastore: SuffixDatastore | None = None, learn: bool = False,
                  name: str | None = None):
-        if not (1 <= min_match <= max_match):
-            raise AdaspecError(f"suffix needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        check_matches(min_match, max_match)
         self.min_match, self.max_match, self.max_candidates = min_match, max_match, max_candidates
         self.datastore = datastore
         if datastore is not None and datastore.min_match != min_match:

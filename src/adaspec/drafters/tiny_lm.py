@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +111,23 @@ def save_tiny_lm(model: Any, target: LoadedModel, vocab: torch.Tensor, out: str 
     return out
 
 
-def read_tiny_lm_meta(path: str | Path) -> dict:
-    """The ``adaspec-drafter.json`` of a tiny-LM directory (clear errors for wrong paths/files)."""
+def check_tiny_lm_dir(path: str | Path) -> Path:
+    """A tiny-LM directory (``~`` expanded) with its ``adaspec-drafter.json``; clear errors for
+    a wrong path, nothing loaded."""
     path = Path(path).expanduser()
-    meta_file = path / META_FILE
     if not path.is_dir():
         raise ModelLoadError(f"tiny-lm directory not found: {path}: train one with "
                              "`adaspec train-drafter --kind tiny-lm --data DIR --out DIR`")
-    if not meta_file.is_file():
+    if not (path / META_FILE).is_file():
         raise ModelLoadError(f"{path} has no {META_FILE}: it is not a tiny-lm drafter written by "
                              "adaspec train-drafter")
+    return path
+
+
+def read_tiny_lm_meta(path: str | Path) -> dict:
+    """The ``adaspec-drafter.json`` of a tiny-LM directory (clear errors for wrong paths/files)."""
+    path = check_tiny_lm_dir(path)
+    meta_file = path / META_FILE
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -133,7 +141,7 @@ def read_tiny_lm_meta(path: str | Path) -> dict:
 class TinyLMDrafter(ModelDrafter):
     """``ModelDrafter`` over a tiny LM whose logits cover only its draft vocabulary (-inf elsewhere)."""
 
-    family = "tiny-lm"
+    caps = replace(ModelDrafter.caps, family="tiny-lm")
 
     def __init__(self, drafter: LoadedModel, target_vocab_size: int, vocab: torch.Tensor,
                  name: str | None = None, training: dict | None = None):

@@ -4,8 +4,8 @@ Each call receives the batch as the engine keeps it: the tokens verified for eac
 step, each row's token count and its token buffer. The rows are mapped to requests
 (``rows.RowTracker``), each request's policies learn from the fate of its last drafts, and
 each row is drafted again by the drafter and with the length its policies pick (0 allowed).
-Model-free drafters only (none, prompt lookup, suffix with its datastore): they need nothing
-from the engine but tokens, and the engine verifies their drafts losslessly.
+Model-free drafters only (none, prompt lookup, suffix with its datastore: ``serving_drafters``):
+they need nothing from the engine but tokens, and the engine verifies their drafts losslessly.
 """
 
 from __future__ import annotations
@@ -25,25 +25,17 @@ import numpy as np
 from ..backends.transformers import LoadedModel
 from ..config import GenerationConfig, SamplingConfig, validate_k, validate_scope
 from ..costs import CostModel, StepCosts
-from ..drafters import Draft, Drafter, build_drafter, parse_params
+from ..drafters import Draft, Drafter, DrafterCaps, build_drafter, parse_drafter, parse_params
 from ..drafters.indexed import share_indexes
 from ..errors import ConfigError
-from ..length import LengthPolicy, StaticLength, build_length
-from ..length.bandit import LengthUCB
-from ..length.rules import HFHeuristic
+from ..length import LengthPolicy, build_length
+from ..registry import REGISTRY
 from ..round import Outcome, Round, Row, RowParts, RowPlan, bind_policies, fork_policies
-from ..selection import DrafterPolicy, StaticPolicy, build_selector
-from ..selection.banditspec import UCBSpec
-from ..selection.baselines import RoundRobinPolicy, UniformRandomPolicy
+from ..selection import DrafterPolicy, build_selector
 from .rows import RowMatch, RowTracker, Stream
 
 log = logging.getLogger(__name__)
 
-MODEL_FREE = ("none", "prompt-lookup", "pld", "suffix")
-#: policies whose ``update`` reads only the feedback, so one learner may serve the requests in
-#: flight, whose rounds interleave (others keep state from choosing to learning: scope=request)
-SHARED_OK: tuple[type, ...] = (StaticPolicy, UniformRandomPolicy, RoundRobinPolicy, UCBSpec,
-                               StaticLength, LengthUCB, HFHeuristic)
 #: the engine reports accepted counts, not the request's sampling settings: feedback is built
 #: from realised acceptances (1 per accepted draft, 0 at the rejected one), as under greedy;
 #: the engine ends its requests (no EOS, no budget here)
@@ -141,32 +133,39 @@ def with_scope(spec: str, scope: str) -> str:
     return f"{name}:{rest},scope={scope}" if rest.strip() else f"{name}:scope={scope}"
 
 
+def serves(caps: DrafterCaps) -> bool:
+    """Can a drafter of these capabilities draft for a serving engine's rows? It must run no
+    model and read nothing from the engine but tokens (no target rows, no target features)."""
+    return not (caps.runs_model or caps.observes_target or caps.reads_target_features)
+
+
+def serving_drafters() -> list[str]:
+    """The registered drafters a serving proposer runs (``serves``), by spec name."""
+    return [e.name for e in REGISTRY.entries("drafter") if serves(e.caps)]
+
+
 def model_free_drafter(spec: str, tokenizer: Any = None) -> Drafter:
     """Build a model-free drafter from its spec; model drafters are refused with the fix."""
-    name = spec.strip().partition(":")[0].strip().lower()
-    if name not in MODEL_FREE:
+    parsed = parse_drafter(spec)
+    if not serves(parsed.entry.caps):
         raise ConfigError(
-            f"drafter {spec!r} is not model-free: a serving proposer runs {', '.join(MODEL_FREE)}; "
+            f"drafter {spec!r} is not model-free: a serving proposer runs {', '.join(serving_drafters())}; "
             "for a draft model use the serving engine's own method (vLLM: draft_model, eagle)")
-    return build_drafter(spec, LoadedModel(model=None, tokenizer=tokenizer, name="serving target"))
-
-
-def _forks_sharing(policy: Any) -> bool:
-    """``auto``: forked per request with its global counts shared (``round.fork_policies``)."""
-    return getattr(getattr(policy, "controller", None), "scope", "") == "global"
+    return build_drafter(parsed.text, LoadedModel(model=None, tokenizer=tokenizer, name="serving target"))
 
 
 def check_policy(policy: DrafterPolicy | LengthPolicy, kind: str) -> None:
     """Refuse policies a serving proposer cannot feed, naming the fix."""
-    if getattr(policy, "needs_hidden", False):
+    if isinstance(policy, LengthPolicy) and policy.caps.needs_hidden:
         raise ConfigError(f"{kind} {policy.name!r} reads a model drafter's hidden states; a serving "
                           "proposer runs model-free drafters: pick another length policy")
-    if policy.scope == "global" and type(policy) not in SHARED_OK and not _forks_sharing(policy):
+    if policy.scope == "global" and not (policy.caps.shares_interleaved or policy.caps.forks_sharing):
+        shared = [e.name for k in ("selector", "length") for e in REGISTRY.entries(k)
+                  if e.caps.shares_interleaved or e.caps.forks_sharing]
         raise ConfigError(
             f"{kind} {policy.name!r} keeps state between choosing and learning, so one learner "
             "shared by interleaved requests would credit the wrong round: add scope=request "
-            "(one learner per request) or use static, random, round-robin, ucbspec, "
-            "ucbspec-length, hf-heuristic or auto")
+            f"(one learner per request) or use {', '.join(dict.fromkeys(shared))}")
 
 
 class BatchProposer:
@@ -194,16 +193,16 @@ class BatchProposer:
         selector = with_scope(config.selector or "static", config.scope)
         length = with_scope(config.length or f"static:k={config.k}", config.scope)
         sel = build_selector(selector)
-        paired = getattr(sel, "paired_length", None)  # auto sets the length too, unless one is given
+        paired = sel.paired_length() if config.length is None else None  # auto sets the length too
         self.selector = sel
-        self.length = paired() if config.length is None and paired is not None else build_length(length, config.k)
+        self.length = paired if paired is not None else build_length(length, config.k)
         check_policy(self.selector, "selector")
         check_policy(self.length, "length policy")
         bind_policies(self.selector, self.length, self.prototypes, tree=False)
         self.steps = StepCosts()
         self.cost_model = CostModel()
         for policy in (self.selector, self.length):
-            if getattr(policy, "wants_costs", False):
+            if policy.caps.prices_rounds:
                 policy.costs = self.cost_model
         self.selector.begin_request(self.names)  # checks the arms (static index, ...) once
         self.length.begin_request()
@@ -221,13 +220,13 @@ class BatchProposer:
     def _policies(self, sid: int) -> tuple[DrafterPolicy, LengthPolicy]:
         """The shared learners (scope=global), or the request's own copies, seeded per request
         (``auto``'s global counts shared with the prototype's)."""
-        own = [p.scope != "global" or _forks_sharing(p) for p in (self.selector, self.length)]
+        own = [p.scope != "global" or p.caps.forks_sharing for p in (self.selector, self.length)]
         if not any(own):
             return self.selector, self.length
         twins = fork_policies(self.selector, self.length, {id(self.cost_model): self.cost_model})
         out = []
         for policy, twin, mine in zip((self.selector, self.length), twins, own):
-            if mine and getattr(twin, "rng", None) is not None:
+            if mine:
                 twin.rng = np.random.default_rng(None if policy.seed is None else [policy.seed, sid])
             out.append(twin if mine else policy)
         return out[0], out[1]
@@ -260,11 +259,9 @@ class BatchProposer:
         for m in live:
             self._settle(m, step_s, max(1, self._last_shape[0]))
         cm = self.cost_model  # this call's plans are priced on the step times learnt so far
-        cm.surface, cm.batch, cm.rows, cm.batch_context = self.steps.surface(), self.steps.costs(), len(live), 0
-        try:
-            plans = self.round.plan([m.stream.payload for m in live], batch=cm if len(live) > 1 else None)
-        finally:
-            cm.rows = 1
+        cm.surface, cm.batch = self.steps.surface(), self.steps.costs()
+        plans = self.round.plan([m.stream.payload for m in live], batch=cm if len(live) > 1 else None,
+                                shared=len(live))
         drafts = {}
         for m, plan in zip(live, plans):
             self._plans[m.stream.sid] = plan

@@ -1,42 +1,43 @@
 """Draft-length policies: how many tokens to draft, decided token by token.
 
-Every policy is one class with ``begin_round`` / ``decide`` / ``update`` and is registered in
-``LENGTH_POLICIES`` under the name used by ``--length NAME[:key=value,...]``.
+Every policy is one class with ``begin_round`` / ``decide`` / ``update`` and is registered here
+in ``registry.REGISTRY`` (kind ``length``) under the name used by
+``--length NAME[:key=value,...]``, its spec's parameters those of its constructor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from ..errors import ConfigError, UnknownNameError
+from ..registry import REGISTRY, Entry, Spec
+from .auto import AutoLength
 from .bandit import LengthUCB
-from .base import LengthPolicy, StaticLength
+from .base import LengthCaps, LengthPolicy, PolicyCaps, StaticLength
 from .cost_rule import CostModelRule
 from .rules import AdaEDL, HFHeuristic, LogitMargin, MaxConfidence, SVIPDifference, SVIPEntropy
 from .specdecpp import SpecDecPPPolicy
 from .tapout import TapOut
 
-def _auto(**params) -> LengthPolicy:
-    """``--length auto`` (selection/auto.py; imported lazily: selection imports this package)."""
-    from ..selection.auto import AutoLength
 
-    return AutoLength(**params)
+def register_length(name: str, component: Any, **options: Any) -> Entry:
+    """Register a length policy (``registry.Registry.register`` for kind ``length``): a
+    ``LengthPolicy`` class, built with the parameters its spec sets."""
+    return REGISTRY.register("length", name, component, **options)
 
 
-LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {
-    "static": StaticLength,
-    "hf-heuristic": HFHeuristic,
-    "max-confidence": MaxConfidence,
-    "svip": SVIPEntropy,
-    "svip-diff": SVIPDifference,
-    "logit-margin": LogitMargin,
-    "adaedl": AdaEDL,
-    "cost-model": CostModelRule,
-    "specdecpp": SpecDecPPPolicy,
-    "tapout": TapOut,
-    "ucbspec-length": LengthUCB,
-    "auto": _auto,
-}
+_BUILT_IN = (StaticLength, HFHeuristic, MaxConfidence, SVIPEntropy, SVIPDifference, LogitMargin, AdaEDL,
+             CostModelRule, SpecDecPPPolicy, TapOut, LengthUCB, AutoLength)
+for _cls in _BUILT_IN:
+    register_length(_cls.name, _cls)
+
+#: the built-in length policies by name (a listing: ``REGISTRY`` is what parses and builds specs)
+LENGTH_POLICIES: dict[str, Callable[..., LengthPolicy]] = {cls.name: cls for cls in _BUILT_IN}
+
+
+def parse_length(spec: str) -> Spec:
+    """A length-policy spec parsed and checked against its parameters (nothing built)."""
+    return REGISTRY.parse("length", spec)
 
 
 def build_length(spec: str | int | LengthPolicy | None, k: int = 5) -> LengthPolicy:
@@ -47,20 +48,11 @@ def build_length(spec: str | int | LengthPolicy | None, k: int = 5) -> LengthPol
         return spec
     if isinstance(spec, int):
         return StaticLength(spec)
-    from ..drafters import parse_params
-    from ..selection import parse_number
-
-    name, _, rest = spec.partition(":")
-    cls = LENGTH_POLICIES.get(name.strip().lower())
-    if cls is None:
-        raise UnknownNameError(f"unknown length policy {name!r}: use one of {sorted(LENGTH_POLICIES)}")
-    params = {key: parse_number(v) for key, v in parse_params(rest, f"length policy {spec!r}").items()}
-    if cls is StaticLength and "k" not in params:
-        params["k"] = k
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise ConfigError(f"bad parameters for length policy {name!r}: {exc}") from None
+    parsed = parse_length(spec)
+    if parsed.name == "static" and "k" not in parsed.given:
+        parsed = parsed.with_values(k=k)
+    return REGISTRY.build("length", parsed)
 
 
-__all__ = ["LengthPolicy", "StaticLength", "LENGTH_POLICIES", "build_length"]
+__all__ = ["AutoLength", "LengthCaps", "LengthPolicy", "PolicyCaps", "StaticLength", "LENGTH_POLICIES", "build_length",
+           "parse_length", "register_length"]

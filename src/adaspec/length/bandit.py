@@ -21,8 +21,21 @@ import math
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from ..selection.banditspec import DEFAULT_DELTA, confidence_radius
-from .base import LengthPolicy
+from .base import LengthCaps, LengthPolicy
+
+#: BanditSpec does not state the delta of its experiments; the proof of Thm 4.3 (App. D.2,
+#: last line) takes delta = 1/2, which we use as the default.
+DEFAULT_DELTA = 0.5
+
+
+def confidence_radius(width: float, n: int, t: int, n_arms: int, delta: float) -> float:
+    """BanditSpec Alg. 4 line 3 / Alg. 8 line 11 for rewards in an interval of length ``width``
+    (``width = L`` for accepted lengths in [1, L+1]):
+    cr = width/2 * sqrt((1+n)/n^2 * (1 + 2 log(K t^2 (1+n)^(1/2) / delta)))."""
+    if n <= 0:
+        return math.inf
+    log_term = 2.0 * math.log(n_arms * t * t / delta) + math.log1p(n)  # 2 log(K t^2 sqrt(1+n)/delta)
+    return 0.5 * width * math.sqrt((1.0 + n) / (n * n) * (1.0 + log_term))
 
 
 def _check_int(value: object, what: str, low: int, example: str) -> int:
@@ -53,6 +66,7 @@ class LengthUCB(LengthPolicy):
     """
 
     name = "ucbspec-length"
+    caps = LengthCaps(reads_time=True, shares_interleaved=True)
 
     def __init__(self, L: int = 4, delta: float = DEFAULT_DELTA, explore: float = 1.0, **kwargs):
         super().__init__(**kwargs)

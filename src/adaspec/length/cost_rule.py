@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 from ..drafters.base import Decision, DraftStep
-from ..feedback import RoundFeedback
-from .base import LengthPolicy
+from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from ..persist import state_type
+from .base import LengthCaps, LengthPolicy
 from .rules import TAPOUT_MAX_LEN, check_float, check_int, step_confidence
 
 
@@ -72,7 +75,7 @@ class CostModelRule(LengthPolicy):
     """
 
     name = "cost-model"
-    wants_costs = True
+    caps = LengthCaps(prices_rounds=True)
 
     def __init__(self, max_len: int = TAPOUT_MAX_LEN, horizon: int = 16,
                  prior_acceptance: float = 0.6, prior_weight: float = 4.0, decay: float = 0.95,
@@ -136,20 +139,25 @@ class CostModelRule(LengthPolicy):
         return False
 
     # -- costs ---------------------------------------------------------------------------
-    def _cost_functions(self, drafter: int) -> tuple[float, Callable[[int], float]]:
-        """(seconds per drafted token, verify cost of a width) in consistent units."""
+    def _cost_functions(self, drafter: int, ctx: RoundContext = NO_CONTEXT) -> tuple[float, Callable[[int], float]]:
+        """(seconds per drafted token, verify cost of a width) in consistent units, in the
+        round's context."""
         c = self.costs
         if c is not None and c.surface is not None:
-            verify = c.verify_cost  # at c.context, the round's cache length
+            verify = partial(c.verify_cost, ctx=ctx)  # at the round's cache length
         elif c is not None and c.verify_width_s:
             verify = _linear_fit(c.verify_width_s)
         else:
             return self.draft_prior, lambda w: 1.0
         if c.knows(drafter):  # marginal seconds of one more token
-            return c.draft_cost(drafter, 1) - c.draft_cost(drafter, 0), verify
+            return c.draft_cost(drafter, 1, ctx) - c.draft_cost(drafter, 0, ctx), verify
         return self.draft_prior * verify(1), verify
 
     # -- the round -----------------------------------------------------------------------
+    def bind(self, drafters: Sequence[Any], trees: Sequence[bool]) -> None:
+        self.bind_drafters([d.runs_model for d in drafters])
+        self.bind_trees(trees)
+
     def bind_drafters(self, is_model: Sequence[bool]) -> None:
         """Which drafters run a network (the engine and replay tell every policy that asks)."""
         self._model_free = [not m for m in is_model]
@@ -161,13 +169,13 @@ class CostModelRule(LengthPolicy):
     def _tree(self, drafter: int) -> bool:
         return drafter < len(self._trees) and self._trees[drafter]
 
-    def begin_round(self, drafter: int) -> int:
-        """The round's cap; 0 (a plain step, nothing drafted or looked up) when the drafter is
+    def begin_round(self, drafter: int, ctx: RoundContext | None = None) -> int:
+        """The round's cap (priced in the round's context ``ctx``); 0 (a plain step, nothing drafted or looked up) when the drafter is
         model-free and ``decide`` would drop its first token anyway: its acceptance estimate is
         one number per drafter, so that verdict is known before any token is proposed. Not for
         a drafter that drafts trees: one number says nothing about a tree's alternatives, and
         the engine's node budget prices them (a plain step when none pays)."""
-        draft_s, verify = self._cost_functions(drafter)
+        draft_s, verify = self._cost_functions(drafter, NO_CONTEXT if ctx is None else ctx)
 
         def block() -> BlockRate:
             return BlockRate(draft_s, verify, horizon=self.horizon, limit=self.max_len, min_gain=self.min_gain)
@@ -215,6 +223,7 @@ class CostModelRule(LengthPolicy):
             self.acceptance_sums[d] = [keep * g + sum(gammas), keep * n + len(gammas)]
 
 
+@state_type
 class ConfidenceCalibration:
     """A model drafter's acceptance given its confidence, learned online (the cost-model
     rule's estimate; ``auto`` shares it): a token drafted with top probability max q is
@@ -247,6 +256,7 @@ class ConfidenceCalibration:
         self.sums[drafter] = [self.decay * g + sum(gammas[:n]), self.decay * c + sum(confs[:n])]
 
 
+@state_type
 class BlockRate:
     """A round's expected tokens per second as its block grows, and the cost-model rule's
     verdict after each drafted token (``auto`` shares it for drafters that report q).

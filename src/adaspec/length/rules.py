@@ -36,7 +36,7 @@ import torch
 from ..drafters.base import Decision, DraftStep, StepStats
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import LengthPolicy
+from .base import LengthCaps, LengthPolicy
 
 #: TapOut 4: "the max draft length is set to 128 tokens as a proxy for unbounded draft lengths"
 TAPOUT_MAX_LEN = 128
@@ -171,6 +171,7 @@ class HFHeuristic(LengthPolicy):
     """
 
     name = "hf-heuristic"
+    caps = LengthCaps(shares_interleaved=True)
 
     def __init__(self, initial: int = 5, max_len: int = TAPOUT_MAX_LEN, seed: int | None = 0,
                  scope: str = "global"):

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..drafters.base import Decision, DraftStep
 from ..errors import AdaspecError, ConfigError
-from .base import LengthPolicy
+from .base import LengthCaps, LengthPolicy
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,9 @@ class SpecDecPPPolicy(LengthPolicy):
     """
 
     name = "specdecpp"
-    needs_hidden = True
+    caps = LengthCaps(needs_hidden=True)
+    #: the trained head is loaded from the spec, not learnt: never stored (``persist``)
+    state_skip = ("head_file", "head")
 
     def __init__(self, head: Any = None, h: float = 0.7, max_len: int = 20, fallback_k: int = 5,
                  **kwargs: Any):

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from ..drafters.base import Decision, DraftStep
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
+from ..persist import state_type
 from .base import LengthPolicy
 
 LEVELS = ("sequence", "token")
@@ -78,6 +80,7 @@ def arms_from_names(spec: str, **kwargs) -> list[LengthPolicy]:
     return out
 
 
+@state_type
 class ArmStats:
     """Counts, reward sums and sums of squares of one K-armed bandit, with the index rules of
     TapOut 3.3: UCB1 (Auer et al. 2002), UCB-Tuned, Gaussian and Beta-Bernoulli Thompson
@@ -215,7 +218,7 @@ class TapOut(LengthPolicy):
         bad = [a for a in self.arms if not isinstance(a, LengthPolicy)]
         if bad:
             raise ConfigError(f"TapOut arms must be LengthPolicy stopping rules, got {bad[0]!r}")
-        self.needs_hidden = any(a.needs_hidden for a in self.arms)
+        self.caps = replace(type(self).caps, needs_hidden=any(a.caps.needs_hidden for a in self.arms))
         self.arm_names = [getattr(a, "name", type(a).__name__) for a in self.arms]
         self._arm = -1  # sequence level: arm of the current round
         self._consulted = False  # sequence level: did the arm decide anything this round

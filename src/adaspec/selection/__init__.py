@@ -1,7 +1,8 @@
 """Drafter-selection policies: which drafter drafts the next round.
 
-Every policy is one class with ``select()`` / ``update(feedback)`` and is registered in
-``SELECTORS`` under the name used by ``--selector NAME[:key=value,...]``.
+Every policy is one class with ``select()`` / ``update(feedback)`` and is registered here in
+``registry.REGISTRY`` (kind ``selector``) under the name used by
+``--selector NAME[:key=value,...]``, its spec's parameters those of its constructor.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError, UnknownNameError
+from ..length import build_length
+from ..registry import REGISTRY, Entry, Spec, parse_number
 from .auto import AutoLength, AutoSelector
 from .banditspec import EXP3Spec, UCBSpec
-from .base import DrafterPolicy, StaticPolicy
+from .base import DrafterPolicy, SelectorCaps, StaticPolicy
 from .baselines import RoundRobinPolicy, UniformRandomPolicy
 from .cost_aware import CostAwareEXP3, CostAwareUCB
 from .hedgespec import CostAwareHedgeSpec, HedgeSpec
@@ -20,26 +22,26 @@ from .router import RouterPolicy
 from .metasd import (PETC, DiscountedUCB, MetaSDEXP3, MetaSDUCB, SequentialHalving,
                      SlidingWindowUCB, ThompsonSampling)
 
-SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {
-    "static": StaticPolicy,
-    "random": UniformRandomPolicy,
-    "round-robin": RoundRobinPolicy,
-    "ucbspec": UCBSpec,
-    "exp3spec": EXP3Spec,
-    "cost-ucb": CostAwareUCB,
-    "cost-exp3": CostAwareEXP3,
-    "metasd-ucb": MetaSDUCB,
-    "metasd-exp3": MetaSDEXP3,
-    "sh": SequentialHalving,
-    "petc": PETC,
-    "d-ucb": DiscountedUCB,
-    "sw-ucb": SlidingWindowUCB,
-    "thompson": ThompsonSampling,
-    "hedgespec": HedgeSpec,
-    "cost-hedgespec": CostAwareHedgeSpec,
-    "auto": AutoSelector,
-    "router": RouterPolicy,
-}
+
+def register_selector(name: str, component: Any, **options: Any) -> Entry:
+    """Register a drafter policy (``registry.Registry.register`` for kind ``selector``): a
+    ``DrafterPolicy`` class, built with the parameters its spec sets."""
+    return REGISTRY.register("selector", name, component, **options)
+
+
+_BUILT_IN = (StaticPolicy, UniformRandomPolicy, RoundRobinPolicy, UCBSpec, EXP3Spec, CostAwareUCB, CostAwareEXP3,
+             MetaSDUCB, MetaSDEXP3, SequentialHalving, PETC, DiscountedUCB, SlidingWindowUCB, ThompsonSampling,
+             HedgeSpec, CostAwareHedgeSpec, AutoSelector, RouterPolicy)
+for _cls in _BUILT_IN:
+    register_selector(_cls.name, _cls)
+
+#: the built-in selectors by name (a listing: ``REGISTRY`` is what parses and builds specs)
+SELECTORS: dict[str, Callable[..., DrafterPolicy]] = {cls.name: cls for cls in _BUILT_IN}
+
+
+def parse_selector(spec: str) -> Spec:
+    """A selector spec parsed and checked against its parameters (nothing built)."""
+    return REGISTRY.parse("selector", spec)
 
 
 def build_selector(spec: str | DrafterPolicy | None) -> DrafterPolicy:
@@ -48,17 +50,7 @@ def build_selector(spec: str | DrafterPolicy | None) -> DrafterPolicy:
         return StaticPolicy()
     if isinstance(spec, DrafterPolicy):
         return spec
-    from ..drafters import parse_params
-
-    name, _, rest = spec.partition(":")
-    cls = SELECTORS.get(name.strip().lower())
-    if cls is None:
-        raise UnknownNameError(f"unknown selector {name!r}: use one of {sorted(SELECTORS)}")
-    params = parse_params(rest, f"selector {spec!r}")
-    try:
-        return cls(**{k: parse_number(v) for k, v in params.items()})
-    except TypeError as exc:
-        raise ConfigError(f"bad parameters for selector {name!r}: {exc}") from None
+    return REGISTRY.build("selector", parse_selector(spec))
 
 
 #: the selector when several drafters are given without one (engine, bench, replay, server)
@@ -70,24 +62,12 @@ def build_policies(selector: str | DrafterPolicy | None, length: Any, k: int = 5
     """The drafter and length policies of a configuration. No selector: ``auto`` over several
     drafters, the one drafter itself (static) otherwise. A selector that decides the length
     too (``auto``) supplies its paired length policy when no length policy is given."""
-    from ..length import build_length
-
     if selector is None and n_drafters > 1:
         selector = DEFAULT_SELECTOR
     sel = build_selector(selector)
-    paired = getattr(sel, "paired_length", None)
-    return sel, (paired() if length is None and paired is not None else build_length(length, k))
+    paired = sel.paired_length() if length is None else None
+    return sel, (paired if paired is not None else build_length(length, k))
 
 
-def parse_number(text: str) -> int | float | str:
-    """'3' -> 3, '0.5' -> 0.5, anything else stays a string."""
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-__all__ = ["AutoLength", "AutoSelector", "DEFAULT_SELECTOR", "DrafterPolicy", "StaticPolicy", "SELECTORS", "build_policies",
-           "build_selector", "parse_number"]
+__all__ = ["AutoLength", "AutoSelector", "DEFAULT_SELECTOR", "DrafterPolicy", "SelectorCaps", "StaticPolicy",
+           "SELECTORS", "build_policies", "build_selector", "parse_number", "parse_selector", "register_selector"]

@@ -19,13 +19,11 @@ import math
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import DrafterPolicy, argmax, sample_index
+from ..length.bandit import DEFAULT_DELTA, confidence_radius  # noqa: F401 (shared with LengthUCB)
+from .base import DrafterPolicy, SelectorCaps, argmax, sample_index
 
 #: maximum speculation length assumed before any round has been seen (NOTES: N_max = 5)
 DEFAULT_L = 5
-#: BanditSpec does not state the delta of its experiments; the proof of Thm 4.3 (App. D.2,
-#: last line) takes delta = 1/2, which we use as the default.
-DEFAULT_DELTA = 0.5
 
 
 def check_L(L: int | float | None) -> int | None:
@@ -53,16 +51,6 @@ def check_positive(value: float, what: str, example: str) -> float:
             or math.isinf(value):
         raise ConfigError(f"{what} must be a positive number, got {value!r}: pass e.g. {example}")
     return float(value)
-
-
-def confidence_radius(width: float, n: int, t: int, n_arms: int, delta: float) -> float:
-    """BanditSpec Alg. 4 line 3 / Alg. 8 line 11 for rewards in an interval of length ``width``
-    (``width = L`` for accepted lengths in [1, L+1]):
-    cr = width/2 * sqrt((1+n)/n^2 * (1 + 2 log(K t^2 (1+n)^(1/2) / delta)))."""
-    if n <= 0:
-        return math.inf
-    log_term = 2.0 * math.log(n_arms * t * t / delta) + math.log1p(n)  # 2 log(K t^2 sqrt(1+n)/delta)
-    return 0.5 * width * math.sqrt((1.0 + n) / (n * n) * (1.0 + log_term))
 
 
 def need_arms(policy: DrafterPolicy) -> int:
@@ -111,6 +99,7 @@ class UCBSpec(_SpecLength, DrafterPolicy):
     """
 
     name = "ucbspec"
+    caps = SelectorCaps(shares_interleaved=True)
 
     def __init__(self, L: int | None = None, delta: float = DEFAULT_DELTA, explore: float = 1.0,
                  **kwargs):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..feedback import RoundFeedback
-from .base import DrafterPolicy
+from .base import DrafterPolicy, SelectorCaps
 
 
 def _need_arms(policy: DrafterPolicy) -> int:
@@ -23,6 +23,7 @@ class UniformRandomPolicy(DrafterPolicy):
     BanditSpec's stopping-time regret eq. (1) of this policy grows linearly)."""
 
     name = "random"
+    caps = SelectorCaps(shares_interleaved=True)
 
     def select(self) -> int:
         return int(self.rng.integers(_need_arms(self)))
@@ -33,6 +34,7 @@ class RoundRobinPolicy(DrafterPolicy):
     exploration). With ``scope="global"`` the cycle continues across requests."""
 
     name = "round-robin"
+    caps = SelectorCaps(shares_interleaved=True)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -14,7 +14,7 @@ as in BanditSpec 6.2, which used throughput as UCBSpec's reward to pick speculat
 Normalisation (our choice): the radius formulas need rewards in a known interval, and
 throughput has no a-priori bound, so the learners divide by the largest per-round
 throughput observed so far, ``M = max_rounds y/s``. This needs no cost model and no
-calibration (no ``wants_costs``), and ``y/(s M)`` is in [0, 1]. UCB keeps raw sums and
+calibration (no ``caps.prices_rounds``), and ``y/(s M)`` is in [0, 1]. UCB keeps raw sums and
 divides at selection time, so a new maximum rescales all arms alike and never changes their
 order. When every round costs the same, ``M = (L+1)/s`` once a fully accepted round was seen
 and CostAwareUCB reduces to UCBSpec up to the reward interval ([0, 1] vs [1, L+1]).
@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..feedback import RoundFeedback
 from .banditspec import (DEFAULT_DELTA, EXP3Spec, check_positive, check_unit,
                          confidence_radius, round_robin_then_ucb)
-from .base import DrafterPolicy
+from .base import DrafterPolicy, SelectorCaps
 
 #: a round time below this (seconds) is treated as this (guards a zero-cost synthetic round)
 MIN_ROUND_S = 1e-9
@@ -51,6 +51,7 @@ class CostAwareUCB(DrafterPolicy):
     """
 
     name = "cost-ucb"
+    caps = SelectorCaps(reads_time=True)
 
     def __init__(self, delta: float = DEFAULT_DELTA, explore: float = 1.0, **kwargs):
         super().__init__(**kwargs)
@@ -105,6 +106,7 @@ class CostAwareEXP3(EXP3Spec):
     """
 
     name = "cost-exp3"
+    caps = SelectorCaps(reads_time=True)
 
     def __init__(self, **kwargs):
         if "L" in kwargs:

@@ -66,13 +66,15 @@ Decisions where the paper is silent (documented, ours):
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from ..costs import CostModel
 from ..errors import ConfigError
-from ..feedback import RoundFeedback
-from .base import DrafterPolicy, sample_index
+from ..feedback import NO_CONTEXT, RoundContext, RoundFeedback
+from ..persist import state_type
+from .base import DrafterPolicy, SelectorCaps, sample_index
 
 #: estimator depth before any round has been seen (NOTES: N_max = 5)
 DEFAULT_K = 5
@@ -136,6 +138,7 @@ def _accept_lengths(window: Sequence[Sequence[float]]) -> list[float]:
 
 
 # -- base learners (full information, losses in [0, 1]) ---------------------------------------
+@state_type
 class BaseLearner:
     """A full-information learner over ``n`` experts: ``probs()`` and ``update(losses)``."""
 
@@ -154,6 +157,7 @@ class BaseLearner:
         raise NotImplementedError
 
 
+@state_type
 class Hedge(BaseLearner):
     """Hedge / exponential weights (Not-a-Bandit B.1 remarks): ``w_i <- w_i exp(-eta l_i)``.
     ``eta="auto"``: the anytime rate ``eta_t = sqrt(8 ln N / t)`` (Cesa-Bianchi & Lugosi 2006,
@@ -215,6 +219,7 @@ def normalhedge_scale(regrets: Sequence[float], guess: float | None = None,
     return m2 / (2.0 * v)
 
 
+@state_type
 class NormalHedge(BaseLearner):
     """NormalHedge (Chaudhuri et al. 2009; Not-a-Bandit 3.4 default, parameter-free):
     regrets ``R_i += l_A - l_i`` with ``l_A = <p, l>``, then ``p_i ∝ [R_i]_+ / c exp([R_i]_+^2
@@ -244,6 +249,7 @@ class NormalHedge(BaseLearner):
         self._p = [x / s for x in w]
 
 
+@state_type
 class AdaNormalHedge(BaseLearner):
     """AdaNormalHedge (Luo & Schapire 2015, Alg. 1, uniform prior; Not-a-Bandit D.5):
     ``Phi(R, C) = exp([R]_+^2 / (3C))``, ``w(R, C) = (Phi(R+1, C+1) - Phi(R-1, C+1)) / 2``,
@@ -326,7 +332,7 @@ class HedgeSpec(DrafterPolicy):
     """
 
     name = "hedgespec"
-    full_information = True
+    caps = SelectorCaps(full_information=True)
 
     def __init__(self, learner: str = "normalhedge", game: str = "token", loss: str = "length",
                  K: int = 0, eta: float | str = "auto", hybrid: bool | int | str = True,
@@ -562,7 +568,7 @@ class CostAwareHedgeSpec(HedgeSpec):
     mean of drafted/k_cap when i was chosen; prior 1, or 0 for a drafter named ``none``, which
     drafts nothing: verify width 1, draft cost 0, all gammas 0, so r = 1/verify_cost(1)), and
     ``behind_i`` the tokens drafter i is behind (0 under full information: the evaluation phase
-    prefills everyone). Costs come from ``self.costs`` (``wants_costs``; the engine's
+    prefills everyone). Costs come from ``self.costs`` (``caps.prices_rounds``; the engine's
     CostModel). A drafter never chosen has an unobserved, hence zero, draft cost: optimism
     that makes the learner try it once and then learn its cost.
 
@@ -576,7 +582,7 @@ class CostAwareHedgeSpec(HedgeSpec):
     claimed (costs are estimated online)."""
 
     name = "cost-hedgespec"
-    wants_costs = True
+    caps = replace(HedgeSpec.caps, prices_rounds=True)
 
     def __init__(self, **kwargs: Any):
         if str(kwargs.get("loss", "length")).lower() != "length":
@@ -584,6 +590,10 @@ class CostAwareHedgeSpec(HedgeSpec):
                               "estimator: drop loss=... (only loss=length is supported)")
         super().__init__(**kwargs)
         self.costs: CostModel | None = None
+        self._ctx = NO_CONTEXT  # the round the losses are priced in (``feedback.context``)
+
+    def select(self, ctx: RoundContext | None = None) -> int:
+        return super().select()
 
     def _init_state(self) -> None:
         super()._init_state()
@@ -596,6 +606,7 @@ class CostAwareHedgeSpec(HedgeSpec):
 
     def _observe(self, feedback: RoundFeedback, m: int) -> None:
         self._scale_cache = {}
+        self._ctx = feedback.context
         i = feedback.drafter
         if 0 <= i < self.n_arms and feedback.k_cap > 0:
             self._fill_sum[i] += min(1.0, feedback.n_drafted / feedback.k_cap)
@@ -610,19 +621,19 @@ class CostAwareHedgeSpec(HedgeSpec):
 
     def round_time(self, i: int) -> float:
         """Estimated seconds of a round with drafter i (or target forwards if costs unknown)."""
-        c = self.costs
+        c, ctx = self.costs, self._ctx
         d = self.drafted(i)
-        v = self._verify(c, 1.0 + d) if c is not None else 0.0
+        v = self._verify(c, 1.0 + d, ctx) if c is not None else 0.0
         if v <= 0.0:
             return 1.0
-        return max(1e-12, c.draft_cost(i, d) + v + c.catch_up_cost(i, self._behind[i]))
+        return max(1e-12, c.draft_cost(i, d, ctx) + v + c.catch_up_cost(i, self._behind[i], ctx))
 
     @staticmethod
-    def _verify(c: CostModel, width: float) -> float:
+    def _verify(c: CostModel, width: float, ctx: RoundContext = NO_CONTEXT) -> float:
         lo = math.floor(width)
         f = width - lo
-        a = c.verify_cost(lo)
-        return a if f < 1e-9 else (1.0 - f) * a + f * c.verify_cost(lo + 1)
+        a = c.verify_cost(lo, ctx)
+        return a if f < 1e-9 else (1.0 - f) * a + f * c.verify_cost(lo + 1, ctx)
 
     def _scales(self, top: float) -> list[float]:
         """``1 / (T_i r_max)`` for windows whose longest possible length is ``top`` (cached

@@ -25,7 +25,8 @@ from typing import Any
 from ..drafters.base import Decision, DraftStep
 from ..errors import AdaspecError, ConfigError
 from ..length.base import LengthPolicy
-from .base import DrafterPolicy
+from ..persist import state_type
+from .base import DrafterPolicy, SelectorCaps
 
 FORMAT = "adaspec.router/1"
 FEATURES = ("log_prompt_tokens", "distinct_token_ratio", "repeated_bigram_rate", "repeated_4gram_rate",
@@ -70,6 +71,7 @@ def prompt_features(ids: Sequence[int]) -> list[float]:
 
 
 @dataclass
+@state_type
 class RouterModel:
     """Softmax regression over (drafter name, K) classes on standardised prompt features."""
 
@@ -115,6 +117,9 @@ class RouterPolicy(DrafterPolicy):
     paired with ``RouterLength`` (the chosen K; K = 0 is plain decoding)."""
 
     name = "router"
+    caps = SelectorCaps(reads_prompt=True)
+    #: the trained router is loaded from the spec, not learnt: never stored (``persist``)
+    state_skip = ("model", "_trained")
 
     def __init__(self, path: str = "", **kwargs: Any):
         super().__init__(**kwargs)

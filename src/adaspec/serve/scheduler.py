@@ -230,7 +230,7 @@ class BatchExecutor:
 
     def _commit(self, plan: Plan, learners: tuple[Any, Any], stats: RequestStats | None) -> None:
         for p in learners:  # back on the engine's cost model (the state file pickles it by reference)
-            if getattr(p, "wants_costs", False):
+            if p.caps.prices_rounds:
                 p.costs = self.engine.cost_model
         self.state.commit(plan.key, learners, stats)
         if self.on_commit is not None:

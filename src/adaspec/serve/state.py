@@ -6,9 +6,13 @@ commits it back when it ends, so requests never share a learner object mid-fligh
 ``scope=global`` policy the copy keeps its statistics, and the next request starts from them.
 Per-drafter totals over all requests are kept alongside.
 
-The file is JSON: the totals in the clear, the learners as a pickle restricted on load to
-adaspec policy classes and numpy containers. A missing, corrupt or foreign file (other model
-or drafters) is logged and ignored: the server starts fresh.
+The file is plain JSON: the totals, and each configuration's learners as data
+(``state_dict``: ``persist.state_of``), loaded into learners built afresh from the
+configuration when a request first checks them out (``load_state_dict``), so the file does
+not depend on module paths and loading it runs no code. A file of version 2 (the learners as a
+pickle, restricted on load to adaspec policy classes and numpy containers) is read once and
+migrated: its learners become data, written as version 3 at the next save. A missing, corrupt
+or foreign file (other model or drafters) is logged and ignored: the server starts fresh.
 """
 
 from __future__ import annotations
@@ -21,20 +25,23 @@ import logging
 import os
 import pickle
 import threading
-import types
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..metrics import RequestStats
-from ..selection import DrafterPolicy
 from ..length import LengthPolicy
+from ..metrics import RequestStats
+from ..persist import dropped_type, load_state, state_of
+from ..selection import DrafterPolicy
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: q calibration in ConfidenceCalibration; auto's counts decay lazily (older pickles lack both)
+STATE_VERSION = 3  # 3: the learners as JSON data (``persist``)
+#: the pickled learners of earlier servers, read once and migrated (2: q calibration in
+#: ConfidenceCalibration, auto's counts decaying lazily; older pickles lack both)
+PICKLE_VERSION = 2
 MAX_CONFIGS = 32  # stored learner pairs (least recently used are dropped)
 
 Learners = tuple[DrafterPolicy, LengthPolicy]
@@ -81,30 +88,23 @@ _SAFE_ADASPEC = ("adaspec.selection.", "adaspec.length.", "adaspec.costs", "adas
                  "adaspec.config", "adaspec.serve.state")
 
 
+@dropped_type
 class DroppedFunction:
-    """Stands in for a function in a restored learner (rebuilt by the policy when needed)."""
+    """Stands in for a function in a learner of a version-2 file (rebuilt by the policy when
+    needed; stored as None once migrated)."""
 
 
-class _Pickler(pickle.Pickler):
-    """Stores the engine's shared cost model as a reference, not a copy, and drops functions
-    (per-round closures that policies rebuild at the next round)."""
+@dataclass(frozen=True)
+class StoredLearners:
+    """A configuration's learners as data (``persist.state_of`` of the pair), until a request
+    checks them out: then loaded into a pair built afresh (``LearntState.checkout``)."""
 
-    def __init__(self, file: io.BytesIO, shared: object):
-        super().__init__(file, protocol=4)
-        self._shared = shared
-
-    def persistent_id(self, obj: object) -> str | None:
-        return "shared" if obj is self._shared and obj is not None else None
-
-    def reducer_override(self, obj: object) -> Any:
-        if isinstance(obj, types.MethodType) or (
-                isinstance(obj, types.FunctionType) and "<" in obj.__qualname__):
-            return DroppedFunction, ()  # bound methods, lambdas and closures
-        return NotImplemented
+    data: list[dict[str, Any]]
 
 
 class _Unpickler(pickle.Unpickler):
-    """Loads only adaspec policy classes, numpy containers and plain builtins."""
+    """Loads a version-2 file's learners: only adaspec policy classes, numpy containers and
+    plain builtins; the engine's shared cost model was stored as a reference."""
 
     def __init__(self, file: io.BytesIO, shared: object):
         super().__init__(file)
@@ -137,17 +137,22 @@ class LearntState:
         self._shared = shared  # the engine's cost model, never copied
         self.fingerprint = fingerprint or {}
         self.totals = Totals()
-        self._learners: OrderedDict[ConfigKey, Learners] = OrderedDict()
+        self._learners: OrderedDict[ConfigKey, Learners | StoredLearners] = OrderedDict()
         self._lock = threading.Lock()
         self.since_save = 0
 
     def checkout(self, key: ConfigKey, build: Callable[[], Learners]) -> Learners:
-        """A private copy of the configuration's learners (built fresh the first time)."""
+        """A private copy of the configuration's learners (built fresh the first time; built
+        fresh and given the stored data when they come from the file)."""
         with self._lock:
             stored = self._learners.get(key)
             if stored is None:
                 return build()
             self._learners.move_to_end(key)
+            if isinstance(stored, StoredLearners):
+                learners = build()
+                load_state(list(learners), stored.data)
+                return learners
             return copy.deepcopy(stored, {id(self._shared): self._shared})
 
     def commit(self, key: ConfigKey, learners: Learners, stats: RequestStats | None) -> None:
@@ -168,11 +173,11 @@ class LearntState:
     # -- the file ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         with self._lock:
-            buf = io.BytesIO()
-            _Pickler(buf, self._shared).dump(list(self._learners.items()))
+            learners = [{"key": [list(k[0]), *k[1:]],
+                         "state": v.data if isinstance(v, StoredLearners) else state_of(list(v))}
+                        for k, v in self._learners.items()]
             return {"version": STATE_VERSION, "fingerprint": self.fingerprint,
-                    "totals": asdict(self.totals),
-                    "learners": base64.b64encode(buf.getvalue()).decode("ascii")}
+                    "totals": asdict(self.totals), "learners": learners}
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temporary file + rename): a crash never leaves half a file."""
@@ -192,18 +197,21 @@ class LearntState:
             return False
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("version") != STATE_VERSION:
+            if data.get("version") not in (STATE_VERSION, PICKLE_VERSION):
                 raise ValueError(f"version {data.get('version')!r}, expected {STATE_VERSION}")
             if data.get("fingerprint") != self.fingerprint:
                 raise ValueError("it was written for another model or drafter pool")
             totals = data["totals"]
             restored = Totals(totals["requests"], totals["tokens"],
                               {k: DrafterTotals(**v) for k, v in totals["drafters"].items()})
-            items = _Unpickler(io.BytesIO(base64.b64decode(data["learners"])), self._shared).load()
-            learners = OrderedDict((tuple(k), (sel, length)) for k, (sel, length) in items)
-            if not all(isinstance(s, DrafterPolicy) and isinstance(ln, LengthPolicy)
-                       for s, ln in learners.values()):
-                raise ValueError("it holds objects that are not policies")
+            if data["version"] == PICKLE_VERSION:
+                learners = self._migrate(data["learners"])
+            else:
+                learners = OrderedDict(
+                    ((tuple(e["key"][0]), str(e["key"][1]), str(e["key"][2]), int(e["key"][3])),
+                     StoredLearners(list(e["state"]))) for e in data["learners"])
+                if not all(len(v.data) == 2 and all(isinstance(x, dict) for x in v.data) for v in learners.values()):
+                    raise ValueError("its learners are not a selector and a length policy each")
         except Exception as exc:  # noqa: BLE001 - any corruption means a fresh start, never a crash
             log.warning("ignoring the state file %s (%s): starting with a fresh learnt state", path, exc)
             return False
@@ -211,3 +219,12 @@ class LearntState:
             self.totals, self._learners = restored, learners
         log.info("restored the learnt state from %s (%d requests)", path, restored.requests)
         return True
+
+    def _migrate(self, pickled: str) -> OrderedDict[ConfigKey, StoredLearners]:
+        """A version-2 file's pickled learners (restricted unpickling), as data."""
+        items = _Unpickler(io.BytesIO(base64.b64decode(pickled)), self._shared).load()
+        pairs = OrderedDict((tuple(k), (sel, length)) for k, (sel, length) in items)
+        if not all(isinstance(s, DrafterPolicy) and isinstance(ln, LengthPolicy) for s, ln in pairs.values()):
+            raise ValueError("it holds objects that are not policies")
+        log.info("migrating the pickled learners of a version-%d state file to data", PICKLE_VERSION)
+        return OrderedDict((k, StoredLearners(state_of(list(pair)))) for k, pair in pairs.items())

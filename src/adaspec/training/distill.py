@@ -517,8 +517,8 @@ def distill_command(
     """Generate self-distillation data: the target's responses to a domain's prompts (resumable)."""
     from rich.console import Console
 
-    from ..cli.options import check_number, check_sampling, check_target, fail
-    from ..cli.progress import StageProgress
+    from ..options import check_number, check_sampling, check_target, fail
+    from ..progress import StageProgress
     from ..models import cache_dir, load_model, torch_threads
 
     err = Console(stderr=True)
@@ -553,7 +553,7 @@ def datastore_command(
     min_match: Annotated[int, typer.Option("--min-match", help="shortest suffix match")] = 2,
 ) -> None:
     """Build a suffix-drafter datastore from distilled sets (use it with -d suffix:datastore=FILE)."""
-    from ..cli.options import check_number, check_path, fail
+    from ..options import check_number, check_path, fail
 
     try:
         check_number("--max-tokens", max_tokens, low=1, integer=True)

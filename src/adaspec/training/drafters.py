@@ -933,8 +933,8 @@ def train_drafter_command(
     """Train a feature-head or tiny-lm drafter on distilled data (use it with -d KIND:path=OUT)."""
     from rich.console import Console
     from ..models import load_model
-    from ..cli.options import check_number, check_path, check_target, fail
-    from ..cli.progress import StageProgress
+    from ..options import check_number, check_path, check_target, fail
+    from ..progress import StageProgress
 
     err = Console(stderr=True)
     try:

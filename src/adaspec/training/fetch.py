@@ -210,8 +210,8 @@ def fetch_command(
     from rich.table import Table
 
     from ..errors import AdaspecError
-    from ..cli.options import fail
-    from ..cli.progress import StageProgress
+    from ..options import fail
+    from ..progress import StageProgress
 
     out, err = Console(), Console(stderr=True)
     folder = Path(dest).expanduser() if dest else gguf_dir()

@@ -461,8 +461,8 @@ def pool_command(
     from rich.table import Table
 
     from ..models import load_model, torch_threads
-    from ..cli.options import check_number, check_sampling, check_target, fail
-    from ..cli.progress import StageProgress
+    from ..options import check_number, check_sampling, check_target, fail
+    from ..progress import StageProgress
 
     err = Console(stderr=True)
     try:

@@ -98,8 +98,8 @@ def train_router_command(
     from rich.console import Console
 
     from ..bench.trace import Trace
-    from ..cli.options import fail
-    from ..cli.progress import StageProgress
+    from ..options import fail
+    from ..progress import StageProgress
 
     err = Console(stderr=True)
     try:
