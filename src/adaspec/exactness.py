@@ -9,9 +9,9 @@ or within ``max_gap`` nats of it, and every position where it is not is reported
 ``divergence_gap`` measures the first difference between two outputs on a backend.
 
 The bounds are where numerics end and verification errors begin: a wrong token accepted by a
-broken verifier lies a whole margin below the argmax (typically several nats on a real model),
-and the tests (``tests/test_exactness.py``, ``tests/test_llamacpp_exactness.py``) inject such
-acceptances and check that these functions report them beyond the bound.
+broken verifier lies below the argmax by the margin the target put between them, not by kernel
+noise, and the tests (``tests/test_exactness.py``, ``tests/test_llamacpp_exactness.py``) inject
+such acceptances and check that these functions report them beyond the bound.
 """
 
 from __future__ import annotations
