@@ -232,11 +232,12 @@ BATCH_SAMPLING_PROMPTS = [[7, 3, 4, 7, 3, 4, 7, 3], [1, 6, 2, 1, 6, 2, 1, 6, 2, 
 
 
 def _rows_read_the_next_rows_logits(monkeypatch) -> None:
-    """BUG: every row of a batched forward is verified on the next row's logits."""
-    import adaspec.batch as batch_mod
+    """BUG: every row of a batched forward is verified on the next row's logits (the padded
+    forward of the transformers backend's rows, ``PaddedRows.forward``, patched)."""
+    from adaspec.backends.transformers import PaddedRows
 
-    real = batch_mod.forward_rows
-    monkeypatch.setattr(batch_mod, "forward_rows", lambda *a, **kw: real(*a, **kw).roll(1, dims=0))
+    real = PaddedRows.forward
+    monkeypatch.setattr(PaddedRows, "forward", lambda self, inputs: real(self, inputs).roll(1, dims=0))
 
 
 @pytest.mark.parametrize("bug", [None, "rows-read-other-rows"])

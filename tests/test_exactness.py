@@ -1,7 +1,7 @@
 """The exactness checkers of ``adaspec.exactness`` (the references of the bf16, batched, tree and
 llama.cpp tests), each against a computation written here and each with a negative control: an
 output from a speculative engine whose verifier accepts a wrong token
-(``adaspec.engine.verify_greedy`` patched) must be reported beyond the bound."""
+(``adaspec.round.verify_greedy`` patched) must be reported beyond the bound."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _accept_first_draft(target_logits, drafts):
 def _wrong_acceptance_output(target, monkeypatch) -> list[int]:
     """Greedy output of an engine whose verifier accepts every round's first draft, drafted by
     another random model (which disagrees with the target at most positions)."""
-    monkeypatch.setattr("adaspec.engine.verify_greedy", _accept_first_draft)
+    monkeypatch.setattr("adaspec.round.verify_greedy", _accept_first_draft)
     drafter = ModelDrafter(as_loaded(make_tiny_model(1, V, init_std=0.3, lm_head_scale=4.0)), V)
     res = SpeculativeEngine(target, [drafter], k=2).generate(PROMPT, max_new_tokens=N)
     assert res.stats.drafted > 0 and res.stats.accepted > 0

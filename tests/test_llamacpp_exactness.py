@@ -9,7 +9,7 @@ adaspec did not write), on SmolLM2's GGUF file with the CPU defaults (flash atte
   (the prompt in one batch, then one token at a time, as ``generate`` feeds them), and every
   divergence is printed with its margin (shown with ``-rP``) and must lie within the backend's
   near-tie bound (``near_tie_nats_at``; ``exactness.NEAR_TIE_NATS_LLAMACPP``). Negative control:
-  a verifier that accepts a wrong token (``adaspec.engine.verify_greedy`` patched) is reported
+  a verifier that accepts a wrong token (``adaspec.round.verify_greedy`` patched) is reported
   beyond the bound.
 * Sampling: the joint distribution of the first two sampled tokens (top-k 4, T=1) against the
   one computed from llama-cpp-python's logits, chi-square at ALPHA = 0.001; negative control: the
@@ -165,7 +165,7 @@ def test_a_wrong_token_acceptance_is_caught_beyond_the_bound(target, reference, 
     first draft finds tokens farther below plain decoding's argmax than the near-tie bound."""
     from test_exactness import _accept_first_draft
 
-    monkeypatch.setattr("adaspec.engine.verify_greedy", _accept_first_draft)
+    monkeypatch.setattr("adaspec.round.verify_greedy", _accept_first_draft)
     engine = SpeculativeEngine(target, DRAFTERS, selector=SELECTOR, length=LENGTH)
     eos = engine.eos_ids()
     caught = 0
@@ -215,7 +215,7 @@ def test_sampling_follows_llama_cpp_python_over_two_tokens(target, reference, bu
              for p1 in [_top_k_probs(reference.rows_along(ids, [a, 0])[1], TOP_K)]
              for b in torch.nonzero(p1).flatten().tolist()}
     if bug:
-        monkeypatch.setattr("adaspec.engine.verify_sampling", _residual_from_p)
+        monkeypatch.setattr("adaspec.round.verify_sampling", _residual_from_p)
     cells = {pair: i for i, pair in enumerate(sorted(joint))}
     counts = np.zeros(len(cells) + 1)  # the last cell: pairs outside the support
     drafted = accepted = 0
