@@ -6,6 +6,9 @@
 * ``chisquare_gof(...)`` is a chi-square goodness-of-fit test that merges sparse cells.
 * ``--run-slow``: tests marked ``@pytest.mark.slow`` are skipped unless ``--run-slow`` is
   given or a ``-m`` expression that mentions ``slow`` (e.g. ``-m slow``) selects them.
+* With ``$ADASPEC_SKIPS_FILE`` set (``.ci/run`` sets it), the node ids of the tests and modules
+  that skipped are written to that file, for CI to compare with ``tests/expected_skips.txt``
+  (``tests/skips.py``).
 """
 
 from __future__ import annotations
@@ -160,6 +163,41 @@ def _one_thread_for_fast_tests(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def stock_smollm2():
+    """SmolLM2 on stock modules, the reference of the slow exactness tests: PyTorch's own
+    ``nn.Linear`` (``linear="stock"``: none of adaspec's packed or small-batch kernels, no kernel
+    plan) and transformers' own SDPA attention (the grouped attention ``load_model`` installs,
+    ``kernels.GQA_ATTENTION``, switched back); every module is a torch or transformers class.
+    Session-scoped: one copy per worker, whatever module asks."""
+    from adaspec.models import load_model
+
+    loaded = load_model("smollm2", linear="stock")
+    loaded.model.set_attn_implementation("sdpa")
+    kinds = {type(m) for m in loaded.model.modules()}
+    assert all(k.__module__.split(".")[0] in ("torch", "transformers") for k in kinds), kinds
+    assert loaded.model.config._attn_implementation == "sdpa"
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def stock_greedy(stock_smollm2):
+    """``stock_greedy(prompt_ids, n, eos_ids)``: Hugging Face ``generate``'s greedy continuation
+    on ``stock_smollm2`` (``exactness.greedy_reference``), decoded once per session and argument."""
+    from adaspec.exactness import greedy_reference
+
+    done: dict[tuple, list[int]] = {}
+
+    def get(prompt_ids: Sequence[int], n: int, eos_ids=None) -> list[int]:
+        key = (tuple(prompt_ids), n, tuple(sorted(eos_ids or ())))
+        if key not in done:
+            done[key] = greedy_reference(stock_smollm2.model, prompt_ids, n,
+                                         eos_token_id=sorted(eos_ids) if eos_ids else None)
+        return list(done[key])
+
+    return get
+
+
 def flat_cost_curve(seconds: Sequence[float]):
     """A verify-cost curve from seconds per width 1, 2, ... (no cache-length term): tests price
     rounds on it instead of this machine's measured surface."""
@@ -252,3 +290,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
+
+
+# -- the skipped-tests record of CI (tests/skips.py) ----------------------------------------------
+def pytest_configure(config):
+    from skips import SkipRecord
+
+    config.pluginmanager.register(SkipRecord(), "adaspec-skip-record")

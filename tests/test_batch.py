@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -226,6 +227,48 @@ def test_sampling_first_tokens_follow_the_target(soft_model):
     stat, p_value, cells = chisquare_gof(counts, probs)
     assert cells >= 3
     assert p_value > 1e-3, (stat, p_value, counts)
+
+
+#: rows of different lengths, each a repeat that prompt lookup drafts from (vocabulary 8)
+BATCH_SAMPLING_PROMPTS = [[7, 3, 4, 7, 3, 4, 7, 3], [1, 6, 2, 1, 6, 2, 1, 6, 2, 1], [5, 0, 5, 0, 5]]
+
+
+def _rows_read_the_next_rows_logits(monkeypatch) -> None:
+    """BUG: every row of a batched forward is verified on the next row's logits (the padded
+    forward of the transformers backend's rows, ``PaddedRows.forward``, patched)."""
+    from adaspec.backends.transformers import PaddedRows
+
+    real = PaddedRows.forward
+    monkeypatch.setattr(PaddedRows, "forward", lambda self, inputs: real(self, inputs).roll(1, dims=0))
+
+
+@pytest.mark.parametrize("bug", [None, "rows-read-other-rows"])
+def test_batched_sampling_follows_the_target_over_three_tokens(bug, monkeypatch):
+    """``generate_batch`` of three prompts of different lengths (padding, holes), 3 sampled tokens
+    a row (T=1; prompt lookup, k=3: the first round drafts 2, so the block rule and the rollback
+    of rejected columns run): each row's joint distribution of its 3 tokens equals the target's
+    exact one, computed by enumeration (``test_distribution.exact_distribution``), chi-square at
+    ALPHA = 0.001 over 600 fixed seeds per row (3 rows: family-wise at most 0.003). The negative
+    control (each row verified on the next row's logits) must be rejected on every row."""
+    from test_distribution import Runs, check_exact, exact_distribution
+
+    from adaspec.config import SamplingConfig
+
+    if bug:
+        _rows_read_the_next_rows_logits(monkeypatch)
+    vocab, n_runs = 8, 600
+    target = make_tiny_model(seed=0, vocab=vocab, init_std=0.2)
+    engine = SpeculativeEngine(target, ["prompt-lookup"], k=3)
+    runs = [Runs(np.zeros((vocab,) * 3, dtype=np.int64), 0, 0, 0) for _ in BATCH_SAMPLING_PROMPTS]
+    for seed in range(n_runs):
+        out = engine.generate_batch(BATCH_SAMPLING_PROMPTS, max_new_tokens=3, temperature=1.0, seed=seed)
+        for r, res in zip(runs, out):
+            r.counts[tuple(res.token_ids)] += 1
+            r.drafted, r.accepted, r.rounds = (r.drafted + res.stats.drafted, r.accepted + res.stats.accepted,
+                                               r.rounds + res.stats.n_rounds)
+    for i, (r, prompt) in enumerate(zip(runs, BATCH_SAMPLING_PROMPTS)):
+        exact = exact_distribution(target, prompt, SamplingConfig(temperature=1.0), 3)
+        check_exact(r, exact, f"batched row {i}", bug)
 
 
 # -- chunked prefill, the cache ------------------------------------------------------------------

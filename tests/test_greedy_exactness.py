@@ -4,7 +4,9 @@ Every drafter, several draft lengths and several prompts are compared with Huggi
 own ``model.generate(do_sample=False)`` on tiny randomly initialised Llamas, twice: with HF's
 initialisation (std 0.02, weakly context-sensitive) and with std 0.3 (``conftest.INIT_STDS``),
 whose argmax depends on the context, so a position-id, rollback or catch-up bug changes the
-output.
+output. Every case also checks that the drafter was exercised (``_check_drafting``): drafts
+proposed and some accepted, or, where a case cannot have them, why (``NO_ACCEPTS``), so that no
+case passes as plain decoding.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import make_tiny_model
+from conftest import INIT_STDS, make_tiny_model
 
 from adaspec import SpeculativeEngine
 from adaspec.drafters import ModelDrafter, PromptLookupDrafter
@@ -35,7 +37,15 @@ PROMPTS = {
     "constant": [5] * 6,
     "single": [7],
 }
-DRAFTERS = ["none", "prompt-lookup", "suffix", "recycle", "self", "model-other"]
+DRAFTERS = ["none", "prompt-lookup", "suffix", "recycle", "self", "model-other", "model-near"]
+#: cases whose drafts are all rejected, and why; every other case (but ``none``, which proposes
+#: nothing: the plain-decoding baseline) must have drafts accepted
+NO_ACCEPTS = {
+    "model-other": "another random model agrees with the target only by chance (1 in 32 a token): "
+                   "it exercises the rejection path; model-near has the accepted drafts",
+    ("suffix", "std0.3", "random"): "the std-0.3 target's continuation of this random prompt repeats "
+                                    "none of the suffixes the drafter matches",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +57,18 @@ def target(init_std) -> LlamaForCausalLM:
 def other(init_std) -> LlamaForCausalLM:
     """A different random model with the same vocabulary (a drafter that mostly disagrees)."""
     return make_tiny_model(1, VOCAB, init_std=init_std)
+
+
+@pytest.fixture(scope="module")
+def near(init_std) -> LlamaForCausalLM:
+    """The target with 30% noise on every weight: a model drafter that agrees with the target at
+    some positions and not at others, so its own KV cache is rolled back mid-block."""
+    model = make_tiny_model(0, VOCAB, init_std=init_std)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 0.3)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +88,39 @@ def reference(target):
     return get
 
 
-def _drafter(spec: str, other: LlamaForCausalLM):
+def _drafter(spec: str, other: LlamaForCausalLM, near: LlamaForCausalLM | None = None):
     if spec == "model-other":
         return ModelDrafter(as_loaded(other), VOCAB)
+    if spec == "model-near":
+        return ModelDrafter(as_loaded(near), VOCAB)
     return spec
+
+
+def _std_name(init_std: float) -> str:
+    return next(name for name, std in INIT_STDS.items() if std == init_std)
+
+
+def _check_drafting(stats, drafter: str, case: tuple[str, ...]) -> None:
+    """The drafter proposed drafts, and some were accepted (or ``NO_ACCEPTS`` says why none were,
+    and then the rejections ran)."""
+    if drafter == "none":
+        assert stats.drafted == 0  # the baseline: plain decoding through the engine
+        return
+    assert stats.drafted > 0, f"{case}: the drafter never proposed anything"
+    if drafter in NO_ACCEPTS or case in NO_ACCEPTS:
+        assert stats.accepted < stats.drafted, f"{case}: expected rejections"
+    else:
+        assert stats.accepted > 0, f"{case}: {stats.drafted} drafts proposed, none accepted"
 
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_greedy_matches_hf_generate(target, other, reference, drafter, k, prompt_name):
-    engine = SpeculativeEngine(target, [_drafter(drafter, other)], k=k)
+def test_greedy_matches_hf_generate(target, other, near, reference, init_std, drafter, k, prompt_name):
+    engine = SpeculativeEngine(target, [_drafter(drafter, other, near)], k=k)
     result = engine.generate(PROMPTS[prompt_name], max_new_tokens=MAX_NEW)
     assert result.token_ids == reference(prompt_name)
+    _check_drafting(result.stats, drafter, (drafter, _std_name(init_std), prompt_name))
     assert result.prompt_ids == PROMPTS[prompt_name]
     stats = result.stats
     assert stats.new_tokens == MAX_NEW
@@ -105,20 +147,27 @@ def test_no_drafters_is_plain_decoding(target, reference):
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_engine_reuse_across_requests_stays_exact(target, other, reference, drafter):
-    engine = SpeculativeEngine(target, [_drafter(drafter, other)], k=4)
+def test_engine_reuse_across_requests_stays_exact(target, other, near, reference, drafter):
+    engine = SpeculativeEngine(target, [_drafter(drafter, other, near)], k=4)
     order = ["repetitive", "random", "repetitive", "constant", "random", "single"]
+    drafted = accepted = 0
     for name in order:
         result = engine.generate(PROMPTS[name], max_new_tokens=MAX_NEW)
         assert result.token_ids == reference(name), f"request {name!r} diverged"
+        drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    assert (drafted > 0) == (drafter != "none")
+    assert accepted > 0 or drafter in ("none", "model-other")
 
 
 def test_engine_reuse_with_varying_lengths(target, reference):
     """Shorter and longer requests interleaved on one engine (stale drafter state must not leak)."""
     engine = SpeculativeEngine(target, ["self", "prompt-lookup"], k=7)
+    accepted = 0
     for n in (3, MAX_NEW, 1, 17, MAX_NEW):
         result = engine.generate(PROMPTS["random"], max_new_tokens=n)
         assert result.token_ids == reference("random")[:n]
+        accepted += result.stats.accepted
+    assert accepted > 0
 
 
 class Alternate(DrafterPolicy):
@@ -140,13 +189,16 @@ class Alternate(DrafterPolicy):
 @pytest.mark.parametrize("pair", [("self", "prompt-lookup"), ("model-other", "suffix"),
                                   ("prompt-lookup", "self"), ("self", "model-other")])
 @pytest.mark.parametrize("prompt_name", ["repetitive", "random"])
-def test_switching_drafters_stays_exact_and_records_catch_up(target, other, reference, pair,
+def test_switching_drafters_stays_exact_and_records_catch_up(target, other, reference, init_std, pair,
                                                              prompt_name):
     drafters = [_drafter(s, other) for s in pair]
     engine = SpeculativeEngine(target, drafters, selector=Alternate(), k=4)
     names = engine.drafter_names
     result = engine.generate(PROMPTS[prompt_name], max_new_tokens=MAX_NEW)
     assert result.token_ids == reference(prompt_name)
+    assert result.stats.drafted > 0
+    rejecting = [s in NO_ACCEPTS or (s, _std_name(init_std), prompt_name) in NO_ACCEPTS for s in pair]
+    assert result.stats.accepted > 0 or all(rejecting), "no draft accepted"
 
     rounds = result.stats.rounds
     assert len(rounds) >= 3
@@ -192,6 +244,7 @@ def test_full_information_counterfactuals(target, other, reference, prompt_name)
     prompt = PROMPTS[prompt_name]
     result = engine.generate(prompt, max_new_tokens=MAX_NEW)
     assert result.token_ids == reference(prompt_name)
+    assert result.stats.drafted > 0 and result.stats.accepted > 0
 
     i_lookup, i_self, i_none, i_other = 0, 1, 2, 4
     assert len(policy.log) == result.stats.n_rounds
@@ -257,6 +310,7 @@ def test_greedy_scoring_never_computes_the_target_softmax(target, other, referen
     engine = SpeculativeEngine(target, [_drafter(s, other) for s in specs], selector=policy, k=4)
     result = engine.generate(PROMPTS["repetitive"], max_new_tokens=MAX_NEW)
     assert result.token_ids == reference("repetitive")
+    assert result.stats.drafted > 0 and result.stats.accepted > 0
     assert all(cf is not None and set(cf) == {0, 1, 2} for _, _, cf in policy.log)
 
 
@@ -265,6 +319,7 @@ def test_full_information_single_drafter_gets_no_counterfactual(target, referenc
     engine = SpeculativeEngine(target, ["prompt-lookup"], selector=policy, k=4)
     result = engine.generate(PROMPTS["repetitive"], max_new_tokens=MAX_NEW)
     assert result.token_ids == reference("repetitive")
+    assert result.stats.drafted > 0 and result.stats.accepted > 0
     assert all(cf is None for _, _, cf in policy.log)
 
 
@@ -283,6 +338,7 @@ def test_full_information_alphas_of_realised_tokens(target, reference):
     prompt = PROMPTS["repetitive"]
     result = engine.generate(prompt, max_new_tokens=MAX_NEW)
     assert result.token_ids == reference("repetitive")
+    assert result.stats.drafted > 0 and result.stats.accepted > 0
     for chosen, emitted, alphas in policy.alphas:
         assert set(alphas) == {0, 1, 2} - {chosen}
         if 0 in alphas:

@@ -323,13 +323,16 @@ def test_greedy_output_identical_to_plain_decoding(sharp_model, drafters, select
     engine = SpeculativeEngine(sharp_model, drafters, selector=selector)
     plain = SpeculativeEngine(sharp_model, [], k=1)
     rng = random.Random(0)
+    drafted = accepted = 0
     for _ in range(4):
         motif = [rng.randrange(32) for _ in range(4)]
         ids = (motif * 4)[: rng.randint(6, 16)] + [rng.randrange(32)]
         got = engine.generate(ids, max_new_tokens=24)
         want = plain.generate(ids, max_new_tokens=24)
         assert got.token_ids == want.token_ids
+        drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
     assert isinstance(engine.length, AutoLength)
+    assert drafted > 0 and accepted > 0  # auto drafted: the comparison is not plain against plain
 
 
 def test_auto_is_the_default_over_several_drafters(sharp_model):
@@ -368,6 +371,7 @@ def test_the_engine_tells_auto_the_drafter_families(sharp_model):
     ids = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
     out = engine.generate(ids, max_new_tokens=12)
     assert out.token_ids == SpeculativeEngine(sharp_model, [], k=1).generate(ids, max_new_tokens=12).token_ids
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
 
 
 def test_peeked_block_is_the_drafted_block(sharp_model):
@@ -377,7 +381,7 @@ def test_peeked_block_is_the_drafted_block(sharp_model):
     on = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=1").generate(ids, max_new_tokens=20)
     off = SpeculativeEngine(sharp_model, ["prompt-lookup"], selector="auto:peek=0").generate(ids, max_new_tokens=20)
     assert on.token_ids == off.token_ids
-    assert sum(r.drafted for r in on.stats.rounds) > 0
+    assert sum(r.drafted for r in on.stats.rounds) > 0 and on.stats.accepted > 0
 
 
 def test_a_look_cut_at_the_depth_is_drafted_again(sharp_model):
@@ -388,21 +392,25 @@ def test_a_look_cut_at_the_depth_is_drafted_again(sharp_model):
     plain = SpeculativeEngine(sharp_model, [], k=1)
     out = engine.generate(ids, max_new_tokens=24)
     assert out.token_ids == plain.generate(ids, max_new_tokens=24).token_ids
-    assert max(r.drafted for r in out.stats.rounds) > 2
+    assert max(r.drafted for r in out.stats.rounds) > 2 and out.stats.accepted > 0
 
 
 def _first_three_tokens(engine, prompt, vocab: int, runs: int = 2000) -> tuple[np.ndarray, dict[str, int]]:
     """Counts of the first 3 sampled tokens (T=1, seeds 0..runs-1), flattened, and the rounds
-    each drafter drafted in."""
+    each drafter drafted in; every test also checks that some drafts were accepted and some
+    rejected (both branches of the rule ran)."""
     counts = np.zeros(vocab ** 3)
     used: dict[str, int] = {}
+    drafted = accepted = 0
     for s in range(runs):
         out = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=s)
         a, b, c = out.token_ids
         counts[(a * vocab + b) * vocab + c] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
         for r in out.stats.rounds:
             if r.drafted:
                 used[r.drafter] = used.get(r.drafter, 0) + 1
+    assert 0 < accepted < drafted, (accepted, drafted)
     return counts, used
 
 
@@ -958,13 +966,13 @@ def test_skipped_looks_keep_greedy_output_and_save_peeks(sharp_model, monkeypatc
     real = Round._peek
     monkeypatch.setattr(Round, "_peek", lambda *a: calls.append(1) or real(*a))
     rng = random.Random(1)
-    rounds = 0
+    rounds = accepted = 0
     for _ in range(4):
         ids = [rng.randrange(32) for _ in range(12)]
         got = engine.generate(ids, max_new_tokens=32)
         assert got.token_ids == plain.generate(ids, max_new_tokens=32).token_ids
-        rounds += len(got.stats.rounds)
-    assert 0 < len(calls) < rounds
+        rounds, accepted = rounds + len(got.stats.rounds), accepted + got.stats.accepted
+    assert 0 < len(calls) < rounds and accepted > 0
 
 
 def test_a_requests_first_look_is_not_a_looks_price(sharp_model, monkeypatch):

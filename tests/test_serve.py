@@ -176,11 +176,15 @@ BAD = [
     ("chat", _msgs(max_tokens="5"), 400, "max_tokens"),
     ("chat", _msgs(temperature=-0.5), 400, "temperature"),
     ("chat", _msgs(temperature="hot"), 400, "temperature"),
+    ("chat", _msgs(temperature=2.5), 400, "temperature"),  # OpenAI's bound: [0, 2]
+    ("text", {"model": MODEL, "prompt": "w01", "temperature": 2.01}, 400, "temperature"),
     ("chat", _msgs(top_p=0), 400, "top_p"),
     ("chat", _msgs(top_p=1.5), 400, "top_p"),
     ("chat", _msgs(n=2), 400, "n"),
     ("chat", _msgs(logprobs=True), 400, "logprobs"),
     ("chat", _msgs(stop=[""]), 400, "stop"),
+    ("chat", _msgs(stop=["a", "b", "c", "d", "e"]), 400, "stop"),  # OpenAI's bound: at most 4
+    ("text", {"model": MODEL, "prompt": "w01", "stop": ["w1", "w2", "w3", "w4", "w5"]}, 400, "stop"),
     ("chat", _msgs(stream="yes"), 400, "stream"),
     ("chat", _msgs(adaspec={"turbo": True}), 400, "adaspec.turbo"),
     ("chat", _msgs(adaspec={"drafters": ["eagle"]}), 400, "adaspec.drafters"),
@@ -217,6 +221,18 @@ def test_openai_client_raises_its_typed_errors(client):
         client.chat.completions.create(model="gpt-9", messages=CHAT)
     with pytest.raises(openai.BadRequestError, match="n=3"):
         client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
+
+
+def test_sampling_bounds_are_openais(client):
+    """temperature in [0, 2] and at most 4 stop strings, as OpenAI's API: past them a 400 whose
+    message names the bound; the bounds themselves are served."""
+    with pytest.raises(openai.BadRequestError, match=r"temperature must be in \[0, 2\].*got 2.5"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=2.5)
+    with pytest.raises(openai.BadRequestError, match="at most 4 stop strings are allowed.*got 5"):
+        client.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, stop=["a", "b", "c", "d", "e"])
+    resp = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=2.0, seed=1,
+                                     stop=["zz1", "zz2", "zz3", "zz4"])
+    assert resp.usage.completion_tokens == 4
 
 
 # -- queue, cancellation, timeout ------------------------------------------------------------------

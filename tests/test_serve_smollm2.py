@@ -34,9 +34,10 @@ def served():
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=600), reference
 
 
-def test_chat_greedy_stream_and_not_equal_generate(served):
+def test_chat_greedy_stream_and_not_equal_generate(served, stock_greedy):
     client, reference = served
     want = reference.generate(MESSAGES, GenerationConfig(max_new_tokens=80))
+    assert want.token_ids == stock_greedy(want.prompt_ids, 80, reference.eos_ids())  # stock modules' greedy
     resp = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=80, temperature=0)
     assert resp.choices[0].message.content == want.text
     assert resp.usage.prompt_tokens == len(want.prompt_ids)

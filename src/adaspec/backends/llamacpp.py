@@ -22,7 +22,9 @@ SmolLM2's Q4_1 with llama.cpp's AMX kernels, whose blocks take the tile path and
 VNNI path). Builds whose AMX kernels crash are detected first (``amx_kernels_run``).
 The prompt is fed in one batch as llama.cpp feeds it (``prefill``). Greedy speculative output
 therefore equals llama.cpp's own greedy decoding except where its margin between the two best
-tokens is within that noise (``near_tie_nats``; docs/llamacpp.md has the measurement).
+tokens is within that noise (``near_tie_nats``; docs/llamacpp.md has the measurement):
+``tests/test_llamacpp_exactness.py`` checks every position of it against llama-cpp-python's own
+decoding, and that a wrong token accepted lies beyond the bound.
 """
 
 from __future__ import annotations
@@ -320,6 +322,8 @@ class LlamaCppTarget(TargetBackend):
     backend = "llama.cpp"
     has_hidden_states = False
     batch_invariant = False  # past 256 cached tokens, or at any length (``short_blocks_invariant``)
+    #: the kernel-noise bound (``exactness.NEAR_TIE_NATS_LLAMACPP``: what it covers and why);
+    #: ``near_tie_nats_at`` gives the float-rounding bound where short blocks are invariant
     near_tie_nats = NEAR_TIE_NATS_LLAMACPP
     #: llama.cpp rebuilds its compute graph when a batch's shape (tokens, outputs) differs from
     #: the last one's: measured on SmolLM2 Q4_0, 2 threads, ~0.35 ms, and a plain step after a

@@ -32,8 +32,8 @@ from ..models import target_fingerprint
 from ..selection import DEFAULT_SELECTOR as SELECTION_DEFAULT
 from ..selection import build_selector
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .protocol import (APIError, ChatRequest, CompletionRequest, AdaspecOptions, bad_request,
-                       chunk_body, completion_body, new_id, parse_body, usage)
+from .protocol import (MAX_STOP_STRINGS, MAX_TEMPERATURE, APIError, ChatRequest, CompletionRequest, AdaspecOptions,
+                       bad_request, chunk_body, completion_body, new_id, parse_body, usage)
 from .scheduler import (BatchExecutor, Delta, Event, Failed, Finished, Job, Plan, QueueFull,
                         Scheduler, timeout_error)
 from .state import LearntState
@@ -183,9 +183,9 @@ class Server:
                               code="context_length_exceeded")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
-        if not temperature >= 0:
-            raise bad_request(f"temperature must be >= 0, got {temperature} (0 = greedy)",
-                              param="temperature", code="invalid_value")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (OpenAI's bound; 0 = greedy), "
+                              f"got {temperature}", param="temperature", code="invalid_value")
         if not 0 < top_p <= 1:
             raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p", code="invalid_value")
         if req.seed is not None and not 0 <= req.seed < 1 << 63:
@@ -193,6 +193,9 @@ class Server:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", param="stop", code="invalid_value")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed (OpenAI's bound), got "
+                              f"{len(stop)}", param="stop", code="invalid_value")
         return GenerationConfig(max_new_tokens=max_tokens, stop=stop,
                                 sampling=SamplingConfig(temperature, 0, top_p, req.seed))
 

@@ -34,6 +34,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+#: OpenAI's bounds on sampling parameters, which the server keeps (a client written against
+#: OpenAI's API gets the same 400 here as there): temperature in [0, 2], at most 4 stop strings
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 4
+
+
 # -- requests ---------------------------------------------------------------------------------
 class _Strict(BaseModel):
     """Strict types; unknown top-level keys are ignored as OpenAI clients send many."""
