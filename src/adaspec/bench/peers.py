@@ -33,7 +33,7 @@ import time
 from contextlib import ExitStack
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -156,6 +156,12 @@ class PeerRun:
     assistant_forwards: int | None = None  # forwards of the assistant model (hf-assisted only)
     verify_widths: dict[int, int] = field(default_factory=dict)  # width -> count, forwards after the first
     error: str | None = None  # the peer failed on this prompt (llama.cpp peers): what it raised
+    #: seconds from the start to the first emission of new tokens (the prefill, with the first
+    #: token); the decode phase: ``decode_tokens`` emitted after that one in ``decode_s`` (to the
+    #: last emission). None: the peer does not say.
+    first_s: float | None = None
+    decode_s: float | None = None
+    decode_tokens: int | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -180,7 +186,67 @@ class PeerRun:
                 "rounds": self.rounds, "mat": self.mat, "prefill_tokens": self.prefill_tokens,
                 "drafted": self.drafted, "accepted": self.accepted,
                 "assistant_forwards": self.assistant_forwards, "verify_widths": self.verify_widths,
-                "error": self.error}
+                "error": self.error, "first_s": self.first_s, "decode_s": self.decode_s,
+                "decode_tokens": self.decode_tokens}
+
+
+class Peer(Protocol):
+    """What ``adaspec bench`` needs of a peer: a name, greedy requests, its settings, and ``close``
+    (frees what it holds: a llama-server process)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class EmissionClock:
+    """When new tokens appeared: ``tick(n)`` after each emission of ``n`` tokens; ``split()`` is
+    (seconds to the first emission, tokens emitted after it, seconds from it to the last)."""
+
+    def __init__(self, now: Any = time.perf_counter):
+        self._now = now
+        self.t0 = now()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.after_first = 0
+
+    def tick(self, n: int = 1) -> None:
+        if n <= 0:
+            return
+        t = self._now()
+        if self.first is None:
+            self.first = t
+        else:
+            self.after_first += n
+        self.last = t
+
+    def split(self) -> tuple[float | None, int | None, float | None]:
+        if self.first is None or self.last is None:
+            return None, None, None
+        return self.first - self.t0, self.after_first, self.last - self.first
+
+
+class _ClockStreamer:
+    """A transformers streamer that times emissions (``generate(streamer=...)``): the first
+    ``put`` is the prompt, every later one a step's new tokens."""
+
+    def __init__(self, clock: EmissionClock):
+        self.clock = clock
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.clock.tick(int(value.numel()))
+
+    def end(self) -> None:
+        pass
 
 
 class _ForwardCounter:
@@ -267,6 +333,9 @@ class HFPeer:
     def name(self) -> str:
         return self.spec.spec
 
+    def settings(self) -> dict[str, Any]:
+        return self.spec.settings()
+
     def _pad_id(self, eos_ids: set[int]) -> int:
         gc = getattr(self.target.model, "generation_config", None)
         pad = getattr(gc, "pad_token_id", None)
@@ -347,7 +416,8 @@ class HFPeer:
             assistant_calls = (stack.enter_context(_ForwardCounter(self.assistant.model))
                                if self.assistant is not None else None)
             t0 = self._now()
-            out = model.generate(**kwargs)
+            clock = EmissionClock(self._now)
+            out = model.generate(**kwargs, streamer=_ClockStreamer(clock))
             seconds = self._now() - t0
         new = out[0, len(prompt_ids):].tolist()
         widths = target_calls.widths
@@ -357,9 +427,14 @@ class HFPeer:
                                "a transformers change? report it")
         # first forward: the prompt plus the first drafts; later ones: the last token plus drafts
         drafted = (widths[0] - len(prompt_ids) + sum(w - 1 for w in widths[1:])) if widths else 0
+        first_s, decode_tokens, decode_s = clock.split()
         return PeerRun(token_ids=new, seconds=seconds, target_forwards=len(widths), rounds=len(widths),
                        prefill_tokens=widths[0] if widths else 0, drafted=drafted,
-                       assistant_forwards=assistant_forwards, verify_widths=dict(Counter(widths[1:])))
+                       assistant_forwards=assistant_forwards, verify_widths=dict(Counter(widths[1:])),
+                       first_s=first_s, decode_s=decode_s, decode_tokens=decode_tokens)
+
+    def close(self) -> None:
+        """Nothing to free: the peer runs on the bench's own models."""
 
 
 def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype: Any = None) -> list[HFPeer]:
@@ -378,30 +453,44 @@ def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype
     return peers
 
 
+def all_peer_names() -> tuple[str, ...]:
+    """Every peer spec ``adaspec bench`` accepts, with its options (for help texts and errors)."""
+    from .llama_server_peer import LLAMA_SERVER_PEER_NAMES
+    from .llamacpp_peer import LLAMACPP_PEER_NAMES
+
+    return PEER_NAMES + LLAMACPP_PEER_NAMES + LLAMA_SERVER_PEER_NAMES
+
+
 def check_peer(text: str) -> None:
-    """A peer spec parses (HF's or llama.cpp's); raises ``ConfigError`` naming the fix."""
-    from .llamacpp_peer import LLAMACPP_PEER_NAMES, is_llamacpp_peer, parse_llamacpp_peer
+    """A peer spec parses (HF's, llama.cpp's or llama-server's); raises ``ConfigError`` naming the fix."""
+    from .llama_server_peer import is_llama_server_peer, parse_llama_server_peer
+    from .llamacpp_peer import is_llamacpp_peer, parse_llamacpp_peer
 
     if is_llamacpp_peer(text):
         parse_llamacpp_peer(text)
+    elif is_llama_server_peer(text):
+        parse_llama_server_peer(text)
     elif is_peer_spec(text):
         parse_peer(text)
     else:
-        raise ConfigError(f"unknown peer {text!r}: use one of {', '.join(PEER_NAMES + LLAMACPP_PEER_NAMES)}")
+        raise ConfigError(f"unknown peer {text!r}: use one of {', '.join(all_peer_names())}")
 
 
-def make_peer(target: Any, text: str, device: Any = None, dtype: Any = None) -> Any:
-    """The peer a spec names, on ``target``: an ``HFPeer`` or a llama.cpp peer."""
+def make_peer(target: Any, text: str, device: Any = None, dtype: Any = None) -> Peer:
+    """The peer a spec names, on ``target``: an ``HFPeer``, a llama.cpp peer or a llama-server peer."""
+    from .llama_server_peer import LlamaServerPeer, is_llama_server_peer
     from .llamacpp_peer import LlamaCppPeer, is_llamacpp_peer
 
     if is_llamacpp_peer(text):
         return LlamaCppPeer(target, text)
+    if is_llama_server_peer(text):
+        return LlamaServerPeer(target, text)
     if target.backend != "transformers":
         raise ConfigError(f"peer {text!r} runs Hugging Face generate on a transformers model, and this target "
-                          f"runs on {target.backend}: use the peers llama.cpp and llama.cpp-pld there")
+                          f"runs on {target.backend}: use the peers llama.cpp, llama.cpp-pld and llama-server there")
     return HFPeer(target, text, device=device, dtype=dtype)
 
 
-def run_peer(peer: HFPeer, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:
+def run_peer(peer: Peer, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:
     """One request of ``peer`` (what ``adaspec bench`` calls per prompt and repeat)."""
     return peer.run(prompt_ids, max_new_tokens, eos_ids)
