@@ -8,7 +8,8 @@ Behaviour is set by environment variables:
 * ``STUB_REQUESTS``: append every POST body (JSON lines, with its path) to this file;
 * ``STUB_MODE``: ``ok`` (default); ``exit`` (print an error and exit 3 at once); ``unhealthy``
   (``/health`` answers 503 for ever); ``fail`` (``/completion`` and chat answer HTTP 400 with a
-  llama-server error body); ``die`` (exit during the first ``/completion``);
+  llama-server error body); ``flaky`` (every second chat request answers that HTTP 400);
+  ``die`` (exit during the first ``/completion``);
 * ``STUB_LOAD_S``: seconds ``/health`` answers 503 (loading) before 200;
 * ``STUB_ANSWERS``: a JSON file {"comma-joined prompt ids": [new token ids]}; other prompts get
   ``last prompt id + 1, + 2, ...`` (mod 32);
@@ -41,6 +42,7 @@ def _arg(argv: list[str], *names: str, default: str | None = None) -> str | None
 
 class Handler(BaseHTTPRequestHandler):
     argv: list[str] = []
+    chats = 0  # chat requests so far (``flaky``)
 
     def log_message(self, *args: object) -> None:  # quiet
         pass
@@ -110,7 +112,8 @@ class Handler(BaseHTTPRequestHandler):
                          "truncated": False, "timings": timings})
 
     def _chat(self, body: dict) -> None:
-        if MODE == "fail":
+        Handler.chats += 1
+        if MODE == "fail" or (MODE == "flaky" and Handler.chats % 2 == 0):
             self._error(400, "the request exceeds the available context size, try increasing it")
             return
         words = body["messages"][-1]["content"].split()[: int(body.get("max_tokens") or 16)]

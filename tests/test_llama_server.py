@@ -440,7 +440,32 @@ def test_bench_serve_reports_failed_requests_as_lines(stub, tmp_path, monkeypatc
     monkeypatch.setenv("STUB_MODE", "fail")
     res = _bench_serve("--llama-server", "", "--llama-server-bin", str(stub), "--model", str(_gguf(tmp_path)),
                        "-c", "1", "--requests", "2", "--suite", "qa")
-    assert res.exit_code == 2 and "warm-up request failed: HTTP 400: the request exceeds" in res.output
+    assert res.exit_code == 2 and "warm-up request to http://127.0.0.1:" in res.output
+    assert "failed: HTTP 400: the request exceeds the available context size" in res.output
+    monkeypatch.setenv("STUB_MODE", "flaky")  # the warm-up passes, then every second request fails
+    res = _bench_serve("--llama-server", "", "--llama-server-bin", str(stub), "--model", str(_gguf(tmp_path)),
+                       "-c", "1", "--requests", "4", "--suite", "qa")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "FAILED llama-server: request 1 (prompt qa-01) at concurrency 1 failed: HTTP 400: the request" in res.output
+    assert "request 3 (prompt qa-01)" in res.output and "| llama-server | 1 | 2 |" in res.output
+
+
+def test_bench_serve_compares_servers_over_passes(stub, tmp_path):
+    res = _bench_serve("--llama-server", "", "--llama-server", "--spec-default", "--llama-server-bin", str(stub),
+                       "--model", str(_gguf(tmp_path)), "-c", "1", "-c", "2", "--requests", "2", "--max-tokens", "4",
+                       "--suite", "qa+math", "--repeats", "2", "--out", str(tmp_path / "out"))
+    assert res.exit_code == 0, res.output
+    assert "| llama-server | 2 | 4 |" in res.output and "| llama-server --spec-default | 1 | 4 |" in res.output
+    assert "steadiness: each pass's tokens/s over the median of its server and level, 8 runs" in res.output
+    assert "llama-server: texts equal to its own at c=1: c=1 4/4, c=2 4/4" in res.output
+    assert "llama-server --spec-default against llama-server, lowest concurrency: 2/2 prompts' texts equal" in res.output
+    data = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert [s["label"] for s in data["servers"]] == ["llama-server", "llama-server --spec-default"]
+    texts = [t["text"] for t in data["servers"][0]["levels"][0]["timings"]]
+    assert len(texts) == 4 and all(texts)  # every request's text kept
+    assert len(data["servers"][1]["pass_tokens_per_s"][0]) == 2
+    assert (tmp_path / "out" / "serve.png").stat().st_size > 0
+    assert "![serve](serve.png)" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_bench_serve_names_an_unreachable_server():
