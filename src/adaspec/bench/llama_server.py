@@ -61,6 +61,8 @@ GCC_OPTIONS = ("-DCMAKE_C_FLAGS=-fno-dse", "-DCMAKE_CXX_FLAGS=-fno-dse")
 #: progress(stage, done, total, detail): stage "download", "configure" or "build" (percent)
 BuildProgress = Callable[[str, int, int, str], None]
 _HOST = "127.0.0.1"
+#: requests to the loopback server never go through a proxy of the environment (``$http_proxy``)
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class LlamaServerError(AdaspecError):
@@ -495,7 +497,7 @@ class LlamaServer:
                 raise LlamaServerError(f"llama-server exited (code {code}) before it was ready; its log ends:\n"
                                        f"{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                with _OPENER.open(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
             except urllib.error.HTTPError as exc:  # 503 while the model loads
@@ -546,7 +548,7 @@ class LlamaServer:
 
     def _request(self, req: urllib.request.Request, timeout: float) -> dict[str, Any]:
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with _OPENER.open(req, timeout=timeout) as resp:
                 return json.loads(resp.read().decode("utf-8"))
         except urllib.error.HTTPError as exc:
             raise LlamaServerError(f"llama-server answered {req.full_url} with HTTP {exc.code}: "
