@@ -271,6 +271,19 @@ def test_peer_specs_parse_into_server_options(tmp_path):
     assert any(n.startswith("llama-server") for n in all_peer_names())
 
 
+def test_bench_refuses_a_missing_binary_before_loading(cache, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import adaspec.models
+    from adaspec.cli import app
+
+    monkeypatch.setattr(adaspec.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    res = CliRunner().invoke(app, ["bench", "-p", f"llama-server:bin={tmp_path / 'nope'}", "--no-costs"])
+    assert res.exit_code == 2 and "does not exist" in res.output
+    res = CliRunner().invoke(app, ["bench", "-p", "llama-server", "--no-costs"])
+    assert res.exit_code == 2 and "adaspec fetch llama-server" in res.output
+
+
 def test_completion_request_and_answer():
     body = completion_request([5, 6, 7], 4)
     assert body["prompt"] == [5, 6, 7] and body["n_predict"] == 4 and body["cache_prompt"] is False

@@ -374,7 +374,8 @@ class ServerOptions:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the server gets SIGTERM when the adaspec process dies, however it dies."""
+    """Linux: the server gets SIGTERM when the adaspec process dies, however it dies. The kernel
+    ties it to the thread that started the server: start one from a thread that outlives it."""
     try:
         import ctypes
 

@@ -462,14 +462,16 @@ def all_peer_names() -> tuple[str, ...]:
 
 
 def check_peer(text: str) -> None:
-    """A peer spec parses (HF's, llama.cpp's or llama-server's); raises ``ConfigError`` naming the fix."""
+    """A peer spec parses (HF's, llama.cpp's or llama-server's) and a llama-server peer's binary
+    is found; raises an ``AdaspecError`` naming the fix, before anything loads."""
+    from .llama_server import find_llama_server
     from .llama_server_peer import is_llama_server_peer, parse_llama_server_peer
     from .llamacpp_peer import is_llamacpp_peer, parse_llamacpp_peer
 
     if is_llamacpp_peer(text):
         parse_llamacpp_peer(text)
     elif is_llama_server_peer(text):
-        parse_llama_server_peer(text)
+        find_llama_server(parse_llama_server_peer(text).binary)
     elif is_peer_spec(text):
         parse_peer(text)
     else:
