@@ -162,6 +162,7 @@ def test_build_from_an_sdist_with_progress(cache, tmp_path):
     log = (ls.build_root("9.9.9") / "build.log").read_text()
     assert "--target llama-server -j 3" in log and "-DBUILD_SHARED_LIBS=OFF" in log
     assert ls.server_version(path) == "version: 7 fake"
+    assert not (ls.build_root("9.9.9") / "src").exists() and not (ls.build_root("9.9.9") / "build").exists()
     assert build_llama_server(archive, progress=lambda *a: pytest.fail("rebuilt")) == path  # built once
 
 

@@ -254,8 +254,8 @@ def build_llama_server(sdist: str | Path | None = None, jobs: int | None = None,
 
     ``sdist``: the archive to build from (default: downloaded with pip for the installed
     llama-cpp-python version). The binary is kept under ``build_root(VERSION)`` with
-    ``build.json`` (the version, the cmake options) and ``build.log``; an existing one is reused
-    unless ``force``. ``jobs``: parallel compile jobs (default: every core)."""
+    ``build.json`` (the version, the cmake options) and ``build.log`` (the sources and the build
+    folder are deleted after); an existing one is reused unless ``force``. ``jobs``: parallel compile jobs (default: every core)."""
     if sdist is not None:
         archive = Path(sdist).expanduser()
         if not archive.is_file():
@@ -307,7 +307,8 @@ def build_llama_server(sdist: str | Path | None = None, jobs: int | None = None,
     os.replace(tmp, final)
     (root / "build.json").write_text(json.dumps({"llama_cpp_python": version, "sdist": archive.name,
                                                  "cmake_options": options}, indent=1), encoding="utf-8")
-    shutil.rmtree(src, ignore_errors=True)  # the sources: 100+ MB; the build folder keeps a rebuild fast
+    for tree in (src, build):  # the sources and objects: ~200 MB; the binary is self-contained
+        shutil.rmtree(tree, ignore_errors=True)
     if progress:
         progress("build", 100, 100, str(final))
     return final
