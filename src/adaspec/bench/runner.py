@@ -106,6 +106,11 @@ class PromptRecord:
     decode_tokens: int | None = 0
 
 
+def plus(a: Any, b: Any) -> Any:
+    """``a + b``, or None when either is unknown (None)."""
+    return None if a is None or b is None else a + b
+
+
 def add_passes(total: Sequence[float], more: Sequence[float]) -> list[float]:
     """Per-pass times summed pass by pass (``total`` empty: a copy of ``more``)."""
     return [a + b for a, b in zip(total, more)] if total else list(more)
@@ -201,10 +206,8 @@ class ConfigResult(Rates):
                 r.verify_widths[w] = r.verify_widths.get(w, 0) + c
             if p.pass_seconds:
                 r.pass_seconds = add_passes(r.pass_seconds, p.pass_seconds)
-            r.prefill_s = None if r.prefill_s is None or p.prefill_s is None else r.prefill_s + p.prefill_s
-            r.decode_s = None if r.decode_s is None or p.decode_s is None else r.decode_s + p.decode_s
-            r.decode_tokens = (None if r.decode_tokens is None or p.decode_tokens is None
-                               else r.decode_tokens + p.decode_tokens)
+            r.prefill_s, r.decode_s = plus(r.prefill_s, p.prefill_s), plus(r.decode_s, p.decode_s)
+            r.decode_tokens = plus(r.decode_tokens, p.decode_tokens)
             if p.identical:
                 r.identical += 1
                 continue
@@ -690,9 +693,8 @@ def _record_into(rec: PromptRecord, out: Any, seconds: float, split: Split = (No
     prompt record."""
     rec.seconds += seconds
     first, n_decode, decode = split
-    rec.prefill_s = None if rec.prefill_s is None or first is None else rec.prefill_s + first
-    rec.decode_s = None if rec.decode_s is None or decode is None else rec.decode_s + decode
-    rec.decode_tokens = None if rec.decode_tokens is None or n_decode is None else rec.decode_tokens + n_decode
+    rec.prefill_s, rec.decode_s = plus(rec.prefill_s, first), plus(rec.decode_s, decode)
+    rec.decode_tokens = plus(rec.decode_tokens, n_decode)
     if isinstance(out, RequestStats):
         rec.tokens += out.new_tokens
         rec.rounds += out.n_rounds
