@@ -87,7 +87,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),
         # bench-serve
         (["bench-serve", "--url", "127.0.0.1:8000"], r"give the server's OpenAI base URL"),
-        (["bench-serve", "-c", "0"], r"--concurrency, --requests and --max-tokens must be >= 1"),
+        (["bench-serve", "-c", "0"], r"--concurrency, --requests, --max-tokens and --repeats must be >= 1"),
         (["bench-serve", "--json", f"{missing}/x.json"], r"--json .*: the folder .* does not exist"),
         (["bench-serve", "--suite", "nonsense"], r"nonsense"),
         # generate

@@ -48,7 +48,7 @@ def test_parse_llamacpp_peers():
 def test_hf_peers_are_refused_on_llamacpp(target):
     from adaspec.bench.peers import make_peer
 
-    with pytest.raises(ConfigError, match="llama.cpp and llama.cpp-pld"):
+    with pytest.raises(ConfigError, match="llama.cpp, llama.cpp-pld and llama-server"):
         make_peer(target, "hf-pld")
 
 

@@ -381,6 +381,8 @@ class LlamaCppTarget(TargetBackend):
         L.llama_backend_init()
         mp = model_params(L, self.path)
         self.amx = uses_amx(L, self.path)
+        #: llama.cpp's weight repacking (extra buffer types) as loaded: what the peers match
+        self.repack = bool(getattr(mp, "use_extra_bufts", True))
         # loads repack weights with OpenMP: on the thread the decodes run on (``LlamaThread``)
         self._decoder = llama_thread(self.amx)
         mp.n_gpu_layers = gpu_layers

@@ -25,7 +25,7 @@ from ..backends.llamacpp import import_llama_cpp, llama_thread, on_thread, safe_
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..models import locate_model
-from .peer_run import PeerRun
+from .peer_run import EmissionClock, PeerRun
 
 LLAMACPP_PEER_NAMES = ("llama.cpp[:flash_attn=0|1]", "llama.cpp-pld[:k=10,max_ngram=2,flash_attn=0|1]")
 _PLD_K, _PLD_NGRAM = 10, 2  # LlamaPromptLookupDecoding's defaults
@@ -129,6 +129,12 @@ class LlamaCppPeer:
     def name(self) -> str:
         return self.spec.spec
 
+    def settings(self) -> dict[str, Any]:
+        return self.spec.settings() | {"flash_attn": self.flash_attn}
+
+    def close(self) -> None:
+        """Nothing to free before the bench ends (the model goes with the process)."""
+
     def run(self, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:
         """Greedy generation (temperature 0), stopped like adaspec's engine: after
         ``max_new_tokens`` or at the first token in ``eos_ids`` (kept)."""
@@ -143,8 +149,10 @@ class LlamaCppPeer:
         out: list[int] = []
         error = None
         t0 = time.perf_counter()
+        clock = EmissionClock()  # llama-cpp-python hands out tokens one at a time
         try:
             for tok in self.llm.generate(prompt_ids, temp=0.0, reset=True):
+                clock.tick()
                 out.append(int(tok))
                 if tok in eos_ids or len(out) >= max_new_tokens:
                     break
@@ -153,6 +161,8 @@ class LlamaCppPeer:
         seconds = time.perf_counter() - t0
         widths = self.widths
         drafted = sum(w - 1 for w in widths[1:])
+        first_s, decode_tokens, decode_s = clock.split()
         return PeerRun(token_ids=out, seconds=seconds, target_forwards=len(widths), rounds=len(widths),
                        prefill_tokens=widths[0] if widths else 0, drafted=drafted,
-                       verify_widths=dict(Counter(widths[1:])), error=error)
+                       verify_widths=dict(Counter(widths[1:])), error=error,
+                       first_s=first_s, decode_s=decode_s, decode_tokens=decode_tokens)

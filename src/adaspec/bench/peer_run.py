@@ -1,10 +1,12 @@
-"""What one greedy ``generate`` call of a benchmark peer returns (Hugging Face's loop,
-``bench.peers``; llama.cpp's, ``bench.llamacpp_peer``)."""
+"""What a benchmark peer is (``Peer``) and what one greedy ``generate`` call of it returns
+(``PeerRun``, timed by an ``EmissionClock``): Hugging Face's loop (``bench.peers``), llama.cpp's
+(``bench.llamacpp_peer``) and llama-server's (``bench.llama_server_peer``)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -20,6 +22,12 @@ class PeerRun:
     assistant_forwards: int | None = None  # forwards of the assistant model (hf-assisted only)
     verify_widths: dict[int, int] = field(default_factory=dict)  # width -> count, forwards after the first
     error: str | None = None  # the peer failed on this prompt (llama.cpp peers): what it raised
+    #: seconds from the start to the first emission of new tokens (the prefill, with the first
+    #: token); the decode phase: ``decode_tokens`` emitted after that one in ``decode_s`` (to the
+    #: last emission). None: the peer does not say.
+    first_s: float | None = None
+    decode_s: float | None = None
+    decode_tokens: int | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -44,4 +52,46 @@ class PeerRun:
                 "rounds": self.rounds, "mat": self.mat, "prefill_tokens": self.prefill_tokens,
                 "drafted": self.drafted, "accepted": self.accepted,
                 "assistant_forwards": self.assistant_forwards, "verify_widths": self.verify_widths,
-                "error": self.error}
+                "error": self.error, "first_s": self.first_s, "decode_s": self.decode_s,
+                "decode_tokens": self.decode_tokens}
+
+
+class Peer(Protocol):
+    """What ``adaspec bench`` needs of a peer: a name, greedy requests, its settings, and ``close``
+    (frees what it holds: a llama-server process)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class EmissionClock:
+    """When new tokens appeared: ``tick(n)`` after each emission of ``n`` tokens; ``split()`` is
+    (seconds to the first emission, tokens emitted after it, seconds from it to the last)."""
+
+    def __init__(self, now: Any = time.perf_counter):
+        self._now = now
+        self.t0 = now()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.after_first = 0
+
+    def tick(self, n: int = 1) -> None:
+        if n <= 0:
+            return
+        t = self._now()
+        if self.first is None:
+            self.first = t
+        else:
+            self.after_first += n
+        self.last = t
+
+    def split(self) -> tuple[float | None, int | None, float | None]:
+        if self.first is None or self.last is None:
+            return None, None, None
+        return self.first - self.t0, self.after_first, self.last - self.first

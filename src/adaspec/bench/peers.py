@@ -41,7 +41,7 @@ from ..drafters import check_same_vocabulary, parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
 from ..kernels import stock_kernels
 from ..models import LoadedModel, load_model
-from .peer_run import PeerRun
+from .peer_run import EmissionClock, Peer, PeerRun
 
 PEER_NAMES = ("hf-greedy", "hf-pld[:k=10,max_ngram=2]",
               "hf-assisted:model=REF[,k=20,schedule=constant,confidence=0.4]")
@@ -144,6 +144,24 @@ def parse_peer(spec: str) -> PeerSpec:
     raise ConfigError(f"unknown peer {text!r}: use one of {', '.join(PEER_NAMES)}")
 
 
+class _ClockStreamer:
+    """A transformers streamer that times emissions (``generate(streamer=...)``): the first
+    ``put`` is the prompt, every later one a step's new tokens."""
+
+    def __init__(self, clock: EmissionClock):
+        self.clock = clock
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.clock.tick(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
 class _ForwardCounter:
     """Counts a module's forward calls and the input width of each (a pre-hook, removed on exit)."""
 
@@ -228,6 +246,9 @@ class HFPeer:
     def name(self) -> str:
         return self.spec.spec
 
+    def settings(self) -> dict[str, Any]:
+        return self.spec.settings()
+
     def _pad_id(self, eos_ids: set[int]) -> int:
         gc = getattr(self.target.model, "generation_config", None)
         pad = getattr(gc, "pad_token_id", None)
@@ -308,7 +329,8 @@ class HFPeer:
             assistant_calls = (stack.enter_context(_ForwardCounter(self.assistant.model))
                                if self.assistant is not None else None)
             t0 = self._now()
-            out = model.generate(**kwargs)
+            clock = EmissionClock(self._now)
+            out = model.generate(**kwargs, streamer=_ClockStreamer(clock))
             seconds = self._now() - t0
         new = out[0, len(prompt_ids):].tolist()
         widths = target_calls.widths
@@ -318,9 +340,14 @@ class HFPeer:
                                "a transformers change? report it")
         # first forward: the prompt plus the first drafts; later ones: the last token plus drafts
         drafted = (widths[0] - len(prompt_ids) + sum(w - 1 for w in widths[1:])) if widths else 0
+        first_s, decode_tokens, decode_s = clock.split()
         return PeerRun(token_ids=new, seconds=seconds, target_forwards=len(widths), rounds=len(widths),
                        prefill_tokens=widths[0] if widths else 0, drafted=drafted,
-                       assistant_forwards=assistant_forwards, verify_widths=dict(Counter(widths[1:])))
+                       assistant_forwards=assistant_forwards, verify_widths=dict(Counter(widths[1:])),
+                       first_s=first_s, decode_s=decode_s, decode_tokens=decode_tokens)
+
+    def close(self) -> None:
+        """Nothing to free: the peer runs on the bench's own models."""
 
 
 def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype: Any = None) -> list[HFPeer]:
@@ -339,30 +366,46 @@ def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype
     return peers
 
 
+def all_peer_names() -> tuple[str, ...]:
+    """Every peer spec ``adaspec bench`` accepts, with its options (for help texts and errors)."""
+    from .llama_server_peer import LLAMA_SERVER_PEER_NAMES
+    from .llamacpp_peer import LLAMACPP_PEER_NAMES
+
+    return PEER_NAMES + LLAMACPP_PEER_NAMES + LLAMA_SERVER_PEER_NAMES
+
+
 def check_peer(text: str) -> None:
-    """A peer spec parses (HF's or llama.cpp's); raises ``ConfigError`` naming the fix."""
-    from .llamacpp_peer import LLAMACPP_PEER_NAMES, is_llamacpp_peer, parse_llamacpp_peer
+    """A peer spec parses (HF's, llama.cpp's or llama-server's) and a llama-server peer's binary
+    is found; raises an ``AdaspecError`` naming the fix, before anything loads."""
+    from .llama_server import find_llama_server
+    from .llama_server_peer import is_llama_server_peer, parse_llama_server_peer
+    from .llamacpp_peer import is_llamacpp_peer, parse_llamacpp_peer
 
     if is_llamacpp_peer(text):
         parse_llamacpp_peer(text)
+    elif is_llama_server_peer(text):
+        find_llama_server(parse_llama_server_peer(text).binary)
     elif is_peer_spec(text):
         parse_peer(text)
     else:
-        raise ConfigError(f"unknown peer {text!r}: use one of {', '.join(PEER_NAMES + LLAMACPP_PEER_NAMES)}")
+        raise ConfigError(f"unknown peer {text!r}: use one of {', '.join(all_peer_names())}")
 
 
-def make_peer(target: Any, text: str, device: Any = None, dtype: Any = None) -> Any:
-    """The peer a spec names, on ``target``: an ``HFPeer`` or a llama.cpp peer."""
+def make_peer(target: Any, text: str, device: Any = None, dtype: Any = None) -> Peer:
+    """The peer a spec names, on ``target``: an ``HFPeer``, a llama.cpp peer or a llama-server peer."""
+    from .llama_server_peer import LlamaServerPeer, is_llama_server_peer
     from .llamacpp_peer import LlamaCppPeer, is_llamacpp_peer
 
     if is_llamacpp_peer(text):
         return LlamaCppPeer(target, text)
+    if is_llama_server_peer(text):
+        return LlamaServerPeer(target, text)
     if target.backend != "transformers":
         raise ConfigError(f"peer {text!r} runs Hugging Face generate on a transformers model, and this target "
-                          f"runs on {target.backend}: use the peers llama.cpp and llama.cpp-pld there")
+                          f"runs on {target.backend}: use the peers llama.cpp, llama.cpp-pld and llama-server there")
     return HFPeer(target, text, device=device, dtype=dtype)
 
 
-def run_peer(peer: HFPeer, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:
+def run_peer(peer: Peer, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:
     """One request of ``peer`` (what ``adaspec bench`` calls per prompt and repeat)."""
     return peer.run(prompt_ids, max_new_tokens, eos_ids)

@@ -49,6 +49,11 @@ LEGEND = """\
   identical); sampling: configuration tokens/s / AR tokens/s (each configuration samples answers
   of other lengths, so whole seconds would mix speed with length). AR = 1.00x; per category on
   that category's prompts only. The per-prompt oracle and the regret use the same basis.
+- **tokens/s**: new tokens / wall seconds of the requests (prefill included). **decode
+  tokens/s**: the tokens emitted after each request's first emission / the seconds from that
+  emission to the last (adaspec rows: from the rounds' times; llama-server: its own `timings`,
+  `predicted_per_second`; see docs/benchmarking.md). **prefill s / prompt**: seconds to the
+  first emission of new tokens, per prompt.
 - **MAT** (mean accepted tokens): generated tokens per target forward (one forward per round,
   the bonus token included; AR = 1).
 - **acceptance**: accepted draft tokens / drafted tokens.
@@ -200,11 +205,15 @@ def overall_table(summary: dict[str, Any]) -> str:
                                              ("engine_overhead_share", "engine overhead"),
                                              ("cliff_share", "rounds in cost cliff"))
              if any(_num(r.get(key)) is not None for r in rows_in)]
-    header = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verification",
-              "policy overhead", *(t for _, t in extra), "stopping-time regret", "best-arm ratio",
+    split = [(key, title, spec) for key, title, spec in (("decode_tokens_per_s", "decode tokens/s", ".1f"),
+                                                         ("prefill_s_per_prompt", "prefill s / prompt", ".3f"))
+             if any(_num(r.get(key)) is not None for r in rows_in)]  # absent from older summaries
+    header = ["configuration", "tokens/s", *(t for _, t, _ in split), "speed-up", "MAT", "acceptance", "discard",
+              "verification", "policy overhead", *(t for _, t in extra), "stopping-time regret", "best-arm ratio",
               "identical to AR"]
     greedy = _greedy(summary)
-    rows = [[_cell(r["config"]), _fmt(r["tokens_per_s"], ".1f"), _fmt(r["speedup"], ".2f", "x"),
+    rows = [[_cell(r["config"]), _fmt(r["tokens_per_s"], ".1f"), *(_fmt(r.get(k), f) for k, _, f in split),
+             _fmt(r["speedup"], ".2f", "x"),
              _fmt(r["mat"], ".2f"), _fmt(_pct(r["acceptance_rate"]), ".1f", "%"), _fmt(r["discard_rate"], ".3f"),
              _fmt(r["verification_rate"], ".3f"), _fmt(_pct(r["policy_overhead_share"]), ".1f", "%"),
              *(_fmt(_pct(r.get(k)), ".1f", "%") for k, _ in extra),

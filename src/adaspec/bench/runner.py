@@ -98,6 +98,17 @@ class PromptRecord:
     verify_widths: dict[int, int] = field(default_factory=dict)
     #: the time of every pass over the workload (turns summed); ``seconds`` is their median
     pass_seconds: list[float] = field(default_factory=list)
+    #: the prefill / decode split (``emission_split``; turns summed, medians over passes): seconds
+    #: to the first emission of new tokens, and the tokens emitted after it in ``decode_s``
+    #: seconds; None where the configuration does not say (a peer without timings)
+    prefill_s: float | None = 0.0
+    decode_s: float | None = 0.0
+    decode_tokens: int | None = 0
+
+
+def plus(a: Any, b: Any) -> Any:
+    """``a + b``, or None when either is unknown (None)."""
+    return None if a is None or b is None else a + b
 
 
 def add_passes(total: Sequence[float], more: Sequence[float]) -> list[float]:
@@ -128,10 +139,28 @@ class ConfigResult(Rates):
     cliff_share: float | None = None  # share of rounds whose verify width is in a cost cliff
     #: the workload's time in every pass (sums over prompts): does an order hold in each pass?
     pass_seconds: list[float] = field(default_factory=list)
+    #: sums over prompts of ``PromptRecord.prefill_s`` / ``decode_s`` / ``decode_tokens``; None
+    #: when a prompt's record has no split
+    prefill_s: float | None = 0.0
+    decode_s: float | None = 0.0
+    decode_tokens: int | None = 0
 
     @property
     def tokens_per_s(self) -> float:
+        """Wall tokens/s: new tokens / the requests' whole time (prefill included)."""
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens emitted after each request's first emission / the time from it to the last."""
+        if self.decode_s is None or self.decode_tokens is None:
+            return None
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
+
+    @property
+    def prefill_s_per_prompt(self) -> float | None:
+        """Mean seconds to the first emission of new tokens, per prompt (its turns summed)."""
+        return self.prefill_s / self.prompts if self.prefill_s is not None and self.prompts else None
 
     @property
     def token_count(self) -> int:
@@ -177,6 +206,8 @@ class ConfigResult(Rates):
                 r.verify_widths[w] = r.verify_widths.get(w, 0) + c
             if p.pass_seconds:
                 r.pass_seconds = add_passes(r.pass_seconds, p.pass_seconds)
+            r.prefill_s, r.decode_s = plus(r.prefill_s, p.prefill_s), plus(r.decode_s, p.decode_s)
+            r.decode_tokens = plus(r.decode_tokens, p.decode_tokens)
             if p.identical:
                 r.identical += 1
                 continue
@@ -227,6 +258,8 @@ class BenchRun:
     #: how much the machine's speed drifted between the runs (``steadiness``); None when too few
     #: runs had plain rounds
     steadiness: dict[str, Any] | None = None
+    #: every peer's settings (``Peer.settings``: a llama-server's binary, version and command line)
+    peer_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def priced_rows(self, leave_out: str | None = None) -> list[tuple[int, int, float]]:
         """(width, cached tokens, seconds) of the verify steps replay's prices come from: those
@@ -443,7 +476,8 @@ class BenchRun:
         r = self.result(cfg.name, category)
         reg = self.regret(cfg, category)
         return {"config": cfg.name, "prompts": r.prompts, "tokens": r.tokens, "seconds": r.seconds,
-                "tokens_per_s": r.tokens_per_s, "speedup": self.speedup(r, category), "mat": r.mat,
+                "tokens_per_s": r.tokens_per_s, "decode_tokens_per_s": r.decode_tokens_per_s,
+                "prefill_s_per_prompt": r.prefill_s_per_prompt, "speedup": self.speedup(r, category), "mat": r.mat,
                 "acceptance_rate": r.acceptance_rate if r.drafted else None,
                 "discard_rate": r.discard_rate, "verification_rate": r.verification_rate,
                 "policy_overhead_share": r.policy_share, "engine_overhead_share": r.overhead_share,
@@ -477,6 +511,7 @@ class BenchRun:
             "repeats": self.repeats, "suite": self.suite,
             "n_prompts": len({r.prompt_id for r in self.records}), "categories": self.categories,
             "configs": [c.describe() for c in self.configs],
+            "peers": self.peer_settings,
             "overall": [self._row(c, None) for c in self.configs],
             "per_category": {cat: [self._row(c, cat) for c in self.configs] for cat in self.categories},
             "per_prompt": [{k: v for k, v in asdict(r).items() if k not in ("overhead_shares", "verify_widths")}
@@ -593,11 +628,39 @@ class _TurnRuns:
     times: list[list[float]] = field(init=False)
     last: list[Any] = field(init=False)
     steps: list[float] = field(default_factory=list)
+    splits: list[list[Split]] = field(init=False)  # every pass's ``emission_split``
 
     def __post_init__(self) -> None:
         self.outs = [[] for _ in range(self.n)]
         self.times = [[] for _ in range(self.n)]
         self.last = [None] * self.n
+        self.splits = [[] for _ in range(self.n)]
+
+
+#: (seconds to the first emission, tokens emitted after it, seconds from it to the last emission)
+Split = tuple[float | None, int | None, float | None]
+
+
+def emission_split(out: Any) -> Split:
+    """A request's prefill / decode split, alike for every row. The first emission of new tokens
+    ends the prefill: for adaspec's engine the end of its first round (the prefill of all but the
+    last prompt token, then the first round's forward over that token and its drafts); for a peer
+    what it measured (``PeerRun.first_s``, ``decode_s``, ``decode_tokens``). Decode: the tokens
+    emitted after that one, over the seconds from it to the last emission."""
+    if isinstance(out, RequestStats):
+        if not out.rounds:
+            return None, None, None
+        first = out.prefill_s + out.rounds[0].total_s
+        return first, out.new_tokens - out.rounds[0].emitted, max(0.0, out.total_s - first)
+    return out.first_s, out.decode_tokens, out.decode_s
+
+
+def median_split(splits: Sequence[Split]) -> Split:
+    """Medians over passes of the split's times (the tokens of the last pass, as ``PromptRecord.tokens``)."""
+    if not splits or any(x is None for sp in splits for x in sp):
+        return None, None, None
+    return (statistics.median(sp[0] for sp in splits), splits[-1][1],  # type: ignore[type-var]
+            statistics.median(sp[2] for sp in splits))  # type: ignore[type-var]
 
 
 class _Runner:
@@ -625,9 +688,13 @@ class _Runner:
         return res.token_ids, res.stats.total_s, res.stats
 
 
-def _record_into(rec: PromptRecord, out: Any, seconds: float) -> None:
-    """Add one turn's measurements (engine stats or a peer run) to a prompt record."""
+def _record_into(rec: PromptRecord, out: Any, seconds: float, split: Split = (None, None, None)) -> None:
+    """Add one turn's measurements (engine stats or a peer run; its prefill / decode ``split``) to a
+    prompt record."""
     rec.seconds += seconds
+    first, n_decode, decode = split
+    rec.prefill_s, rec.decode_s = plus(rec.prefill_s, first), plus(rec.decode_s, decode)
+    rec.decode_tokens = plus(rec.decode_tokens, n_decode)
     if isinstance(out, RequestStats):
         rec.tokens += out.new_tokens
         rec.rounds += out.n_rounds
@@ -750,7 +817,23 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             built[spec] = build_drafter(spec, target)
         return built[spec]
 
-    warmed = [_Runner(c, target, drafter, device, dtype) for c in configs]
+    warmed: list[_Runner] = []
+    try:
+        for c in configs:
+            warmed.append(_Runner(c, target, drafter, device, dtype))
+        return _run_passes(target, configs, warmed, drafter, prompts, max_new_tokens, repeats, warmup_tokens,
+                           measure_costs, progress, temperature, seed, suite, device, dtype, probe)
+    finally:  # a peer's server process stops with the bench, an error or Ctrl-C included
+        for r in warmed:
+            if r.peer is not None:
+                r.peer.close()
+
+
+def _run_passes(target: LoadedModel, configs: list[BenchConfig], warmed: list[_Runner],
+                drafter: Callable[[str | Drafter], Drafter], prompts: Sequence[BenchPrompt], max_new_tokens: int,
+                repeats: int, warmup_tokens: int, measure_costs: bool, progress: Callable[[str], None] | None,
+                temperature: float, seed: int, suite: str, device: str, dtype: str, probe: Any) -> BenchRun:
+    """``run_bench``'s passes over the workload on the built runners, and the aggregation."""
     ar_engine = warmed[0].engine
     assert ar_engine is not None
     eos = ar_engine.eos_ids()
@@ -795,6 +878,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                         again = f" (pass {rep + 1}/{repeats})" if repeats > 1 else ""
                         progress(f"{prompt.id} [{prompt.category}] {configs[ci].name}{again}")
                     out, secs, tr.last[ci] = r.run(tr.ids, gen, eos)
+                    tr.splits[ci].append(emission_split(tr.last[ci]))
                     step = plain_step_seconds(tr.last[ci])
                     if step is not None:
                         tr.steps.append(step)
@@ -820,7 +904,7 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
             ids, outs, last = tr.ids, tr.outs, tr.last
             ref = outs[0][0]
             for ci, rec in enumerate(recs):
-                _record_into(rec, last[ci], statistics.median(tr.times[ci]))
+                _record_into(rec, last[ci], statistics.median(tr.times[ci]), median_split(tr.splits[ci]))
                 rec.pass_seconds = add_passes(rec.pass_seconds, tr.times[ci])
                 wrong = next((o for o in outs[ci] if o != ref), None)  # every repeat is checked
                 if greedy and wrong is not None and rec.identical and rec.error is None:
@@ -851,7 +935,8 @@ def run_bench(target: LoadedModel, configs: Sequence[BenchConfig],
                     suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows,
                     linear=linear_mode(getattr(target, "model", None)),
                     flash_attn=getattr(target, "flash_attn", None),
-                    steadiness=steadiness([tr.steps for runs in turns for tr in runs]))
+                    steadiness=steadiness([tr.steps for runs in turns for tr in runs]),
+                    peer_settings={c.name: r.peer.settings() for c, r in zip(configs, warmed) if r.peer is not None})
 
 
 # -- config files -------------------------------------------------------------------------

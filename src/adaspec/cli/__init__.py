@@ -280,9 +280,11 @@ def bench(
                                             help="length policy, run with each drafter, repeatable; "
                                             "'none' for none [default: cost-model]"),
     peer: list[str] | None = typer.Option(
-        None, "--peer", "-p", help="Hugging Face decoding: hf-greedy, hf-pld[:k=10], "
-        "hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; 'none' for no peer "
-        "[default: hf-pld, hf-greedy]"),
+        None, "--peer", "-p", help="what a user runs instead, repeatable: Hugging Face's hf-greedy, "
+        "hf-pld[:k=10], hf-assisted:model=REF[,k=5,schedule=heuristic,confidence=0.4]; llama-cpp-python's "
+        "llama.cpp, llama.cpp-pld[:k=10,max_ngram=2]; llama.cpp's own server: llama-server, "
+        "llama-server:spec=ngram-mod+ngram-map-k (or spec=default; draft=FILE, n_max=N, bin=FILE; see "
+        "docs/llamacpp.md); 'none' for no peer [default: hf-pld, hf-greedy]"),
     no_static: bool = typer.Option(False, help="skip the static drafter x K configurations"),
     suite: str | None = typer.Option(None, help="workload: a built-in suite (mixed, all, a category, or long-context), "
                                      "humaneval, or a .jsonl / .txt file [default: mixed]"),
@@ -510,7 +512,8 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     table = Table(title=f"adaspec bench: {opt['model']}, {mode}, {n_prompts} prompts ({opt['suite']}) x "
                         f"{opt['max_new_tokens']} new tokens, {opt['repeats']} pass(es) over the workload, "
                         "median times")
-    cols = ["configuration", "tokens/s", "speed-up", "MAT", "acceptance", "discard", "verify",
+    cols = ["configuration", "tokens/s", "decode tok/s", "prefill s", "speed-up", "MAT", "acceptance", "discard",
+            "verify",
             "policy time", "identical to AR"] + (["rounds in cost cliff"] if run.verify_costs else []) + (
             ["replay: pred. tokens/s (error)"] if run.predictions else [])
     rows = {row["config"]: row for row in run.summary()["overall"]} if run.predictions else {}
@@ -520,7 +523,9 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     for r in run.results:
         same = (f"{r.identical}/{r.prompts}" + (f" +{len(r.near_ties)} tie" if r.near_ties else "")
                 if greedy else "n/a (sampling)")
-        table.add_row(escape(r.name), f"{r.tokens_per_s:.1f}", f"{run.speedup(r):.2f}x", f"{r.mat:.2f}",
+        decode, prefill = r.decode_tokens_per_s, r.prefill_s_per_prompt
+        table.add_row(escape(r.name), f"{r.tokens_per_s:.1f}", "-" if decode is None else f"{decode:.1f}",
+                      "-" if prefill is None else f"{prefill:.3f}", f"{run.speedup(r):.2f}x", f"{r.mat:.2f}",
                       f"{r.acceptance_rate:.1%}" if r.drafted else "-", f"{r.discard_rate:.2f}",
                       f"{r.verification_rate:.2f}", f"{r.policy_share:.2%}",
                       same if not r.mismatches or not greedy else f"[red]{same}[/]",
@@ -554,7 +559,9 @@ def _print_bench(run, opt: dict, n_prompts: int) -> None:
     steady = steadiness_line({"steadiness": run.steadiness, "repeats": run.repeats})
     if steady:
         out.print(escape(steady))
-    out.print("discard = discarded drafts per token, verify = target forwards per token "
+    out.print("tokens/s = new tokens / wall time (prefill included); decode tok/s = tokens after each request's "
+              "first emission / the time from it to the last; prefill s = seconds to the first emission, per prompt; "
+              "discard = discarded drafts per token, verify = target forwards per token "
               "(SpecDec++ eq. 5.1); peers: MAT from counted target forwards")
 
 

