@@ -26,6 +26,8 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
+from .quant import (FIXED_ORDER_ATTENTION, QuantLinear, auto_weights, check_weights, dequantize, prefill_scope,
+                    quantize_model, quantized_of, use_fixed_order_attention, weights_mode)
 from .kernels import (GQA_ATTENTION, SMALL_KINDS, PackedLinear, auto_linear, linear_mode, machine_identity,
                       release_own_openmp_threads, set_small_plan, small_rows_mode, tunable_layers, tune_small_rows,
                       use_gqa_attention, use_small_batch_linear)
@@ -72,7 +74,8 @@ class LoadedModel(TargetBackend):
     @property
     def vocab_size(self) -> int:
         """Width of the model's logits."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        return int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
 
     @property
     def context_window(self) -> int | None:
@@ -150,15 +153,27 @@ class LoadedModel(TargetBackend):
     def state_length(self, state: Any) -> int:
         return int(state.get_seq_length())
 
+    def prefill(self, state: Any, prompt: Sequence[int]) -> int:
+        """A prompt's prefill; on a quantized target in ``quant.prefill_scope`` (long prompts may
+        take a dense GEMM: plain and speculative decoding share it)."""
+        with prefill_scope():
+            return super().prefill(state, prompt)
+
     def identity(self) -> str:
         n_params = sum(p.numel() for p in self.model.parameters())
         return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|torch={torch.__version__}|linear={linear_mode(self.model)}"
-                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}")
+                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}"
+                + self._weights_key())
+
+    def _weights_key(self) -> str:
+        """The quantized target's weight format and kernel ISA (``quant.weights_mode``); nothing for
+        a dense model, whose cached grids keep their keys."""
+        return "" if quantized_of(self.model) is None else f"|weights={weights_mode(self.model)}"
 
 
 #: attention implementations that add a custom 4D float mask to the scores (draft trees)
-TREE_ATTENTION = ("sdpa", GQA_ATTENTION, "eager")
+TREE_ATTENTION = ("sdpa", GQA_ATTENTION, FIXED_ORDER_ATTENTION, "eager")
 
 
 def cache_arg(module: Any) -> str:
@@ -201,12 +216,18 @@ def target_fingerprint(target: TargetBackend) -> dict[str, Any]:
     if not isinstance(target, LoadedModel):
         return target.fingerprint()
     cfg = target.model.config
-    w = target.model.get_output_embeddings().weight
-    sample = w[:: max(1, w.shape[0] // 64), :32].detach().float().cpu().contiguous()
+    head = target.model.get_output_embeddings()
+    step = max(1, target.vocab_size // 64)
+    if isinstance(head, QuantLinear):  # the same rows, dequantized (the dense model's values)
+        sample = dequantize(head.blocks, head.qtype, head.in_features,
+                            torch.arange(0, target.vocab_size, step))[:, :32].contiguous()
+    else:
+        sample = head.weight[::step, :32].detach().float().cpu().contiguous()
     digest = hashlib.sha256(sample.numpy().round(4).tobytes()).hexdigest()[:16]
     return {"name": target.name, "model_type": getattr(cfg, "model_type", None),
             "vocab_size": target.vocab_size, "hidden_size": getattr(cfg, "hidden_size", None),
-            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest}
+            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest,
+            "weight_format": "dense" if quantized_of(target.model) is None else "gguf"}
 
 
 #: fields of ``target_fingerprint`` that must match for an artifact to serve a target (not the name)
@@ -368,6 +389,7 @@ def load_model(
     threads: int | None = None,
     linear: str = "auto",
     flash_attn: bool | None = None,
+    weights: str = "auto",
 ) -> TargetBackend:
     """Load a causal LM and its tokenizer.
 
@@ -389,6 +411,12 @@ def load_model(
     ``kernels.tune_small_rows``, timed once per model shape and machine and cached,
     ``small_rows_plan``); ``"small-batch"`` takes only the transposed product
     (no extra memory, any CPU), ``"stock"`` keeps PyTorch's own ``F.linear``.
+
+    ``weights`` (``quant.WEIGHT_MODES``): ``"gguf"`` computes a GGUF model from the file's own
+    quantized blocks (``adaspec.quant``: float32 CPU only, the quantized kernels instead of
+    ``linear``'s, batch-invariant); ``"dense"`` from its weights de-quantized to ``dtype``;
+    ``"auto"`` (the default) is ``"gguf"`` for a GGUF model on a CPU in float32 with ``linear="auto"``,
+    ``"dense"`` otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -406,8 +434,12 @@ def load_model(
         raise ConfigError("flash_attn= is for the llama.cpp backend: on transformers the attention is "
                           "PyTorch's SDPA; leave flash_attn unset")
     torch_dtype = resolve_dtype(dtype)
-    check_device(device)
+    dev = check_device(device)
     spec = str(spec)
+    asked = None if dtype is None else torch_dtype
+    check_weights(weights, gguf=gguf is not None, device=dev, dtype=asked, linear=linear, backend=backend)
+    if weights == "auto":
+        weights = auto_weights(gguf=gguf is not None, device=dev, dtype=asked, linear=linear, backend=backend)
     if gguf is not None:
         tok, model = _load_gguf(gguf, torch_dtype, convert_cache)
     else:
@@ -426,13 +458,19 @@ def load_model(
             tok = None
     model = model.to(device)
     model.eval()
+    if weights == "gguf":
+        quantize_model(model, gguf)
+        linear = "stock"  # every linear layer is a QuantLinear now
     if linear == "auto":
         linear = auto_linear(check_device(device), torch_dtype)
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
     if linear == "packed":
         small_rows_plan(model)
-    use_gqa_attention(model)
+    if weights == "gguf":
+        use_fixed_order_attention(model)
+    else:
+        use_gqa_attention(model)
     return LoadedModel(model=model, tokenizer=tok, name=spec)
 
 
