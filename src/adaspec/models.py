@@ -26,8 +26,9 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .quant import (FIXED_ORDER_ATTENTION, QuantLinear, auto_weights, check_weights, dequantize, prefill_scope,
-                    quantize_model, quantized_of, use_fixed_order_attention, weights_mode)
+from .quant import (FIXED_ORDER_ATTENTION, QuantLinear, auto_weights, check_weights, dequantize, fuse_layers,
+                    prefill_scope, quantize_model, quantized_of, spare_capacity_cache, use_fixed_order_attention,
+                    weights_mode)
 from .kernels import (GQA_ATTENTION, SMALL_KINDS, PackedLinear, auto_linear, linear_mode, machine_identity,
                       release_own_openmp_threads, set_small_plan, small_rows_mode, tunable_layers, tune_small_rows,
                       use_gqa_attention, use_small_batch_linear)
@@ -90,6 +91,8 @@ class LoadedModel(TargetBackend):
     def new_state(self) -> Any:
         from transformers import DynamicCache
 
+        if quantized_of(self.model) is not None:  # written in place (quant.spare_capacity_cache)
+            return spare_capacity_cache(self.model.config)
         return DynamicCache(config=self.model.config)
 
     @contextmanager
@@ -460,6 +463,7 @@ def load_model(
     model.eval()
     if weights == "gguf":
         quantize_model(model, gguf)
+        fuse_layers(model)
         linear = "stock"  # every linear layer is a QuantLinear now
     if linear == "auto":
         linear = auto_linear(check_device(device), torch_dtype)

@@ -337,6 +337,175 @@ def use_fixed_order_attention(model: nn.Module) -> None:
     model.set_attn_implementation(FIXED_ORDER_ATTENTION)
 
 
+# -- a KV cache written in place ------------------------------------------------------------------------
+#: positions a ``SpareCapacityLayer`` grows by at least (and by half its length beyond that)
+KV_GROWTH = 256
+
+
+def spare_capacity_layer_class() -> type:
+    """``SpareCapacityLayer``: transformers' ``DynamicLayer`` whose keys and values are views of
+    buffers with room to grow, so that a forward writes its new entries in place instead of
+    concatenating the whole cache (a copy of every layer's keys and values per forward: at 512
+    cached tokens SmolLM2 copies 24 MB a step, a sizeable share of a quantized step). Rolling
+    back (``crop``) shortens the views; the next forward overwrites what was dropped. Whoever
+    replaces ``keys`` / ``values`` with tensors of their own (the batch engine merging rows) is
+    followed: the next update copies them into a new buffer."""
+    from transformers.cache_utils import DynamicLayer
+
+    class SpareCapacityLayer(DynamicLayer):
+        _kbuf: torch.Tensor | None = None
+        _vbuf: torch.Tensor | None = None
+
+        def _in_buffer(self, n: int) -> bool:
+            kb, keys = self._kbuf, self.keys
+            if kb is None or keys is None or keys.dim() != 4:
+                return False
+            length = keys.shape[-2]
+            return (keys.data_ptr() == kb.data_ptr() and keys.stride() == kb.stride()
+                    and keys.shape[:2] == kb.shape[:2] and length + n <= kb.shape[-2]
+                    and self.values.data_ptr() == self._vbuf.data_ptr() and self.values.stride() == self._vbuf.stride())
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = key_states.shape[-2]
+            length = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
+            if not self._in_buffer(n):
+                b, h, _, d = key_states.shape
+                cap = length + n + max(KV_GROWTH, (length + n) // 2)
+                kb = key_states.new_empty(b, h, cap, d)
+                vb = value_states.new_empty(b, h, cap, value_states.shape[-1])
+                if length:
+                    kb[..., :length, :].copy_(self.keys)
+                    vb[..., :length, :].copy_(self.values)
+                self._kbuf, self._vbuf = kb, vb
+            self._kbuf[..., length:length + n, :].copy_(key_states)
+            self._vbuf[..., length:length + n, :].copy_(value_states)
+            self.keys = self._kbuf[..., :length + n, :]
+            self.values = self._vbuf[..., :length + n, :]
+            return self.keys, self.values
+
+        def reset(self) -> None:
+            self._kbuf = self._vbuf = None
+            super().reset()
+
+    return SpareCapacityLayer
+
+
+_layer_class: type | None = None
+
+
+def spare_capacity_cache(config: Any) -> Any:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are ``SpareCapacityLayer``s
+    (sliding-window layers stay transformers' own)."""
+    global _layer_class
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if _layer_class is None:
+        _layer_class = spare_capacity_layer_class()
+    cache = DynamicCache(config=config)
+    cache.layers = [_layer_class() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+# -- fused decoder steps ---------------------------------------------------------------------------------
+#: attention classes whose forward ``fuse_layers`` replaces (projections, rotary, cache, attention)
+FUSED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+_fused_classes: dict[type, type] = {}
+
+
+def _subclass(base: type, forward: Any, prefix: str) -> type:
+    if base not in _fused_classes:
+        _fused_classes[base] = type(f"{prefix}{base.__name__}", (base,), {"forward": forward, "__module__": __name__,
+                                                                           "__doc__": forward.__doc__})
+    return _fused_classes[base]
+
+
+def _fused_attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                             attention_mask: torch.Tensor | None = None, cache: Any = None,
+                             past_key_values: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The attention of a Llama / Qwen2 / Mistral decoder layer with its three projections in one
+    kernel call and the rotary embedding in one step (the same values as transformers' forward:
+    the rotary products and sums are rounded as there)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cache = cache if cache is not None else past_key_values
+    b, t = hidden_states.shape[:2]
+    d = self.head_dim
+    if hidden_states.dtype != torch.float32 or (torch.is_grad_enabled() and hidden_states.requires_grad):
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    else:
+        q, k, v = self._adaspec_qkv.forward(hidden_states)
+    cos, sin = position_embeddings
+    ext = extension()
+    q, k = ext.rope(q, cos, sin, d), ext.rope(k, cos, sin, d)
+    v = v.view(b, t, -1, d).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    impl = self.config._attn_implementation
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_attention(self))
+    extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
+    out, weights = attend(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+                          scaling=self.scaling, **extra, **kwargs)
+    return self.o_proj(out.reshape(b, t, -1)), weights
+
+
+def _eager_attention(module: nn.Module) -> Any:
+    return getattr(sys.modules[type(module).__mro__[1].__module__], "eager_attention_forward", None)
+
+
+def _fused_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one kernel call."""
+    if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    gate, up = self._adaspec_gate_up.forward(x)
+    return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+
+
+def _rmsnorm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """RMSNorm in one kernel step (the mean of squares in a fixed order)."""
+    if hidden_states.dtype != torch.float32 or (torch.is_grad_enabled() and hidden_states.requires_grad):
+        return type(self).__mro__[1].forward(self, hidden_states)
+    return extension().rmsnorm(hidden_states, self.weight, float(self.variance_epsilon))
+
+
+def _matrices(layers: list[QuantLinear]) -> Any:
+    return extension().QuantMatrices([m.blocks for m in layers], [m.qtype for m in layers], [m.bias for m in layers],
+                                     layers[0].in_features)
+
+
+def fuse_layers(model: nn.Module) -> int:
+    """Switch a quantized model's attention (Llama, Qwen2, Mistral: ``FUSED_ATTENTION``), SiLU
+    MLPs and RMSNorms to forwards with fewer steps (the class only, as ``kernels`` does for linear
+    layers; parameters and state dict untouched): q/k/v in one kernel call and the rotary
+    embedding in one step, gate and up in one call, each norm one step. Returns how many modules
+    were switched."""
+    n = 0
+    for module in model.modules():
+        name = type(module).__name__
+        proj = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if name in FUSED_ATTENTION and all(isinstance(p, QuantLinear) for p in proj):
+            module._adaspec_qkv = _matrices(proj[:3])
+            module.__class__ = _subclass(type(module), _fused_attention_forward, "AdaspecFused")
+            n += 1
+            continue
+        mlp = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+        if (all(isinstance(p, QuantLinear) for p in mlp)
+                and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+                and mlp[0].in_features == mlp[1].in_features):
+            module._adaspec_gate_up = _matrices(mlp[:2])
+            module.__class__ = _subclass(type(module), _fused_mlp_forward, "AdaspecFused")
+            n += 1
+            continue
+        if (name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+                and hasattr(module, "variance_epsilon") and type(module).forward is not _rmsnorm_forward):
+            module.__class__ = _subclass(type(module), _rmsnorm_forward, "Adaspec")
+            n += 1
+    return n
+
+
 # -- converting a loaded model ------------------------------------------------------------------------
 @dataclass
 class QuantizedTensors:

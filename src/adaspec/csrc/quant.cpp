@@ -779,10 +779,94 @@ inline V16 vload_part(const float* p, int64_t n) {
   return vload(buf);
 }
 
-inline float dot_fixed(const float* a, const float* b, int64_t D) {
-  V16 acc = vmul(vload_part(a, D), vload_part(b, D));
-  for (int64_t d = 16; d < D; d += 16) acc = vfma(vload_part(a + d, D - d), vload_part(b + d, D - d), acc);
-  return vhsum(acc);
+// R query rows of one head against its keys and values (rows' causal limits `last`, in keys), C = the
+// head size in 16-lane chunks. Per row and key the dot product is lanes d mod 16, chunks in order,
+// then the fixed tree; per row and output lane the weighted sum runs over keys in increasing order.
+template <int R, int C>
+void attention_rows(const float* const* qr, const float* kb, const float* vb, int64_t ldk, int64_t ldv, int64_t D,
+                    const int64_t* last, const float* const* mrow, float scale, float* s, int64_t Lp,
+                    float* const* out) {
+  int64_t lmax = 0;
+  for (int r = 0; r < R; ++r) lmax = std::max(lmax, last[r]);
+  V16 qv[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) qv[r][c] = vload_part(qr[r] + 16 * c, D - 16 * c);
+  for (int64_t j = 0; j < lmax; ++j) {
+    V16 kc[C];
+    for (int c = 0; c < C; ++c) kc[c] = vload_part(kb + j * ldk + 16 * c, D - 16 * c);
+    for (int r = 0; r < R; ++r) {
+      V16 acc = vmul(qv[r][0], kc[0]);
+      for (int c = 1; c < C; ++c) acc = vfma(qv[r][c], kc[c], acc);
+      float x = scale * vhsum(acc);
+      if (mrow[r] != nullptr) x += mrow[r][j];
+      s[r * Lp + j] = j < last[r] ? x : -INFINITY;
+    }
+  }
+  float inv[R];
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * Lp;
+    for (int64_t j = lmax; j < Lp; ++j) sr[j] = -INFINITY;
+    V16 mx = vset1(-INFINITY);
+    for (int64_t j = 0; j < Lp; j += 16) mx = vmax(mx, vload(sr + j));
+    float m = vhmax(mx);
+    if (!(m > -INFINITY)) m = 0.f;  // a row that sees no key: zeros
+    V16 sum = vzero();
+    const V16 mv = vset1(m);
+    for (int64_t j = 0; j < Lp; j += 16) {
+      const V16 e = vexp(vsub(vload(sr + j), mv));
+      vstore(sr + j, e);
+      sum = vadd(sum, e);
+    }
+    const float total = vhsum(sum);
+    inv[r] = total > 0.f ? 1.f / total : 0.f;
+  }
+  V16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (int64_t j = 0; j < lmax; ++j) {
+    V16 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = vload_part(vb + j * ldv + 16 * c, D - 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const V16 p = vset1(s[r * Lp + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(p, vc[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const V16 o = vmul(acc[r][c], vset1(inv[r]));
+      if (16 * c + 16 <= D) {
+        vstore(out[r] + 16 * c, o);
+      } else {
+        float buf[16];
+        vstore(buf, o);
+        std::memcpy(out[r] + 16 * c, buf, size_t(D - 16 * c) * 4);
+      }
+    }
+}
+
+template <int C>
+void attention_head(const float* qh, int64_t ldq, int64_t Q, const float* kb, const float* vb, int64_t ldk,
+                    int64_t ldv, int64_t D, int64_t L, const float* mh, float scale, float* s, int64_t Lp,
+                    float* oh, int64_t ldo) {
+  constexpr int R = C <= 4 ? 4 : 2;
+  int64_t i = 0;
+  auto tile = [&](auto rows) {
+    constexpr int n = decltype(rows)::value;
+    const float* qr[n];
+    const float* mr[n];
+    float* orow[n];
+    int64_t last[n];
+    for (int r = 0; r < n; ++r) {
+      qr[r] = qh + (i + r) * ldq;
+      mr[r] = mh != nullptr ? mh + (i + r) * L : nullptr;
+      orow[r] = oh + (i + r) * ldo;
+      last[r] = mh != nullptr ? L : L - Q + i + r + 1;  // keys a causal row sees
+    }
+    attention_rows<n, C>(qr, kb, vb, ldk, ldv, D, last, mr, scale, s, Lp, orow);
+    i += n;
+  };
+  for (; i + R <= Q;) tile(std::integral_constant<int, R>{});
+  for (; i < Q;) tile(std::integral_constant<int, 1>{});
 }
 
 torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
@@ -791,20 +875,24 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   TORCH_CHECK(q_in.scalar_type() == torch::kFloat32 && k_in.scalar_type() == torch::kFloat32 &&
                   v_in.scalar_type() == torch::kFloat32 && q_in.device().is_cpu(),
               "adaspec attention: float32 CPU tensors");
-  const torch::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  // keys and values may be views of a longer cache (rows of D floats, any head and batch strides)
+  const torch::Tensor q = q_in.contiguous();
+  const torch::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const torch::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), L = k.size(2);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && H % Hk == 0 && v.size(1) == Hk && v.size(2) == L &&
                   k.size(3) == D && v.size(3) == D && L >= Q, "adaspec attention: shapes do not match");
+  TORCH_CHECK(D <= 256, "adaspec attention: head size ", D, " over 256");
   torch::Tensor mask;
-  int64_t mb = 0, mh = 0;
+  int64_t mb = 0, mhs = 0;
   if (mask_in.has_value() && mask_in->defined()) {
     mask = mask_in->to(torch::kFloat32).contiguous();
     TORCH_CHECK(mask.dim() == 4 && mask.size(2) == Q && mask.size(3) == L &&
                     (mask.size(0) == B || mask.size(0) == 1) && (mask.size(1) == H || mask.size(1) == 1),
                 "adaspec attention: the mask is [B or 1, H or 1, Q, L]");
     mb = mask.size(0) == 1 ? 0 : mask.size(1) * Q * L;
-    mh = mask.size(1) == 1 ? 0 : Q * L;
+    mhs = mask.size(1) == 1 ? 0 : Q * L;
   }
   auto out = torch::empty({B, Q, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -814,42 +902,87 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hk, Lp = (L + 15) / 16 * 16;
   const float fscale = float(scale);
+  const int64_t C = (D + 15) / 16;
   at::parallel_for(0, B * H, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> s(static_cast<size_t>(Lp));
-    std::vector<float> acc(static_cast<size_t>((D + 15) / 16 * 16));
+    std::vector<float> s(static_cast<size_t>(4 * Lp));
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / H, h = u % H, hk = h / group;
-      const float* kb = kp + (b * Hk + hk) * L * D;
-      const float* vb = vp + (b * Hk + hk) * L * D;
-      for (int64_t i = 0; i < Q; ++i) {
-        const float* qi = qp + ((b * H + h) * Q + i) * D;
-        const float* mrow = mp != nullptr ? mp + b * mb + h * mh + i * L : nullptr;
-        const int64_t last = mp != nullptr ? L : L - Q + i + 1;  // keys a causal row sees
-        for (int64_t j = 0; j < last; ++j) {
-          float x = fscale * dot_fixed(qi, kb + j * D, D);
-          if (mrow != nullptr) x += mrow[j];
-          s[size_t(j)] = x;
-        }
-        for (int64_t j = last; j < Lp; ++j) s[size_t(j)] = -INFINITY;
-        V16 mx = vset1(-INFINITY);
-        for (int64_t j = 0; j < Lp; j += 16) mx = vmax(mx, vload(s.data() + j));
-        float m = vhmax(mx);
-        if (!(m > -INFINITY)) m = 0.f;  // a row that sees no key: zeros
-        V16 sum = vzero();
-        const V16 mv = vset1(m);
-        for (int64_t j = 0; j < Lp; j += 16) {
-          const V16 e = vexp(vsub(vload(s.data() + j), mv));
-          vstore(s.data() + j, e);
-          sum = vadd(sum, e);
-        }
-        const float total = vhsum(sum);
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int64_t d = 0; d < D; d += 16) {
-          V16 a = vzero();
-          for (int64_t j = 0; j < last; ++j) a = vfma(vset1(s[size_t(j)]), vload_part(vb + j * D + d, D - d), a);
-          vstore(acc.data() + d, vmul(a, vset1(inv)));
-        }
-        std::memcpy(op + ((b * Q + i) * H + h) * D, acc.data(), size_t(D) * 4);
+      const float* kb = kp + b * k.stride(0) + hk * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + hk * v.stride(1);
+      const float* qh = qp + (b * H + h) * Q * D;
+      const float* mh = mp != nullptr ? mp + b * mb + h * mhs : nullptr;
+      float* oh = op + (b * Q * H + h) * D;
+      const int64_t ldk = k.stride(2), ldv = v.stride(2), ldo = H * D;
+      switch (C) {
+#define ADASPEC_HEAD(n) case n: attention_head<n>(qh, D, Q, kb, vb, ldk, ldv, D, L, mh, fscale, s.data(), Lp, oh, ldo); break;
+        ADASPEC_HEAD(1) ADASPEC_HEAD(2) ADASPEC_HEAD(3) ADASPEC_HEAD(4) ADASPEC_HEAD(5) ADASPEC_HEAD(6)
+        ADASPEC_HEAD(7) ADASPEC_HEAD(8) ADASPEC_HEAD(9) ADASPEC_HEAD(10) ADASPEC_HEAD(11) ADASPEC_HEAD(12)
+        ADASPEC_HEAD(13) ADASPEC_HEAD(14) ADASPEC_HEAD(15) ADASPEC_HEAD(16)
+#undef ADASPEC_HEAD
+        default: break;
+      }
+    }
+  });
+  return out;
+}
+
+
+// ---- the elementwise steps of a decoder layer --------------------------------------------------------
+// RMSNorm: y = w * (x * (1 / sqrt(mean(x^2) + eps))), the mean over each row in a fixed order.
+torch::Tensor rmsnorm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && w_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
+              "adaspec rmsnorm: float32 CPU tensors");
+  const int64_t H = x_in.size(-1);
+  TORCH_CHECK(w_in.numel() == H, "adaspec rmsnorm: the weight has ", w_in.numel(), " values for rows of ", H);
+  const torch::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  auto y = torch::empty_like(x);
+  const int64_t rows = x.numel() / std::max<int64_t>(H, 1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * H;
+      float* yr = yp + r * H;
+      V16 acc = vzero();
+      int64_t i = 0;
+      for (; i + 16 <= H; i += 16) { const V16 a = vload(xr + i); acc = vfma(a, a, acc); }
+      if (i < H) { const V16 a = vload_part(xr + i, H - i); acc = vfma(a, a, acc); }
+      const float inv = 1.f / std::sqrt(vhsum(acc) / float(H) + float(eps));
+      for (int64_t j = 0; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
+    }
+  });
+  return y;
+}
+
+// Rotary embedding of q [B, T, H * D] with cos, sin [B or 1, T, D] (rotate-half convention), laid out
+// [B, H, T, D]: out = q * cos + rotate_half(q) * sin, each product and the sum rounded once (as
+// transformers' apply_rotary_pos_emb computes it).
+torch::Tensor rope(const torch::Tensor& q_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in, int64_t D) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == torch::kFloat32 && q_in.device().is_cpu(),
+              "adaspec rope: q is a float32 CPU tensor [B, T, H * D]");
+  const torch::Tensor q = q_in.contiguous();
+  const torch::Tensor c = cos_in.to(torch::kFloat32).contiguous(), sn = sin_in.to(torch::kFloat32).contiguous();
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2) / D, half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && q.size(2) == H * D, "adaspec rope: rows of ", q.size(2), " are not heads of ", D);
+  TORCH_CHECK(c.dim() == 3 && c.size(1) == T && c.size(2) == D && (c.size(0) == B || c.size(0) == 1) &&
+                  sn.sizes() == c.sizes(), "adaspec rope: cos and sin are [B or 1, T, D]");
+  const int64_t cb = c.size(0) == 1 ? 0 : T * D;
+  auto out = torch::empty({B, H, T, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, std::max<int64_t>(1, 8192 / std::max<int64_t>(T * D, 1)), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / H, h = u % H;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* x = qp + (b * T + t) * H * D + h * D;
+        const float* cr = cp + b * cb + t * D;
+        const float* sr = sp + b * cb + t * D;
+        float* o = op + ((b * H + h) * T + t) * D;
+        for (int64_t d = 0; d < half; ++d) o[d] = x[d] * cr[d] + (-x[d + half]) * sr[d];
+        for (int64_t d = half; d < D; ++d) o[d] = x[d] * cr[d] + x[d - half] * sr[d];
       }
     }
   });
@@ -881,6 +1014,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "attention in a fixed order (q, k, v: [B, H, T, D]) -> [B, Q, H, D]",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),
         pybind11::arg("scale"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of the last dimension", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rope", &rope, "rotary embedding, [B, T, H * D] -> [B, H, T, D]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_elems", &block_elems);
   m.def("block_bytes", &block_bytes);
   m.def("isa", &isa);
