@@ -259,6 +259,7 @@ def tiny_pair(tmp_path_factory):
     dense = tiny_gguf_model(path, vocab=40, init_std=0.3, lm_head_scale=3.0)
     q = tiny_gguf_model(path.with_name("same.gguf"), vocab=40, init_std=0.3, lm_head_scale=3.0)
     quant.quantize_model(q, path)
+    assert quant.fuse_layers(q) > 0
     quant.use_fixed_order_attention(q)
     return dense, q, path
 
@@ -281,6 +282,25 @@ def test_quantized_model_computes_the_dense_model(tiny_pair):
     with torch.inference_mode():
         a, b = dense(input_ids=ids).logits, q(input_ids=ids).logits
     assert (a - b).abs().max().item() < 1e-4
+
+
+def test_fused_decoder_layers_equal_their_modules_one_by_one(tiny_pair):
+    """A decoder layer in one kernel call (the target's own cache) gives the bits of its fused
+    modules run one by one (transformers' DynamicCache, which the one-call path does not take)."""
+    from transformers import DynamicCache
+
+    _, q, _ = tiny_pair
+    assert all(type(layer).__name__.startswith("AdaspecFused") for layer in q.model.layers)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        fast = quant.spare_capacity_cache(q.config)
+        slow = DynamicCache(config=q.config)
+        a = q(input_ids=ids[:, :5], cache=fast, use_cache=True).logits
+        b = q(input_ids=ids[:, :5], cache=slow, use_cache=True).logits
+        assert torch.equal(a, b)
+        a = q(input_ids=ids[:, 5:], cache=fast, use_cache=True).logits
+        b = q(input_ids=ids[:, 5:], cache=slow, use_cache=True).logits
+    assert torch.equal(a, b)
 
 
 def test_quantize_model_refuses_a_file_of_another_model(tiny_pair, tmp_path):
@@ -336,6 +356,7 @@ def test_sampling_on_a_quantized_target_is_exact(tmp_path):
 
     q = tiny_gguf_model(tmp_path / "t.gguf", vocab=12, init_std=0.2, lm_head_scale=1.5)
     quant.quantize_model(q, tmp_path / "t.gguf")
+    quant.fuse_layers(q)
     quant.use_fixed_order_attention(q)
     prompt = [3, 7, 1, 9, 4]
     cfg = SamplingConfig(temperature=1.0)
@@ -380,3 +401,123 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
         assert quant.auto_weights(**ok) == "dense"  # auto falls back, logged
     finally:
         quant.extension.cache_clear()
+
+
+# -- SmolLM2's Q4_1 file (slow) -----------------------------------------------------------------------
+SMOL_PROMPTS = [
+    "Fix the spelling in this sentence and return it: 'The comittee will discus the budjet on tuesday.'",
+    "Write a Python function that checks whether a number is prime, with a docstring.",
+    "Repeat this list twice: apples, pears, plums, figs, dates.",
+    "Tell me a short story about a fox and a crow.",
+]
+SMOL_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def smol_q():
+    from adaspec.models import load_model
+
+    target = load_model("smollm2")  # auto: the file's own blocks on this CPU
+    assert quant.quantized_of(target.model) is not None, "auto did not load the quantized target"
+    return target
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smol_q):
+    """Plain decoding (AR) of each prompt on the quantized target: (prompt ids, tokens)."""
+    from adaspec import SpeculativeEngine
+
+    ar = SpeculativeEngine(smol_q, ["none"], selector="static")
+    return [(ids, ar.generate(ids, max_new_tokens=SMOL_NEW).token_ids)
+            for ids in (ar.encode_prompt(p) for p in SMOL_PROMPTS)]
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_types_and_identity(smol_q):
+    from adaspec.models import target_fingerprint
+
+    assert quant.quantized_of(smol_q.model).summary() == "Q4_1x210,Q8_0x2"  # 210 linears, lm_head + embedding
+    assert f"weights=gguf[Q4_1x210,Q8_0x2]/{quant.kernel_isa()}" in smol_q.identity()
+    assert target_fingerprint(smol_q)["weight_format"] == "gguf"
+    assert smol_q.vocab_size == 49152
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafters", [None, ["prompt-lookup"], ["suffix"], ["recycle"]],
+                         ids=["auto-defaults", "prompt-lookup", "suffix", "recycle"])
+def test_smollm2_quantized_greedy_equals_plain_decoding(smol_q, smol_plain, drafters):
+    """auto (the engine's defaults) and each default drafter give the quantized target's own plain
+    decoding token for token (exact: its kernels are batch-invariant)."""
+    from adaspec import SpeculativeEngine
+
+    engine = SpeculativeEngine(smol_q, drafters, k=5) if drafters else SpeculativeEngine(smol_q)
+    drafted = 0
+    for ids, ref in smol_plain:
+        res = engine.generate(ids, max_new_tokens=SMOL_NEW)
+        assert res.token_ids == ref, f"{drafters or 'auto'}: differs from plain decoding"
+        drafted += res.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_is_the_dense_model_up_to_rounding(smol_q):
+    """The quantized target's logits against the dense model's (the same file de-quantized by
+    transformers, PyTorch's kernels): float rounding apart."""
+    from adaspec.models import load_model
+
+    dense = load_model("smollm2", weights="dense", linear="stock")
+    ids = list(range(1000, 1200))
+    a, _ = smol_q.forward(smol_q.new_state(), ids, keep=len(ids))
+    b, _ = dense.forward(dense.new_state(), ids, keep=len(ids))
+    assert (a - b).abs().max().item() < 2e-3
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.99
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_against_llama_cpp(smol_q, smol_plain):
+    """End to end against llama.cpp on the same file (plain greedy decoding on adaspec's llama.cpp
+    backend, llama-cpp-python with the settings that run on this CPU): llama.cpp quantizes
+    activations to 8 bits for its dot products, so the two greedy outputs may part at a near-tie;
+    every divergence is reported with its margin on the quantized target, which must be a near-tie
+    by llama.cpp's own bound (exactness.NEAR_TIE_NATS_LLAMACPP)."""
+    pytest.importorskip("llama_cpp")
+    from adaspec import SpeculativeEngine
+    from adaspec.exactness import NEAR_TIE_NATS_LLAMACPP, divergence_gap
+    from adaspec.models import load_model
+    from conftest import real_model_threads
+
+    llama = load_model("smollm2", backend="llama.cpp", threads=real_model_threads())
+    ar = SpeculativeEngine(llama, ["none"], selector="static")
+    report = []
+    for ids, ours in smol_plain:
+        theirs = ar.generate(ids, max_new_tokens=SMOL_NEW).token_ids
+        at, gap = divergence_gap(smol_q, ids, ours, theirs)
+        report.append((len(ids), at, None if gap is None else round(gap, 4)))
+        if gap is not None:
+            assert gap <= NEAR_TIE_NATS_LLAMACPP, f"llama.cpp parts at token {at} with a margin of {gap:.3f} nats"
+    print("\nllama.cpp vs the quantized target (prompt tokens, first divergence, margin in nats):", report)
+    assert sum(gap is None for _, _, gap in report) >= len(report) // 2, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_portable_builds_give_the_same_bits(ext, arch):
+    """The AVX2 build (x86-64-v3, what an AVX2-only EPYC compiles with -march=native) and the plain
+    C++ build (x86-64) compute every type's dequantization, product and attention bit for bit as
+    this machine's native build: one reduction order in all of them."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 builds")
+    other = quant.extension(arch)
+    assert other.isa() == ("avx2" if arch == "x86-64-v3" else "generic")
+    x = torch.randn(9, 512)
+    for qtype in ALL_TYPES:
+        blocks = torch.from_numpy(make_blocks(qtype, 33, 512, seed=7).copy())
+        assert torch.equal(ext.dequantize(blocks, int(qtype), 512), other.dequantize(blocks, int(qtype), 512))
+        for rows in (1, 3, 9):
+            a = ext.QuantMatrices([blocks], [int(qtype)], [None], 512).forward(x[:rows])[0]
+            b = other.QuantMatrices([blocks], [int(qtype)], [None], 512).forward(x[:rows])[0]
+            assert torch.equal(a, b), (qtype.name, rows)
+    q, k, v = torch.randn(1, 4, 5, 64), torch.randn(1, 2, 30, 64), torch.randn(1, 2, 30, 64)
+    assert torch.equal(ext.attention(q, k, v, None, 0.125), other.attention(q, k, v, None, 0.125))

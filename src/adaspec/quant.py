@@ -365,26 +365,34 @@ def spare_capacity_layer_class() -> type:
                     and keys.shape[:2] == kb.shape[:2] and length + n <= kb.shape[-2]
                     and self.values.data_ptr() == self._vbuf.data_ptr() and self.values.stride() == self._vbuf.stride())
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def reserve(self, like: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+            """(key buffer, value buffer, cached length) with room for ``n`` more entries shaped like
+            ``like`` ([B, heads, *, D]); ``advance(n)`` then makes them part of the cache."""
             if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n = key_states.shape[-2]
+                self.lazy_initialization(like, like)
             length = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
             if not self._in_buffer(n):
-                b, h, _, d = key_states.shape
+                b, h, _, d = like.shape
                 cap = length + n + max(KV_GROWTH, (length + n) // 2)
-                kb = key_states.new_empty(b, h, cap, d)
-                vb = value_states.new_empty(b, h, cap, value_states.shape[-1])
+                kb, vb = like.new_empty(b, h, cap, d), like.new_empty(b, h, cap, d)
                 if length:
                     kb[..., :length, :].copy_(self.keys)
                     vb[..., :length, :].copy_(self.values)
                 self._kbuf, self._vbuf = kb, vb
-            self._kbuf[..., length:length + n, :].copy_(key_states)
-            self._vbuf[..., length:length + n, :].copy_(value_states)
-            self.keys = self._kbuf[..., :length + n, :]
-            self.values = self._vbuf[..., :length + n, :]
+            return self._kbuf, self._vbuf, length
+
+        def advance(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            length = (self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0) + n
+            self.keys, self.values = self._kbuf[..., :length, :], self._vbuf[..., :length, :]
             return self.keys, self.values
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            n = key_states.shape[-2]
+            kb, vb, length = self.reserve(key_states, n)
+            kb[..., length:length + n, :].copy_(key_states)
+            vb[..., length:length + n, :].copy_(value_states)
+            return self.advance(n)
 
         def reset(self) -> None:
             self._kbuf = self._vbuf = None
@@ -471,6 +479,43 @@ def _rmsnorm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return extension().rmsnorm(hidden_states, self.weight, float(self.variance_epsilon))
 
 
+#: decoder layer classes ``fuse_layers`` runs as one kernel call (``DecoderLayer`` in csrc/quant.cpp)
+FUSED_DECODER = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+
+def _fused_decoder_forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                           position_ids: torch.Tensor | None = None, cache: Any = None, past_key_values: Any = None,
+                           use_cache: bool | None = False, position_embeddings: Any = None,
+                           **kwargs: Any) -> torch.Tensor:
+    """A decoder layer in one kernel call: the same steps and kernels as its fused modules one by
+    one (norm, q/k/v, rotary, attention, o, norm, gate/up, SiLU, down, residuals), the new keys and
+    values written into the cache's buffers (``SpareCapacityLayer.reserve``). Prefill
+    (``prefill_scope``), gradients, other attention implementations and other caches take the
+    modules one by one."""
+    cache = cache if cache is not None else past_key_values
+    attn = self.self_attn
+    layer = cache.layers[attn.layer_idx] if cache is not None and attn.layer_idx < len(cache.layers) else None
+    if (layer is None or not hasattr(layer, "reserve") or in_prefill() or hidden_states.dtype != torch.float32
+            or (torch.is_grad_enabled() and hidden_states.requires_grad)
+            or attn.config._attn_implementation != FIXED_ORDER_ATTENTION
+            or getattr(attn, "sliding_window", None) is not None or kwargs.get("output_attentions")):
+        return type(self).__mro__[1].forward(self, hidden_states, attention_mask=attention_mask,
+                                             position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                             position_embeddings=position_embeddings, **kwargs)
+    b, t = hidden_states.shape[:2]
+    mask = attention_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+    like = hidden_states.new_empty(b, self._adaspec_kv_heads, 0, attn.head_dim)
+    kbuf, vbuf, length = layer.reserve(like, t)
+    if mask is not None:
+        mask = mask[..., : length + t]
+    cos, sin = position_embeddings
+    out = self._adaspec_layer.forward(hidden_states, mask, cos, sin, kbuf, vbuf, length)
+    layer.advance(t)
+    return out
+
+
 def _matrices(layers: list[QuantLinear]) -> Any:
     return extension().QuantMatrices([m.blocks for m in layers], [m.qtype for m in layers], [m.bias for m in layers],
                                      layers[0].in_features)
@@ -502,6 +547,21 @@ def fuse_layers(model: nn.Module) -> int:
         if (name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
                 and hasattr(module, "variance_epsilon") and type(module).forward is not _rmsnorm_forward):
             module.__class__ = _subclass(type(module), _rmsnorm_forward, "Adaspec")
+            n += 1
+    for module in model.modules():  # whole layers whose parts were all fused above
+        attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+        norms = [getattr(module, a, None) for a in ("input_layernorm", "post_attention_layernorm")]
+        if (type(module).__name__ in FUSED_DECODER and hasattr(attn, "_adaspec_qkv") and hasattr(mlp, "_adaspec_gate_up")
+                and all(type(m).forward is _rmsnorm_forward for m in norms)):
+            heads = attn.q_proj.out_features // attn.head_dim
+            kv_heads = attn.k_proj.out_features // attn.head_dim
+            module._adaspec_kv_heads = kv_heads
+            module._adaspec_layer = extension().DecoderLayer(
+                attn._adaspec_qkv, _matrices([attn.o_proj]), mlp._adaspec_gate_up, _matrices([mlp.down_proj]),
+                norms[0].weight.detach().contiguous(), float(norms[0].variance_epsilon),
+                norms[1].weight.detach().contiguous(), float(norms[1].variance_epsilon),
+                heads, kv_heads, attn.head_dim, float(attn.scaling))
+            module.__class__ = _subclass(type(module), _fused_decoder_forward, "AdaspecFused")
             n += 1
     return n
 

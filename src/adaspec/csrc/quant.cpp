@@ -989,6 +989,45 @@ torch::Tensor rope(const torch::Tensor& q_in, const torch::Tensor& cos_in, const
   return out;
 }
 
+
+// ---- a whole decoder layer (Llama / Qwen2 / Mistral) ------------------------------------------------
+// x + attn(norm1(x)) = x2; x2 + mlp(norm2(x2)): the same steps, in the same order and with the same
+// kernels, as the layer's modules run one by one (rmsnorm, q/k/v, rope, attention, o, gate/up, silu,
+// down), with the new keys and values written into the cache's buffers at position L.
+class DecoderLayer {
+ public:
+  DecoderLayer(const QuantMatrices& qkv, const QuantMatrices& o, const QuantMatrices& gate_up, const QuantMatrices& down,
+               torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, double scale)
+      : qkv_(qkv), o_(o), gate_up_(gate_up), down_(down), norm1_(std::move(norm1)), norm2_(std::move(norm2)),
+        eps1_(eps1), eps2_(eps2), H_(heads), Hk_(kv_heads), D_(head_dim), scale_(scale) {}
+
+  torch::Tensor forward(const torch::Tensor& x, const c10::optional<torch::Tensor>& mask, const torch::Tensor& cos,
+                        const torch::Tensor& sin, torch::Tensor kbuf, torch::Tensor vbuf, int64_t L) const {
+    const int64_t B = x.size(0), T = x.size(1);
+    TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == B && kbuf.size(1) == Hk_ && kbuf.size(2) >= L + T &&
+                    kbuf.size(3) == D_ && vbuf.sizes() == kbuf.sizes(), "adaspec layer: the cache buffers do not fit");
+    const torch::Tensor h = rmsnorm(x, norm1_, eps1_);
+    const std::vector<torch::Tensor> qkv = qkv_.forward(h);
+    const torch::Tensor q = rope(qkv[0], cos, sin, D_);
+    kbuf.narrow(2, L, T).copy_(rope(qkv[1], cos, sin, D_));
+    vbuf.narrow(2, L, T).copy_(qkv[2].view({B, T, Hk_, D_}).transpose(1, 2));
+    const torch::Tensor att = attention(q, kbuf.narrow(2, 0, L + T), vbuf.narrow(2, 0, L + T), mask, scale_);
+    torch::Tensor x2 = x + o_.forward(att.view({B, T, H_ * D_}))[0];
+    std::vector<torch::Tensor> gu = gate_up_.forward(rmsnorm(x2, norm2_, eps2_));
+    at::silu_(gu[0]);
+    gu[0].mul_(gu[1]);
+    return x2 + down_.forward(gu[0])[0];
+  }
+
+ private:
+  QuantMatrices qkv_, o_, gate_up_, down_;
+  torch::Tensor norm1_, norm2_;
+  double eps1_, eps2_;
+  int64_t H_, Hk_, D_;
+  double scale_;
+};
+
 std::string isa() {
 #if defined(ADASPEC_AVX512)
   return "avx512";
@@ -1008,6 +1047,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t>())
       .def("forward", &QuantMatrices::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("in_features", &QuantMatrices::in_features);
+  pybind11::class_<DecoderLayer>(m, "DecoderLayer")
+      .def(pybind11::init<const QuantMatrices&, const QuantMatrices&, const QuantMatrices&, const QuantMatrices&,
+                          torch::Tensor, double, torch::Tensor, double, int64_t, int64_t, int64_t, double>())
+      .def("forward", &DecoderLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize", &dequantize, "the float32 weights of a quantized matrix (rows: a subset)",
         pybind11::arg("weights"), pybind11::arg("qtype"), pybind11::arg("in_features"),
         pybind11::arg("rows") = pybind11::none());
