@@ -139,6 +139,45 @@ def test_rows_are_batch_invariant(ext, qtype, threads):
         torch.set_num_threads(before)
 
 
+INT8_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_product_is_within_activation_rounding(ext, qtype):
+    """gguf-q8: 8-bit activations (per row and block of 32) and integer dot products; against
+    float64 F.linear on gguf's dequantized weights the error is that of rounding the activations
+    (|x| / 254 a value at most), measured against sum |w| |x|."""
+    width = 512
+    blocks = make_blocks(qtype, 45, width, seed=3)
+    w = torch.from_numpy(reference_weights(blocks, qtype, width)).double()
+    bias = torch.randn(45)
+    mats = ext.QuantMatrices([torch.from_numpy(blocks.copy())], [int(qtype)], [bias], width, True)
+    assert mats.int8
+    x = torch.randn(6, width)
+    got = mats.forward(x)[0].double()
+    ref = F.linear(x.double(), w, bias.double())
+    scale = (x.double().abs() @ w.abs().T).max().item()
+    err = (got - ref).abs().max().item() / scale
+    assert 1e-6 < err < 4e-3, err  # not the float32 path's ~1e-7, not more than 8-bit rounding
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_rows_are_batch_invariant(ext, qtype, threads):
+    blocks = torch.from_numpy(make_blocks(qtype, 70, 512, seed=2).copy())
+    mats = ext.QuantMatrices([blocks], [int(qtype)], [None], 512, True)
+    x = torch.randn(40, 512)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = mats.forward(x)[0]
+        for m in range(1, 41):
+            assert torch.equal(mats.forward(x[:m])[0], full[:m]), f"{m} rows"
+            assert torch.equal(mats.forward(x[m - 1:m])[0], full[m - 1:m]), f"row {m - 1} alone"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_batch_invariance_check_has_power(ext):
     """Negative control: PyTorch's own F.linear is not row-invariant on these shapes, so the
     check above can fail (if this ever passes, the control no longer shows anything)."""
@@ -325,14 +364,28 @@ def test_tiny_target_verify_block_equals_one_token_forwards(tiny_pair):
     assert all(torch.equal(a, b) for a, b in zip(rows, block))
 
 
+@pytest.fixture(scope="module")
+def tiny_q8(tiny_pair):
+    """The tiny model of ``tiny_pair`` in gguf-q8 mode (8-bit activations)."""
+    _, _, path = tiny_pair
+    q = tiny_gguf_model(path.with_name("q8.gguf"), vocab=40, init_std=0.3, lm_head_scale=3.0)
+    quant.quantize_model(q, path, int8=True)
+    quant.fuse_layers(q)
+    quant.use_fixed_order_attention(q)
+    assert quant.quantized_of(q).mode == "gguf-q8"
+    return q
+
+
+@pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "suffix", "recycle", "model"])
-def test_greedy_speculative_equals_plain_decoding_on_a_quantized_target(tiny_pair, tmp_path, drafter):
+def test_greedy_speculative_equals_plain_decoding_on_a_quantized_target(tiny_pair, tiny_q8, tmp_path, drafter,
+                                                                        mode):
     """Token-identical greedy output: every drafter against plain decoding, same quantized target."""
     from adaspec import SpeculativeEngine
     from adaspec.drafters import ModelDrafter
     from adaspec.models import as_loaded
 
-    _, q, _ = tiny_pair
+    q = tiny_pair[1] if mode == "gguf" else tiny_q8
     target = as_loaded(q)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6, 3, 1]
     plain = SpeculativeEngine(target, ["none"], selector="static").generate(prompt, max_new_tokens=40)
@@ -372,7 +425,7 @@ def test_check_weights_errors_name_the_fix():
     cpu = torch.device("cpu")
     ok = dict(gguf=True, device=cpu, dtype=None, linear="auto", backend="transformers")
     quant.check_weights("gguf", **ok)
-    with pytest.raises(ConfigError, match="not one of auto, gguf, dense"):
+    with pytest.raises(ConfigError, match="not one of auto, gguf, gguf-q8, dense"):
         quant.check_weights("int4", **ok)
     with pytest.raises(ConfigError, match="device is cuda.*--device cpu"):
         quant.check_weights("gguf", **(ok | {"device": torch.device("cuda")}))
@@ -436,9 +489,11 @@ def smol_plain(smol_q):
 def test_smollm2_quantized_types_and_identity(smol_q):
     from adaspec.models import target_fingerprint
 
-    assert quant.quantized_of(smol_q.model).summary() == "Q4_1x210,Q8_0x2"  # 210 linears, lm_head + embedding
-    assert f"weights=gguf[Q4_1x210,Q8_0x2]/{quant.kernel_isa()}" in smol_q.identity()
-    assert target_fingerprint(smol_q)["weight_format"] == "gguf"
+    found = quant.quantized_of(smol_q.model)
+    assert found.summary() == "Q4_1x210,Q8_0x2"  # 210 linears, lm_head + embedding
+    assert found.mode == ("gguf-q8" if quant.extension().has_vnni() else "gguf")
+    assert f"weights={found.mode}[Q4_1x210,Q8_0x2]/{quant.kernel_isa()}" in smol_q.identity()
+    assert target_fingerprint(smol_q)["weight_format"] == found.mode
     assert smol_q.vocab_size == 49152
 
 
@@ -519,5 +574,10 @@ def test_portable_builds_give_the_same_bits(ext, arch):
             a = ext.QuantMatrices([blocks], [int(qtype)], [None], 512).forward(x[:rows])[0]
             b = other.QuantMatrices([blocks], [int(qtype)], [None], 512).forward(x[:rows])[0]
             assert torch.equal(a, b), (qtype.name, rows)
+        if qtype in INT8_TYPES:  # 8-bit activations: VNNI here, plain C++ integer sums there
+            for rows in (1, 9):
+                a = ext.QuantMatrices([blocks], [int(qtype)], [None], 512, True).forward(x[:rows])[0]
+                b = other.QuantMatrices([blocks], [int(qtype)], [None], 512, True).forward(x[:rows])[0]
+                assert torch.equal(a, b), (qtype.name, "int8", rows)
     q, k, v = torch.randn(1, 4, 5, 64), torch.randn(1, 2, 30, 64), torch.randn(1, 2, 30, 64)
     assert torch.equal(ext.attention(q, k, v, None, 0.125), other.attention(q, k, v, None, 0.125))

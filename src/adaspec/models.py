@@ -26,9 +26,9 @@ import torch
 from .artifacts import ARTIFACTS, cache_dir, cached_measurement, fetched_gguf
 from .backends.base import DEFAULT_BACKEND, TargetBackend, check_backend
 from .errors import ConfigError, ModelLoadError
-from .quant import (FIXED_ORDER_ATTENTION, QuantLinear, auto_weights, check_weights, dequantize, fuse_layers,
-                    prefill_scope, quantize_model, quantized_of, spare_capacity_cache, use_fixed_order_attention,
-                    weights_mode)
+from .quant import (FIXED_ORDER_ATTENTION, GGUF_MODES, QuantLinear, auto_weights, check_weights, dequantize,
+                    fuse_layers, prefill_scope, quantize_model, quantized_of, spare_capacity_cache,
+                    use_fixed_order_attention, weights_mode)
 from .kernels import (GQA_ATTENTION, SMALL_KINDS, PackedLinear, auto_linear, linear_mode, machine_identity,
                       release_own_openmp_threads, set_small_plan, small_rows_mode, tunable_layers, tune_small_rows,
                       use_gqa_attention, use_small_batch_linear)
@@ -230,7 +230,7 @@ def target_fingerprint(target: TargetBackend) -> dict[str, Any]:
     return {"name": target.name, "model_type": getattr(cfg, "model_type", None),
             "vocab_size": target.vocab_size, "hidden_size": getattr(cfg, "hidden_size", None),
             "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest,
-            "weight_format": "dense" if quantized_of(target.model) is None else "gguf"}
+            "weight_format": weights_mode(target.model).partition("[")[0]}
 
 
 #: fields of ``target_fingerprint`` that must match for an artifact to serve a target (not the name)
@@ -417,9 +417,10 @@ def load_model(
 
     ``weights`` (``quant.WEIGHT_MODES``): ``"gguf"`` computes a GGUF model from the file's own
     quantized blocks (``adaspec.quant``: float32 CPU only, the quantized kernels instead of
-    ``linear``'s, batch-invariant); ``"dense"`` from its weights de-quantized to ``dtype``;
-    ``"auto"`` (the default) is ``"gguf"`` for a GGUF model on a CPU in float32 with ``linear="auto"``,
-    ``"dense"`` otherwise.
+    ``linear``'s, batch-invariant), ``"gguf-q8"`` the same with 8-bit activations and integer dot
+    products (as llama.cpp computes); ``"dense"`` from its weights de-quantized to ``dtype``;
+    ``"auto"`` (the default) is ``"gguf-q8"`` (AVX-512 VNNI) or ``"gguf"`` for a GGUF model on a CPU
+    in float32 with ``linear="auto"``, ``"dense"`` otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -461,8 +462,8 @@ def load_model(
             tok = None
     model = model.to(device)
     model.eval()
-    if weights == "gguf":
-        quantize_model(model, gguf)
+    if weights in GGUF_MODES:
+        quantize_model(model, gguf, int8=weights == "gguf-q8")
         fuse_layers(model)
         linear = "stock"  # every linear layer is a QuantLinear now
     if linear == "auto":
@@ -471,7 +472,7 @@ def load_model(
         use_small_batch_linear(model, packed=linear == "packed")
     if linear == "packed":
         small_rows_plan(model)
-    if weights == "gguf":
+    if weights in GGUF_MODES:
         use_fixed_order_attention(model)
     else:
         use_gqa_attention(model)

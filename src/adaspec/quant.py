@@ -61,8 +61,11 @@ KERNEL_SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
 BASE_FLAGS = ("-O3", "-ffp-contract=off")
 #: GGML tensor types the kernel computes (``gguf.GGMLQuantizationType`` values)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-#: ``load_model(weights=...)`` / ``--weights`` values
-WEIGHT_MODES = ("auto", "gguf", "dense")
+#: ``load_model(weights=...)`` / ``--weights`` values: ``gguf`` float32 activations (the dequantized
+#: model, exactly), ``gguf-q8`` 8-bit activations with integer dot products (as llama.cpp computes)
+WEIGHT_MODES = ("auto", "gguf", "gguf-q8", "dense")
+#: the quantized modes
+GGUF_MODES = ("gguf", "gguf-q8")
 #: with ``prefill_scope`` active, forwards of at least this many rows take ``PREFILL_GEMM``
 PREFILL_MIN_ROWS = 64
 #: the prefill path's product: ``"gemm"`` (dequantize the layer, ``F.linear``) or ``"kernel"``
@@ -232,12 +235,15 @@ class QuantLinear(nn.Module):
     ``weight`` is that dequantized weight, made on each access (drafters that copy or slice the
     target's output matrix read it once)."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None,
+                 int8: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.qtype = int(in_features), int(blocks.shape[0]), int(qtype)
+        #: 8-bit activations and integer dot products (``weights="gguf-q8"``) for the types that have them
+        self.int8 = bool(int8)
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
-        self._mats = extension().QuantMatrices([self.blocks], [self.qtype], [self.bias], self.in_features)
+        self._mats = _matrices([self])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -251,11 +257,11 @@ class QuantLinear(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._mats = extension().QuantMatrices([self.blocks], [self.qtype], [self.bias], self.in_features)
+        self._mats = _matrices([self])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, type={type_name(self.qtype)}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}, int8={self.int8}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, self.in_features)
@@ -312,7 +318,8 @@ def fixed_order_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     position biases, sliding windows) take transformers' SDPA attention."""
     from .kernels import sdpa_gqa_attention
 
-    if (in_prefill() or dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+    if ((in_prefill() and query.shape[0] * query.shape[2] >= PREFILL_MIN_ROWS) or dropout
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or kwargs.get("sliding_window") is not None or query.dtype != torch.float32
             or query.device.type != "cpu"):
         return sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -495,14 +502,15 @@ def _fused_decoder_forward(self: Any, hidden_states: torch.Tensor, attention_mas
     cache = cache if cache is not None else past_key_values
     attn = self.self_attn
     layer = cache.layers[attn.layer_idx] if cache is not None and attn.layer_idx < len(cache.layers) else None
-    if (layer is None or not hasattr(layer, "reserve") or in_prefill() or hidden_states.dtype != torch.float32
+    b, t = hidden_states.shape[:2]
+    if (layer is None or not hasattr(layer, "reserve") or (in_prefill() and b * t >= PREFILL_MIN_ROWS)
+            or hidden_states.dtype != torch.float32
             or (torch.is_grad_enabled() and hidden_states.requires_grad)
             or attn.config._attn_implementation != FIXED_ORDER_ATTENTION
             or getattr(attn, "sliding_window", None) is not None or kwargs.get("output_attentions")):
         return type(self).__mro__[1].forward(self, hidden_states, attention_mask=attention_mask,
                                              position_ids=position_ids, cache=cache, use_cache=use_cache,
                                              position_embeddings=position_embeddings, **kwargs)
-    b, t = hidden_states.shape[:2]
     mask = attention_mask
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
@@ -517,8 +525,9 @@ def _fused_decoder_forward(self: Any, hidden_states: torch.Tensor, attention_mas
 
 
 def _matrices(layers: list[QuantLinear]) -> Any:
+    """One kernel object computing ``layers`` (sharing their input) in one call."""
     return extension().QuantMatrices([m.blocks for m in layers], [m.qtype for m in layers], [m.bias for m in layers],
-                                     layers[0].in_features)
+                                     layers[0].in_features, layers[0].int8)
 
 
 def fuse_layers(model: nn.Module) -> int:
@@ -551,8 +560,8 @@ def fuse_layers(model: nn.Module) -> int:
     for module in model.modules():  # whole layers whose parts were all fused above
         attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
         norms = [getattr(module, a, None) for a in ("input_layernorm", "post_attention_layernorm")]
-        if (type(module).__name__ in FUSED_DECODER and hasattr(attn, "_adaspec_qkv") and hasattr(mlp, "_adaspec_gate_up")
-                and all(type(m).forward is _rmsnorm_forward for m in norms)):
+        if (type(module).__name__ in FUSED_DECODER and hasattr(attn, "_adaspec_qkv")
+                and hasattr(mlp, "_adaspec_gate_up") and all(type(m).forward is _rmsnorm_forward for m in norms)):
             heads = attn.q_proj.out_features // attn.head_dim
             kv_heads = attn.k_proj.out_features // attn.head_dim
             module._adaspec_kv_heads = kv_heads
@@ -569,9 +578,10 @@ def fuse_layers(model: nn.Module) -> int:
 # -- converting a loaded model ------------------------------------------------------------------------
 @dataclass
 class QuantizedTensors:
-    """What ``quantize_model`` replaced: module name -> GGML type name."""
+    """What ``quantize_model`` replaced (module name -> GGML type name) and in which mode."""
 
     types: dict[str, str]
+    mode: str = "gguf"
 
     def summary(self) -> str:
         """Counts per type, e.g. ``Q4_1x210,Q8_0x1``."""
@@ -613,7 +623,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def quantize_model(model: nn.Module, gguf_path: Path, check_rows: int = 4) -> QuantizedTensors:
+def quantize_model(model: nn.Module, gguf_path: Path, check_rows: int = 4, int8: bool = False) -> QuantizedTensors:
     """Replace ``model``'s linear layers and token embedding (a transformers model loaded from the
     GGUF file ``gguf_path``) with ``QuantLinear`` / ``QuantEmbedding`` over the file's blocks, in
     place. Each replaced tensor's dequantized rows (``check_rows`` of them, spread over the
@@ -676,16 +686,13 @@ def quantize_model(model: nn.Module, gguf_path: Path, check_rows: int = 4) -> Qu
         else:  # not in the file: the loaded float32 weights, as an F32 "block" tensor
             w = module.weight.detach().float().contiguous()
             blocks, qtype, width = w.view(torch.uint8).reshape(w.shape[0], -1).clone(), type_id("F32"), w.shape[1]
-        _set_module(model, name, QuantLinear(blocks, qtype, width, bias))
+        _set_module(model, name, QuantLinear(blocks, qtype, width, bias, int8=int8))
         types[name] = type_name(qtype)
     if embed_param is not None and embed_param in by_param and isinstance(embed, nn.Embedding):
         blocks, qtype, width = blocks_for(embed_param, embed.weight)
         _set_module(model, embed_name, QuantEmbedding(blocks, qtype, width, embed.padding_idx))
         types[embed_name] = type_name(qtype)
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.adaspec_weights = "gguf"
-    model._adaspec_quantized = QuantizedTensors(types)
+    model._adaspec_quantized = QuantizedTensors(types, "gguf-q8" if int8 else "gguf")
     return model._adaspec_quantized
 
 
@@ -695,12 +702,12 @@ def quantized_of(model: Any) -> QuantizedTensors | None:
 
 
 def weights_mode(model: Any) -> str:
-    """The target identity's weight format: ``"dense"``, or ``"gguf[TYPES]/ISA"`` for a quantized
-    model (the cost grids of the two are measured and cached apart)."""
+    """The target identity's weight format: ``"dense"``, or ``"MODE[TYPES]/ISA"`` for a quantized
+    model, e.g. ``gguf-q8[Q4_1x210,Q8_0x2]/avx512`` (the cost grids are measured and cached apart)."""
     q = quantized_of(model)
     if q is None:
         return "dense"
-    return f"gguf[{q.summary()}]/{kernel_isa()}"
+    return f"{q.mode}[{q.summary()}]/{kernel_isa()}"
 
 
 def check_weights(weights: str, *, gguf: bool, device: torch.device, dtype: torch.dtype | None,
@@ -710,40 +717,43 @@ def check_weights(weights: str, *, gguf: bool, device: torch.device, dtype: torc
     if weights not in WEIGHT_MODES:
         raise ConfigError(f"weights {weights!r} (--weights) is not one of {', '.join(WEIGHT_MODES)}: 'auto' computes "
                           "a GGUF model on a CPU from its quantized blocks and other models densely, 'gguf' always "
-                          "from the blocks, 'dense' de-quantizes the file to float32 (adaspec.quant)")
-    if weights != "gguf":
+                          "from the blocks with float32 activations, 'gguf-q8' with 8-bit activations (as llama.cpp), "
+                          "'dense' de-quantizes the file to float32 (adaspec.quant)")
+    if weights not in GGUF_MODES:
         if weights != "auto" and backend != "transformers":
             raise ConfigError(f"weights {weights!r} chooses the transformers backend's weights, and the {backend} "
                               "backend computes with its own: drop --weights")
         return
     if backend != "transformers":
-        raise ConfigError(f"--weights gguf is the transformers backend's quantized target; the {backend} backend "
-                          "reads the GGUF file itself: drop --weights")
+        raise ConfigError(f"--weights {weights} is the transformers backend's quantized target; the {backend} "
+                          "backend reads the GGUF file itself: drop --weights")
     if not gguf:
-        raise ConfigError("--weights gguf computes from a GGUF file's quantized blocks, and this model is not a "
-                          ".gguf file: use --weights dense (or auto)")
+        raise ConfigError(f"--weights {weights} computes from a GGUF file's quantized blocks, and this model is not "
+                          "a .gguf file: use --weights dense (or auto)")
     if device.type != "cpu":
-        raise ConfigError(f"--weights gguf runs adaspec's CPU kernels, and the device is {device}: use "
+        raise ConfigError(f"--weights {weights} runs adaspec's CPU kernels, and the device is {device}: use "
                           "--device cpu, or --weights dense on this device")
     if dtype is not None and dtype != torch.float32:
-        raise ConfigError(f"--weights gguf computes float32 activations on the file's blocks, and --dtype is "
-                          f"{str(dtype).replace('torch.', '')}: drop --dtype, or use --weights dense")
+        raise ConfigError(f"--weights {weights} computes float32 activations and outputs on the file's blocks, and "
+                          f"--dtype is {str(dtype).replace('torch.', '')}: drop --dtype, or use --weights dense")
     if linear != "auto":
-        raise ConfigError(f"--linear {linear} chooses the kernels of dense float32 weights, and --weights gguf "
+        raise ConfigError(f"--linear {linear} chooses the kernels of dense float32 weights, and --weights {weights} "
                           "runs the quantized kernels: drop --linear, or use --weights dense")
 
 
 def auto_weights(*, gguf: bool, device: torch.device, dtype: torch.dtype | None, linear: str, backend: str) -> str:
-    """What ``weights="auto"`` loads: ``"gguf"`` for a GGUF model on the transformers backend on a
-    CPU, float32, ``--linear auto``, where the kernel compiles; ``"dense"`` otherwise (a failed
-    compile is logged, not raised: the dense model still works)."""
+    """What ``weights="auto"`` loads for a GGUF model on the transformers backend on a CPU, float32,
+    ``--linear auto``, where the kernel compiles: ``"gguf-q8"`` where its integer dot products run
+    AVX-512 VNNI, ``"gguf"`` elsewhere (docs/kernels.md: both faster than the dense model at every
+    row count measured); ``"dense"`` otherwise (a failed compile is logged, not raised: the dense
+    model still works)."""
     if not (gguf and backend == "transformers" and device.type == "cpu" and linear == "auto"
             and (dtype is None or dtype == torch.float32)):
         return "dense"
     try:
-        extension()
+        ext = extension()
     except ConfigError as exc:
         log.warning("computing the GGUF model densely: %s", exc)
         return "dense"
-    return "gguf"
+    return "gguf-q8" if ext.has_vnni() else "gguf"
 

@@ -35,9 +35,10 @@ LINEAR_HELP = ("linear kernels on CPU float32: auto (packed where torch has MKL 
                "weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
                "(PyTorch's F.linear); transformers backend only")
 WEIGHTS_HELP = ("weights of a GGUF model on the transformers backend: auto (on a CPU in float32, the file's own "
-                "quantized blocks run by adaspec's kernels, compiled once; dense elsewhere), gguf (always the "
-                "blocks: CPU, float32, no --linear), dense (de-quantized to --dtype, run with --linear's kernels); "
-                "docs/kernels.md")
+                "quantized blocks run by adaspec's kernels, compiled once: gguf-q8 with AVX-512 VNNI, else gguf; "
+                "dense elsewhere), gguf (the blocks, float32 activations: the dequantized model exactly), gguf-q8 "
+                "(8-bit activations, integer dot products, as llama.cpp), dense (de-quantized to --dtype, run "
+                "with --linear's kernels); CPU, float32 and no --linear for gguf*; docs/kernels.md")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
 TREE_HELP = ("draft trees: every drafter proposes several continuations (model drafters: EAGLE-2 "

@@ -579,10 +579,439 @@ void check_matrix(const torch::Tensor& w, int qtype, int64_t K) {
               "adaspec quant: ", w.size(1), " bytes a row do not hold ", K, " weights of type ", qtype);
 }
 
+
+// ---- int8 activations: integer dot products (AVX-512 VNNI where the CPU has it) ------------------------
+// The input rows are quantized per row and 32-value block, as llama.cpp's q8_0 does it:
+// dx = max|x| / 127, xq = round_half_even(x * (127 / max|x|)) (0 where max|x| = 0). A weight block is
+// (unsigned integers u, a scale A, an offset coefficient B) with w = A * u + B (per 16 for Q6_K), so
+// sum_k w x ~= dx * (A * sum u xq + B * sum xq): the integer sums are exact; per output the float
+// steps t = A * I, t = fma(B, S, t), acc = fma(dx, t, acc) run block by block in increasing k.
+// Weights are repacked once into tiles of 16 outputs (lanes) so one instruction takes a 4-byte group
+// of 16 outputs: the same bits (nibbles, high-bit planes, fp16 scales) in another order.
+
+inline bool int8_type(int t) {
+  return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K ||
+         t == T_Q6_K;
+}
+inline bool k_type(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+inline bool has_qh(int t) { return t == T_Q5_0 || t == T_Q5_1 || t == T_Q5_K; }
+inline bool has_m16(int t) { return t == T_Q4_1 || t == T_Q5_1; }
+
+// bytes of one 32-weight record of a tile, and (K types) of a super-block's header
+inline int64_t rec_bytes(int t) {
+  switch (t) {
+    case T_Q4_0: return 256 + 32;
+    case T_Q4_1: return 256 + 64;
+    case T_Q5_0: return 256 + 64 + 32;
+    case T_Q5_1: return 256 + 64 + 64;
+    case T_Q8_0: return 512 + 32;
+    case T_Q4_K: return 256 + 32;
+    case T_Q5_K: return 256 + 64 + 32;
+    case T_Q6_K: return 256 + 128 + 32;
+    default: return 0;
+  }
+}
+inline int64_t head_bytes(int t) { return t == T_Q6_K ? 32 : k_type(t) ? 64 : 0; }
+
+// the unsigned integers of block b (32 weights) of a row in the file's layout; the fp16 bits of its
+// scale and offset (32-weight types), or its 6-bit / 8-bit sub-block scale and min (K types)
+struct Unpacked {
+  uint8_t u[32];
+  uint16_t d = 0, m = 0;  // fp16 bits (32-weight types; K types: the super-block's d, dmin)
+  int sc0 = 0, sc1 = 0, mn = 0;
+};
+
+inline Unpacked unpack(int t, const uint8_t* row, int64_t b) {
+  Unpacked r;
+  switch (t) {
+    case T_Q4_0: case T_Q4_1: {
+      const uint8_t* p = row + b * (t == T_Q4_0 ? 18 : 20);
+      r.d = rd16(p);
+      if (t == T_Q4_1) r.m = rd16(p + 2);
+      const uint8_t* qs = p + (t == T_Q4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) { r.u[i] = qs[i] & 0x0f; r.u[i + 16] = qs[i] >> 4; }
+      break;
+    }
+    case T_Q5_0: case T_Q5_1: {
+      const uint8_t* p = row + b * (t == T_Q5_0 ? 22 : 24);
+      r.d = rd16(p);
+      if (t == T_Q5_1) r.m = rd16(p + 2);
+      const uint32_t qh = rd32(p + (t == T_Q5_0 ? 2 : 4));
+      const uint8_t* qs = p + (t == T_Q5_0 ? 6 : 8);
+      for (int i = 0; i < 16; ++i) {
+        r.u[i] = uint8_t((qs[i] & 0x0f) | (((qh >> i) & 1) << 4));
+        r.u[i + 16] = uint8_t((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+      }
+      break;
+    }
+    case T_Q8_0: {
+      const uint8_t* p = row + b * 34;
+      r.d = rd16(p);
+      for (int i = 0; i < 32; ++i) r.u[i] = uint8_t(int(int8_t(p[2 + i])) + 128);
+      break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+      const int64_t bytes = t == T_Q4_K ? 144 : 176;
+      const uint8_t* p = row + (b >> 3) * bytes;
+      const int j = int(b & 7);
+      r.d = rd16(p);
+      r.m = rd16(p + 2);
+      k_scale_min(p + 4, j, r.sc0, r.mn);
+      const uint8_t* qs = p + (t == T_Q4_K ? 16 : 48) + 32 * (j >> 1);
+      for (int i = 0; i < 32; ++i) {
+        r.u[i] = uint8_t((qs[i] >> (4 * (j & 1))) & 0x0f);
+        if (t == T_Q5_K) r.u[i] |= uint8_t(((p[16 + i] >> j) & 1) << 4);
+      }
+      break;
+    }
+    case T_Q6_K: {
+      const uint8_t* p = row + (b >> 3) * 210;
+      const int sb = int(b & 7), n = sb >> 2, q = sb & 3;
+      const uint8_t* ql = p + 64 * n + 32 * (q & 1);
+      const uint8_t* qh = p + 128 + 32 * n;
+      for (int i = 0; i < 32; ++i)
+        r.u[i] = uint8_t(((ql[i] >> (4 * (q >> 1))) & 0x0f) | (((qh[i] >> (2 * q)) & 3) << 4));
+      r.sc0 = int8_t(p[192 + 2 * sb]);
+      r.sc1 = int8_t(p[192 + 2 * sb + 1]);
+      r.d = rd16(p + 208);
+      break;
+    }
+    default: break;
+  }
+  return r;
+}
+
+// repack a [N, row_bytes] matrix into tiles of 16 outputs (zero lanes past N)
+torch::Tensor repack_int8(const torch::Tensor& w, int t, int64_t K) {
+  const int64_t N = w.size(0), row_bytes = w.size(1), nb = K / 32, tiles = (N + 15) / 16;
+  const int64_t tile_bytes = nb * rec_bytes(t) + (k_type(t) ? nb / 8 * head_bytes(t) : 0);
+  auto out = torch::zeros({tiles, tile_bytes}, torch::TensorOptions().dtype(torch::kUInt8));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      uint8_t* dst = op + tile * tile_bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        if (k_type(t) && (b & 7) == 0) {  // the super-block header: d (and dmin) of each lane
+          for (int l = 0; l < 16; ++l) {
+            const int64_t n = tile * 16 + l;
+            if (n >= N) continue;
+            const Unpacked u = unpack(t, wp + n * row_bytes, b);
+            std::memcpy(dst + 2 * l, &u.d, 2);
+            if (t != T_Q6_K) std::memcpy(dst + 32 + 2 * l, &u.m, 2);
+          }
+          dst += head_bytes(t);
+        }
+        uint8_t* nib = dst;
+        uint8_t* extra = dst + (t == T_Q8_0 ? 512 : 256);
+        for (int l = 0; l < 16; ++l) {
+          const int64_t n = tile * 16 + l;
+          if (n >= N) continue;
+          const Unpacked u = unpack(t, wp + n * row_bytes, b);
+          for (int j = 0; j < 8; ++j)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t v = u.u[4 * j + i];
+              const int byte = 4 * l + i;
+              if (t == T_Q8_0) {
+                nib[64 * j + byte] = v;
+                continue;
+              }
+              nib[64 * (j & 3) + byte] |= uint8_t((v & 0x0f) << (j >= 4 ? 4 : 0));
+              if (has_qh(t) && (v & 0x10)) extra[8 * j + byte / 8] |= uint8_t(1u << (byte % 8));
+              if (t == T_Q6_K) extra[64 * (j >> 2) + byte] |= uint8_t(((v >> 4) & 3) << (2 * (j & 3)));
+            }
+          uint8_t* sc = extra + (has_qh(t) ? 64 : t == T_Q6_K ? 128 : 0);
+          switch (t) {
+            case T_Q4_0: case T_Q5_0: case T_Q8_0: std::memcpy(sc + 2 * l, &u.d, 2); break;
+            case T_Q4_1: case T_Q5_1: std::memcpy(sc + 2 * l, &u.d, 2); std::memcpy(sc + 32 + 2 * l, &u.m, 2); break;
+            case T_Q4_K: case T_Q5_K: sc[l] = uint8_t(u.sc0); sc[16 + l] = uint8_t(u.mn); break;
+            case T_Q6_K: sc[l] = uint8_t(int8_t(u.sc0)); sc[16 + l] = uint8_t(int8_t(u.sc1)); break;
+            default: break;
+          }
+        }
+        dst += rec_bytes(t);
+      }
+    }
+  });
+  return out;
+}
+
+struct XQ {  // the input rows, quantized per row and 32-value block
+  std::vector<int8_t> q;          // [M, K]
+  std::vector<float> d;           // [M, nb]
+  std::vector<float> s, s0, s1;   // [M, nb]: sums of the block's 32 values, first 16, last 16 (exact)
+};
+
+XQ quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  XQ r;
+  r.q.resize(size_t(M * K));
+  r.d.resize(size_t(M * nb));
+  r.s.resize(size_t(M * nb));
+  r.s0.resize(size_t(M * nb));
+  r.s1.resize(size_t(M * nb));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + 32 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = r.q.data() + m * K + 32 * b;
+      int32_t s = 0, s0 = 0;
+      for (int i = 0; i < 32; ++i) {
+        const float v = std::nearbyint(xb[i] * id);
+        q[i] = int8_t(std::max(-127.f, std::min(127.f, v)));
+        s += q[i];
+        if (i < 16) s0 += q[i];
+      }
+      r.d[size_t(m * nb + b)] = d;
+      r.s[size_t(m * nb + b)] = float(s);
+      r.s0[size_t(m * nb + b)] = float(s0);
+      r.s1[size_t(m * nb + b)] = float(s - s0);
+    }
+  return r;
+}
+
+// 16 float lanes for one tile: A, B (and A1, B1 for the second half of a Q6_K block)
+struct Scales { float a[16], b[16], a1[16], b1[16]; };
+
+inline void tile_scales(int t, const uint8_t* head, const uint8_t* rec, Scales& s) {
+  const uint8_t* sc = rec + (t == T_Q8_0 ? 512 : 256) + (has_qh(t) ? 64 : t == T_Q6_K ? 128 : 0);
+  for (int l = 0; l < 16; ++l) {
+    switch (t) {
+      case T_Q4_0: case T_Q5_0: case T_Q8_0: {
+        const float d = half_at(sc + 2 * l);
+        s.a[l] = d;
+        s.b[l] = d * (t == T_Q4_0 ? -8.f : t == T_Q5_0 ? -16.f : -128.f);
+        break;
+      }
+      case T_Q4_1: case T_Q5_1: s.a[l] = half_at(sc + 2 * l); s.b[l] = half_at(sc + 32 + 2 * l); break;
+      case T_Q4_K: case T_Q5_K:
+        s.a[l] = half_at(head + 2 * l) * float(sc[l]);
+        s.b[l] = -(half_at(head + 32 + 2 * l) * float(sc[16 + l]));
+        break;
+      case T_Q6_K: {
+        const float d = half_at(head + 2 * l);
+        s.a[l] = d * float(int8_t(sc[l]));
+        s.a1[l] = d * float(int8_t(sc[16 + l]));
+        s.b[l] = s.a[l] * -32.f;
+        s.b1[l] = s.a1[l] * -32.f;
+        break;
+      }
+      default: break;
+    }
+  }
+}
+
+// the 8 groups of 64 bytes (lane l, value i at byte 4 l + i) of one record, as unsigned bytes
+inline void tile_groups(int t, const uint8_t* rec, uint8_t g[8][64]) {
+  if (t == T_Q8_0) {
+    std::memcpy(g, rec, 512);
+    return;
+  }
+  for (int c = 0; c < 4; ++c)
+    for (int byte = 0; byte < 64; ++byte) {
+      g[c][byte] = rec[64 * c + byte] & 0x0f;
+      g[c + 4][byte] = rec[64 * c + byte] >> 4;
+    }
+  const uint8_t* extra = rec + 256;
+  if (has_qh(t))
+    for (int j = 0; j < 8; ++j)
+      for (int byte = 0; byte < 64; ++byte) g[j][byte] |= uint8_t(((extra[8 * j + byte / 8] >> (byte % 8)) & 1) << 4);
+  if (t == T_Q6_K)
+    for (int j = 0; j < 8; ++j)
+      for (int byte = 0; byte < 64; ++byte) g[j][byte] |= uint8_t(((extra[64 * (j >> 2) + byte] >> (2 * (j & 3))) & 3) << 4);
+}
+
+#if defined(ADASPEC_AVX512) && defined(__AVX512VNNI__)
+#define ADASPEC_VNNI 1
+inline __m512i dot4(__m512i acc, __m512i u, const int8_t* x4) {
+  int32_t v;
+  std::memcpy(&v, x4, 4);
+  return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(v));
+}
+
+template <int MT>
+void int8_tile(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m0, int64_t K, float* y, int64_t ldy,
+               int64_t n0, int64_t ncols, const float* bias) {
+  const int64_t NB = nb;
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const uint8_t* p = tile;
+  const uint8_t* head = nullptr;
+  for (int64_t b = 0; b < NB; ++b) {
+    if (k_type(t) && (b & 7) == 0) {
+      head = p;
+      p += head_bytes(t);
+    }
+    __m512i g[8];
+    if (t == T_Q8_0) {
+      for (int j = 0; j < 8; ++j) g[j] = _mm512_loadu_si512(p + 64 * j);
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * c);
+        g[c] = _mm512_and_si512(v, lo4);
+        g[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      }
+      if (has_qh(t)) {
+        const __m512i bit = _mm512_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) {
+          uint64_t mk;
+          std::memcpy(&mk, p + 256 + 8 * j, 8);
+          g[j] = _mm512_or_si512(g[j], _mm512_maskz_mov_epi8(__mmask64(mk), bit));
+        }
+      }
+      if (t == T_Q6_K) {
+        const __m512i three = _mm512_set1_epi8(0x03);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i pl = _mm512_loadu_si512(p + 256 + 64 * h);
+          for (int q = 0; q < 4; ++q)
+            g[4 * h + q] = _mm512_or_si512(g[4 * h + q],
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(pl, 2 * q), three), 4));
+        }
+      }
+    }
+    // scales of the 16 lanes
+    const uint8_t* sc = p + (t == T_Q8_0 ? 512 : 256) + (has_qh(t) ? 64 : t == T_Q6_K ? 128 : 0);
+    __m512 A, B, A1 = _mm512_setzero_ps(), B1 = _mm512_setzero_ps();
+    switch (t) {
+      case T_Q4_0: case T_Q5_0: case T_Q8_0:
+        A = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+        B = _mm512_mul_ps(A, _mm512_set1_ps(t == T_Q4_0 ? -8.f : t == T_Q5_0 ? -16.f : -128.f));
+        break;
+      case T_Q4_1: case T_Q5_1:
+        A = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+        B = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+        break;
+      case T_Q4_K: case T_Q5_K: {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head)));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head + 32)));
+        A = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+        B = _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16))))),
+                          _mm512_set1_ps(-0.f));
+        break;
+      }
+      default: {  // Q6_K
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head)));
+        A = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+        A1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+        B = _mm512_mul_ps(A, _mm512_set1_ps(-32.f));
+        B1 = _mm512_mul_ps(A1, _mm512_set1_ps(-32.f));
+        break;
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xb = xq.q.data() + (m0 + m) * K + 32 * b;
+      const size_t at = size_t((m0 + m) * NB + b);
+      __m512 tv;
+      if (t == T_Q6_K) {
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) i0 = dot4(i0, g[j], xb + 4 * j);
+        for (int j = 4; j < 8; ++j) i1 = dot4(i1, g[j], xb + 4 * j);
+        tv = _mm512_mul_ps(A, _mm512_cvtepi32_ps(i0));
+        tv = _mm512_fmadd_ps(A1, _mm512_cvtepi32_ps(i1), tv);
+        tv = _mm512_fmadd_ps(B, _mm512_set1_ps(xq.s0[at]), tv);
+        tv = _mm512_fmadd_ps(B1, _mm512_set1_ps(xq.s1[at]), tv);
+      } else {
+        __m512i iv = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) iv = dot4(iv, g[j], xb + 4 * j);
+        tv = _mm512_mul_ps(A, _mm512_cvtepi32_ps(iv));
+        tv = _mm512_fmadd_ps(B, _mm512_set1_ps(xq.s[at]), tv);
+      }
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xq.d[at]), tv, acc[m]);
+    }
+    p += rec_bytes(t);
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m512 v = acc[m];
+    if (bias != nullptr) {
+      const __mmask16 k = __mmask16((1u << ncols) - 1);
+      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
+    }
+    _mm512_mask_storeu_ps(y + (m0 + m) * ldy + n0, __mmask16((1u << ncols) - 1), v);
+  }
+}
+#endif
+
+// the same arithmetic in plain C++ (other CPUs): integer sums, then the same float steps per lane
+void int8_tile_generic(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m0, int64_t rows, int64_t K,
+                       float* y, int64_t ldy, int64_t n0, int64_t ncols, const float* bias) {
+  std::vector<float> acc(size_t(rows * 16), 0.f);
+  const uint8_t* p = tile;
+  const uint8_t* head = nullptr;
+  uint8_t g[8][64];
+  Scales s;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (k_type(t) && (b & 7) == 0) {
+      head = p;
+      p += head_bytes(t);
+    }
+    tile_groups(t, p, g);
+    tile_scales(t, head, p, s);
+    for (int64_t m = 0; m < rows; ++m) {
+      const int8_t* xb = xq.q.data() + (m0 + m) * K + 32 * b;
+      const size_t at = size_t((m0 + m) * nb + b);
+      for (int l = 0; l < 16; ++l) {
+        int32_t i0 = 0, i1 = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 4; ++i) (j < 4 ? i0 : i1) += int32_t(g[j][4 * l + i]) * int32_t(xb[4 * j + i]);
+        float tv;
+        if (t == T_Q6_K) {
+          tv = s.a[l] * float(i0);
+          tv = std::fma(s.a1[l], float(i1), tv);
+          tv = std::fma(s.b[l], xq.s0[at], tv);
+          tv = std::fma(s.b1[l], xq.s1[at], tv);
+        } else {
+          tv = s.a[l] * float(i0 + i1);
+          tv = std::fma(s.b[l], xq.s[at], tv);
+        }
+        float& a = acc[size_t(m * 16 + l)];
+        a = std::fma(xq.d[at], tv, a);
+      }
+    }
+    p += rec_bytes(t);
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t l = 0; l < ncols; ++l)
+      y[(m0 + m) * ldy + n0 + l] = acc[size_t(m * 16 + l)] + (bias != nullptr ? bias[n0 + l] : 0.f);
+}
+
+// one tile (16 outputs) against all M rows, in row tiles of up to 8
+void int8_columns(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t M, int64_t K, float* y, int64_t ldy,
+                  int64_t n0, int64_t ncols, const float* bias) {
+#if defined(ADASPEC_VNNI)
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) int8_tile<8>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias);
+  switch (M - m) {
+    case 7: int8_tile<7>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 6: int8_tile<6>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 5: int8_tile<5>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 4: int8_tile<4>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 3: int8_tile<3>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 2: int8_tile<2>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 1: int8_tile<1>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    default: break;
+  }
+#else
+  int8_tile_generic(t, tile, nb, xq, 0, M, K, y, ldy, n0, ncols, bias);
+#endif
+}
+
+bool has_vnni() {
+#if defined(ADASPEC_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // ---- a set of matrices sharing an input (q/k/v, gate/up, or one) ---------------------------------------
 struct Segment {
-  torch::Tensor w;     // [N, row_bytes] uint8
-  torch::Tensor bias;  // [N] float32 or undefined
+  torch::Tensor w;       // [N, row_bytes] uint8
+  torch::Tensor bias;    // [N] float32 or undefined
+  torch::Tensor packed;  // int8 mode: the tiles of 16 outputs (repack_int8), else undefined
   int qtype;
   int64_t N, row_bytes;
 };
@@ -595,8 +1024,8 @@ struct Group {  // NC-column units of work: (segment, first column, last column)
 class QuantMatrices {
  public:
   QuantMatrices(std::vector<torch::Tensor> weights, std::vector<int64_t> qtypes,
-                std::vector<c10::optional<torch::Tensor>> biases, int64_t K)
-      : K_(K) {
+                std::vector<c10::optional<torch::Tensor>> biases, int64_t K, bool int8)
+      : K_(K), int8_(int8) {
     TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size() && weights.size() == biases.size(),
                 "adaspec quant: one type and one bias (or None) per matrix");
     for (size_t i = 0; i < weights.size(); ++i) {
@@ -612,6 +1041,7 @@ class QuantMatrices {
                         b.is_contiguous(), "adaspec quant: a bias must be a contiguous float32 CPU vector of N values");
         s.bias = b;
       }
+      if (int8 && int8_type(s.qtype)) s.packed = repack_int8(s.w, s.qtype, K);
       segs_.push_back(s);
     }
     // units of work: 16 columns (a few cache lines of output, several column tiles); a thread takes
@@ -637,6 +1067,9 @@ class QuantMatrices {
     }
     if (M == 0) return outs;
     const float* xp = x.data_ptr<float>();
+    bool any_int8 = false;
+    for (const auto& s : segs_) any_int8 = any_int8 || s.packed.defined();
+    const XQ xq = any_int8 ? quantize_rows(xp, M, K_) : XQ{};
     const int64_t units = int64_t(units_.size());
     // below ~256 K multiply-adds a call, one thread (the pool's wake-up costs more than it saves)
     const int64_t grain = (work_ * M < (int64_t(1) << 18)) ? units : 1;
@@ -646,6 +1079,15 @@ class QuantMatrices {
       int64_t u = u0;
       while (u < u1) {
         const Group& g = units_[size_t(u)];
+        const Segment& seg = segs_[size_t(g.seg)];
+        if (seg.packed.defined()) {  // int8 mode: one tile of 16 outputs
+          const int64_t tile = g.n0 / 16;
+          const Out& o = os[size_t(g.seg)];
+          int8_columns(seg.qtype, seg.packed.data_ptr<uint8_t>() + tile * seg.packed.size(1), K_ / 32, xq, M, K_,
+                       o.y, o.ldy, g.n0, g.n1 - g.n0, o.bias);
+          ++u;
+          continue;
+        }
         int64_t v = u + 1;
         while (v < u1 && units_[size_t(v)].seg == g.seg) ++v;
         const Segment& s = segs_[size_t(g.seg)];
@@ -660,9 +1102,11 @@ class QuantMatrices {
   }
 
   int64_t in_features() const { return K_; }
+  bool int8() const { return int8_; }
 
  private:
   int64_t K_;
+  bool int8_ = false;
   int64_t work_ = 0;
   std::vector<Segment> segs_;
   std::vector<Group> units_;
@@ -1044,9 +1488,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaspec's quantized weight-only linear kernels (adaspec.quant)";
   pybind11::class_<QuantMatrices>(m, "QuantMatrices")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
-                          int64_t>())
+                          int64_t, bool>(), pybind11::arg("weights"), pybind11::arg("qtypes"), pybind11::arg("biases"),
+           pybind11::arg("in_features"), pybind11::arg("int8") = false)
       .def("forward", &QuantMatrices::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_property_readonly("in_features", &QuantMatrices::in_features);
+      .def_property_readonly("in_features", &QuantMatrices::in_features)
+      .def_property_readonly("int8", &QuantMatrices::int8);
   pybind11::class_<DecoderLayer>(m, "DecoderLayer")
       .def(pybind11::init<const QuantMatrices&, const QuantMatrices&, const QuantMatrices&, const QuantMatrices&,
                           torch::Tensor, double, torch::Tensor, double, int64_t, int64_t, int64_t, double>())
@@ -1063,4 +1509,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_elems", &block_elems);
   m.def("block_bytes", &block_bytes);
   m.def("isa", &isa);
+  m.def("has_vnni", &has_vnni, "whether the int8 products run AVX-512 VNNI (else plain C++)");
 }
