@@ -114,6 +114,21 @@ def test_product_matches_float64_linear(ext, qtype):
     assert (got.double() - ref).abs().max().item() <= tol
 
 
+def check_rows_invariant(mats, x: torch.Tensor, threads: int) -> torch.Tensor:
+    """Every prefix of ``x``'s rows, and every row alone, gives the rows of the full product bit for
+    bit on ``threads`` threads; returns the full product."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = mats.forward(x)[0]
+        for m in range(1, x.shape[0] + 1):
+            assert torch.equal(mats.forward(x[:m])[0], full[:m]), f"{m} rows"
+            assert torch.equal(mats.forward(x[m - 1:m])[0], full[m - 1:m]), f"row {m - 1} alone"
+    finally:
+        torch.set_num_threads(before)
+    return full
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.F32), ids=lambda t: t.name)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_are_batch_invariant(ext, qtype, threads):
@@ -124,14 +139,7 @@ def test_rows_are_batch_invariant(ext, qtype, threads):
     mats = ext.QuantMatrices([blocks], [int(qtype)], [None], width)
     x = torch.randn(40, width)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        full = mats.forward(x)[0]
-        for m in range(1, 41):
-            assert torch.equal(mats.forward(x[:m])[0], full[:m]), f"{m} rows"
-            assert torch.equal(mats.forward(x[m - 1:m])[0], full[m - 1:m]), f"row {m - 1} alone"
-    finally:
-        torch.set_num_threads(before)
+    full = check_rows_invariant(mats, x, threads)
     torch.set_num_threads(1 if threads == 2 else 2)
     try:
         assert torch.equal(mats.forward(x)[0], full), "another thread count"
@@ -165,17 +173,7 @@ def test_int8_product_is_within_activation_rounding(ext, qtype):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_rows_are_batch_invariant(ext, qtype, threads):
     blocks = torch.from_numpy(make_blocks(qtype, 70, 512, seed=2).copy())
-    mats = ext.QuantMatrices([blocks], [int(qtype)], [None], 512, True)
-    x = torch.randn(40, 512)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        full = mats.forward(x)[0]
-        for m in range(1, 41):
-            assert torch.equal(mats.forward(x[:m])[0], full[:m]), f"{m} rows"
-            assert torch.equal(mats.forward(x[m - 1:m])[0], full[m - 1:m]), f"row {m - 1} alone"
-    finally:
-        torch.set_num_threads(before)
+    check_rows_invariant(ext.QuantMatrices([blocks], [int(qtype)], [None], 512, True), torch.randn(40, 512), threads)
 
 
 def test_batch_invariance_check_has_power(ext):

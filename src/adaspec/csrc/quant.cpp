@@ -288,14 +288,21 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// sub-block j's scale d * sc and offset -(dmin * mn) (both exact in float32) of a Q4_K / Q5_K super-block p
+inline void k_affine(const uint8_t* p, int j, float& d, float& m) {
+  int sc, mn;
+  k_scale_min(p + 4, j, sc, mn);
+  d = half_at(p) * float(sc);
+  m = -(half_at(p + 2) * float(mn));
+}
+
 struct Q4_K {
   static constexpr int64_t BLOCK = 256, BYTES = 144;
   static inline void decode(const uint8_t* row, int64_t b, V16& w0, V16& w1) {
     const uint8_t* p = row + (b >> 3) * BYTES;
     const int j = int(b & 7);
-    int sc, mn;
-    k_scale_min(p + 4, j, sc, mn);
-    const float d = half_at(p) * float(sc), m = -(half_at(p + 2) * float(mn));
+    float d, m;
+    k_affine(p, j, d, m);
     const uint8_t* qs = p + 16 + 32 * (j >> 1);
     const int shift = 4 * (j & 1);
 #if defined(ADASPEC_AVX512)
@@ -316,9 +323,8 @@ struct Q5_K {
   static inline void decode(const uint8_t* row, int64_t b, V16& w0, V16& w1) {
     const uint8_t* p = row + (b >> 3) * BYTES;
     const int j = int(b & 7);
-    int sc, mn;
-    k_scale_min(p + 4, j, sc, mn);
-    const float d = half_at(p) * float(sc), m = -(half_at(p + 2) * float(mn));
+    float d, m;
+    k_affine(p, j, d, m);
     const uint8_t* qh = p + 16;
     const uint8_t* qs = p + 48 + 32 * (j >> 1);
     const int shift = 4 * (j & 1);
@@ -1223,6 +1229,28 @@ inline V16 vload_part(const float* p, int64_t n) {
   return vload(buf);
 }
 
+// vhsum of R rows at once: the same pairings as vhsum ((l, l+8), (l, l+4), (l, l+2), (0, 1)), four rows
+// sharing each shuffle and addition on AVX-512
+template <int R>
+inline void vhsum_rows(const V16* a, float* out) {
+#if defined(ADASPEC_AVX512)
+  if constexpr (R == 4) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a[0].v, a[1].v, 0x44), _mm512_shuffle_f32x4(a[0].v, a[1].v, 0xee));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(a[2].v, a[3].v, 0x44), _mm512_shuffle_f32x4(a[2].v, a[3].v, 0xee));
+    // ab = [t8(a) | t8(b)], cd = [t8(c) | t8(d)] (128-bit quarters: a0-3, a4-7, b0-3, b4-7)
+    __m512 t4 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    // t4 = [t4(a), t4(b), t4(c), t4(d)]
+    const __m512 t2 = _mm512_add_ps(t4, _mm512_shuffle_ps(t4, t4, 0xee));
+    const __m512 t1 = _mm512_add_ps(t2, _mm512_shuffle_ps(t2, t2, 0x55));
+    alignas(64) float buf[16];
+    _mm512_store_ps(buf, t1);
+    out[0] = buf[0], out[1] = buf[4], out[2] = buf[8], out[3] = buf[12];
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) out[r] = vhsum(a[r]);
+}
+
 // R query rows of one head against its keys and values (rows' causal limits `last`, in keys), C = the
 // head size in 16-lane chunks. Per row and key the dot product is lanes d mod 16, chunks in order,
 // then the fixed tree; per row and output lane the weighted sum runs over keys in increasing order.
@@ -1238,10 +1266,15 @@ void attention_rows(const float* const* qr, const float* kb, const float* vb, in
   for (int64_t j = 0; j < lmax; ++j) {
     V16 kc[C];
     for (int c = 0; c < C; ++c) kc[c] = vload_part(kb + j * ldk + 16 * c, D - 16 * c);
+    V16 acc[R];
     for (int r = 0; r < R; ++r) {
-      V16 acc = vmul(qv[r][0], kc[0]);
-      for (int c = 1; c < C; ++c) acc = vfma(qv[r][c], kc[c], acc);
-      float x = scale * vhsum(acc);
+      acc[r] = vmul(qv[r][0], kc[0]);
+      for (int c = 1; c < C; ++c) acc[r] = vfma(qv[r][c], kc[c], acc[r]);
+    }
+    float dots[R];
+    vhsum_rows<R>(acc, dots);
+    for (int r = 0; r < R; ++r) {
+      float x = scale * dots[r];
       if (mrow[r] != nullptr) x += mrow[r][j];
       s[r * Lp + j] = j < last[r] ? x : -INFINITY;
     }
