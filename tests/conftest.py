@@ -124,11 +124,25 @@ def _private_cost_cache(tmp_path_factory):
                 (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     before = os.environ.get("ADASPEC_CACHE")
     os.environ["ADASPEC_CACHE"] = str(private)
+    # the quantized kernels (adaspec.quant) are compiled once per machine into a folder the suite
+    # keeps across sessions (about a minute on two cores), never into the user's cache
+    kernels_before = os.environ.get("ADASPEC_KERNELS_BUILD")
+    os.environ.setdefault("ADASPEC_KERNELS_BUILD", str(quant_kernels_dir()))
     yield private
-    if before is None:
-        os.environ.pop("ADASPEC_CACHE", None)
-    else:
-        os.environ["ADASPEC_CACHE"] = before
+    for name, value in (("ADASPEC_CACHE", before), ("ADASPEC_KERNELS_BUILD", kernels_before)):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def quant_kernels_dir():
+    """Where the suite's compiled quantized kernels live: one folder per machine and user, kept
+    across sessions (the kernel's key names the source, compiler, torch and CPU)."""
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / f"adaspec-test-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
 
 
 @pytest.fixture(autouse=True)

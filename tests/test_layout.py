@@ -25,7 +25,7 @@ ALLOWED = {"runtime": set(), "bench": {"bench"}, "training": {"training", "bench
 #: the layers, bottom first: (name, module patterns relative to ``adaspec``; "" is the root)
 LAYERS = [
     ("foundations", ["errors", "config", "version", "registry", "persist"]),
-    ("maths and machine", ["sampling", "exactness", "metrics", "kernels", "artifacts", "progress", "trees"]),
+    ("maths and machine", ["sampling", "exactness", "metrics", "kernels", "quant", "artifacts", "progress", "trees"]),
     ("backends", ["backends", "backends.*"]),
     ("models", ["models", "pools"]),
     ("drafters", ["drafters", "drafters.*"]),

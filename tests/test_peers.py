@@ -221,7 +221,7 @@ def test_bad_requests(target):
 def test_smollm2_peers_match_adaspec_ar():
     from adaspec import load_model
 
-    t = load_model("smollm2")
+    t = load_model("smollm2", weights="dense")  # the peers' model (on a quantized target: its dense twin)
     engine = SpeculativeEngine(t, [], k=1)
     ids = engine.encode_prompt("Fix the typos: 'Teh comittee will discus the budjet tomorow.'")
     ref = engine.generate(ids, max_new_tokens=24).token_ids

@@ -1,4 +1,6 @@
-"""Slow real-model tests on the embedded SmolLM2-135M-Instruct (fp32 and bf16).
+"""Slow real-model tests on the embedded SmolLM2-135M-Instruct, dense (fp32 and bf16): the file
+de-quantized as transformers loads it, against transformers' own ``generate`` (the quantized
+target, ``weights="gguf"``, is tested in test_quant.py).
 
 The references are decoded with stock transformers modules (``conftest.stock_smollm2``: no
 adaspec kernels), the engine runs on what ``load_model`` loads (adaspec's kernels). Run with
@@ -29,7 +31,7 @@ N_NEW = 48
 
 @pytest.fixture(scope="module")
 def smol() -> LoadedModel:
-    return load_model("smollm2")
+    return load_model("smollm2", weights="dense")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from .backends.transformers import TREE_ATTENTION, LoadedModel, cache_arg  # noq
 from .errors import ConfigError, ModelLoadError
 from .kernels import (SMALL_KINDS, PackedLinear, auto_linear, machine_identity, set_small_plan, tunable_layers,
                       tune_small_rows, use_gqa_attention, use_small_batch_linear)
+from .quant import (GGUF_MODES, QuantLinear, auto_weights, check_weights, dequantize, fuse_layers,
+                    quantize_model, use_fixed_order_attention, weights_mode)
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +52,18 @@ def target_fingerprint(target: TargetBackend) -> dict[str, Any]:
     if not isinstance(target, LoadedModel):
         return target.fingerprint()
     cfg = target.model.config
-    w = target.model.get_output_embeddings().weight
-    sample = w[:: max(1, w.shape[0] // 64), :32].detach().float().cpu().contiguous()
+    head = target.model.get_output_embeddings()
+    step = max(1, target.vocab_size // 64)
+    if isinstance(head, QuantLinear):  # the same rows, dequantized (the dense model's values)
+        sample = dequantize(head.blocks, head.qtype, head.in_features,
+                            torch.arange(0, target.vocab_size, step))[:, :32].contiguous()
+    else:
+        sample = head.weight[::step, :32].detach().float().cpu().contiguous()
     digest = hashlib.sha256(sample.numpy().round(4).tobytes()).hexdigest()[:16]
     return {"name": target.name, "model_type": getattr(cfg, "model_type", None),
             "vocab_size": target.vocab_size, "hidden_size": getattr(cfg, "hidden_size", None),
-            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest}
+            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None), "weights": digest,
+            "weight_format": weights_mode(target.model).partition("[")[0]}
 
 
 #: fields of ``target_fingerprint`` that must match for an artifact to serve a target (not the name)
@@ -211,6 +219,7 @@ def load_model(
     threads: int | None = None,
     linear: str = "auto",
     flash_attn: bool | None = None,
+    weights: str = "auto",
 ) -> TargetBackend:
     """Load a causal LM and its tokenizer.
 
@@ -232,6 +241,13 @@ def load_model(
     ``kernels.tune_small_rows``, timed once per model shape and machine and cached,
     ``small_rows_plan``); ``"small-batch"`` takes only the transposed product
     (no extra memory, any CPU), ``"stock"`` keeps PyTorch's own ``F.linear``.
+
+    ``weights`` (``quant.WEIGHT_MODES``): ``"gguf"`` computes a GGUF model from the file's own
+    quantized blocks (``adaspec.quant``: float32 CPU only, the quantized kernels instead of
+    ``linear``'s, batch-invariant), ``"gguf-q8"`` the same with 8-bit activations and integer dot
+    products (as llama.cpp computes); ``"dense"`` from its weights de-quantized to ``dtype``;
+    ``"auto"`` (the default) is ``"gguf-q8"`` (AVX-512 VNNI) or ``"gguf"`` for a GGUF model on a CPU
+    in float32 with ``linear="auto"``, ``"dense"`` otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -248,8 +264,12 @@ def load_model(
         raise ConfigError("flash_attn= is for the llama.cpp backend: on transformers the attention is "
                           "PyTorch's SDPA; leave flash_attn unset")
     torch_dtype = resolve_dtype(dtype)
-    check_device(device)
+    dev = check_device(device)
     spec = str(spec)
+    asked = None if dtype is None else torch_dtype
+    check_weights(weights, gguf=gguf is not None, device=dev, dtype=asked, linear=linear, backend=backend)
+    if weights == "auto":
+        weights = auto_weights(gguf=gguf is not None, device=dev, dtype=asked, linear=linear, backend=backend)
     if gguf is not None:
         tok, model = _load_gguf(gguf, torch_dtype, convert_cache)
     else:
@@ -268,13 +288,20 @@ def load_model(
             tok = None
     model = model.to(device)
     model.eval()
+    if weights in GGUF_MODES:
+        quantize_model(model, gguf, int8=weights == "gguf-q8")
+        fuse_layers(model)
+        linear = "stock"  # every linear layer is a QuantLinear now
     if linear == "auto":
         linear = auto_linear(check_device(device), torch_dtype)
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
     if linear == "packed":
         small_rows_plan(model)
-    use_gqa_attention(model)
+    if weights in GGUF_MODES:
+        use_fixed_order_attention(model)
+    else:
+        use_gqa_attention(model)
     return LoadedModel(model=model, tokenizer=tok, name=spec)
 
 

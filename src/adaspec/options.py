@@ -30,13 +30,15 @@ def fail(exc: Exception) -> NoReturn:
 
 
 def check_target(model: str, device: str = "cpu", dtype: str | None = None,
-                 backend: str = "transformers", linear: str = "auto", flash_attn: bool | None = None) -> None:
-    """``--model``, ``--device``, ``--dtype``, ``--backend``, ``--linear`` and ``--flash-attn`` of
-    a command that loads a target."""
+                 backend: str = "transformers", linear: str = "auto", flash_attn: bool | None = None,
+                 weights: str = "auto") -> None:
+    """``--model``, ``--device``, ``--dtype``, ``--backend``, ``--linear``, ``--flash-attn`` and
+    ``--weights`` of a command that loads a target."""
     import importlib.util
 
     from .backends.base import check_backend
     from .models import check_device, check_linear, locate_model, resolve_dtype
+    from .quant import check_weights
 
     backend = check_backend(backend)
     check_linear(linear, backend)
@@ -54,14 +56,17 @@ def check_target(model: str, device: str = "cpu", dtype: str | None = None,
                                "GGUF file's own weights): drop --dtype")
         if str(device) != "cpu":
             check_device(device, "--device")
+        check_weights(weights, gguf=True, device=check_device("cpu"), dtype=None, linear=linear, backend=backend)
         if importlib.util.find_spec("llama_cpp") is None:
             raise AdaspecError(f"--backend llama.cpp: {INSTALL_HINT}")
         return
     if flash_attn is not None:
         raise AdaspecError("--flash-attn/--no-flash-attn is for --backend llama.cpp (transformers runs "
                            "PyTorch's attention): drop it, or add --backend llama.cpp")
-    check_device(device, "--device")
-    resolve_dtype(dtype)
+    dev = check_device(device, "--device")
+    torch_dtype = resolve_dtype(dtype)
+    check_weights(weights, gguf=gguf is not None, device=dev, dtype=None if dtype is None else torch_dtype,
+                  linear=linear, backend=backend)
 
 
 def check_drafters(specs: Iterable[str], option: str = "--drafter") -> None:

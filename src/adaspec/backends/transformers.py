@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import GQA_ATTENTION, linear_mode, release_own_openmp_threads, small_rows_mode
+from ..quant import FIXED_ORDER_ATTENTION, prefill_scope, quantized_of, spare_capacity_cache, weights_mode
 from ..trees import DraftTree, tree_attention_mask
 from .base import RowStates, TargetBackend
 
@@ -61,7 +62,8 @@ class LoadedModel(TargetBackend):
     @property
     def vocab_size(self) -> int:
         """Width of the model's logits."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        return int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
 
     @property
     def context_window(self) -> int | None:
@@ -76,6 +78,8 @@ class LoadedModel(TargetBackend):
     def new_state(self) -> Any:
         from transformers import DynamicCache
 
+        if quantized_of(self.model) is not None:  # written in place (quant.spare_capacity_cache)
+            return spare_capacity_cache(self.model.config)
         return DynamicCache(config=self.model.config)
 
     @contextmanager
@@ -139,6 +143,12 @@ class LoadedModel(TargetBackend):
     def state_length(self, state: Any) -> int:
         return int(state.get_seq_length())
 
+    def prefill(self, state: Any, prompt: Sequence[int]) -> int:
+        """A prompt's prefill; on a quantized target in ``quant.prefill_scope`` (long prompts may
+        take a dense GEMM: plain and speculative decoding share it)."""
+        with prefill_scope():
+            return super().prefill(state, prompt)
+
     def new_rows(self, compact_fraction: float = DEFAULT_COMPACT_FRACTION) -> RowStates:
         """One padded batch cache for the rows (``PaddedRows``) where the attention takes a
         custom 4D mask, else rows one at a time."""
@@ -158,11 +168,17 @@ class LoadedModel(TargetBackend):
         n_params = sum(p.numel() for p in self.model.parameters())
         return (f"transformers|{self.name}|{type(self.model).__name__}|{n_params}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|torch={torch.__version__}|linear={linear_mode(self.model)}"
-                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}")
+                f"|small_rows={small_rows_mode(self.model)}|attention={getattr(self.model.config, '_attn_implementation', None)}"
+                + self._weights_key())
+
+    def _weights_key(self) -> str:
+        """The quantized target's weight format and kernel ISA (``quant.weights_mode``); nothing for
+        a dense model, whose cached grids keep their keys."""
+        return "" if quantized_of(self.model) is None else f"|weights={weights_mode(self.model)}"
 
 
 #: attention implementations that add a custom 4D float mask to the scores (draft trees)
-TREE_ATTENTION = ("sdpa", GQA_ATTENTION, "eager")
+TREE_ATTENTION = ("sdpa", GQA_ATTENTION, FIXED_ORDER_ATTENTION, "eager")
 
 
 def cache_arg(module: Any) -> str:

@@ -23,13 +23,17 @@ a call).
 
 Peers run with PyTorch's own linear kernels and transformers' own attention
 (``kernels.stock_kernels``), as transformers does out of the box, while adaspec's configurations use the kernels that ``load_model``
-installs on CPU: ``hf-greedy`` against adaspec's AR shows what the kernels alone are worth.
+installs on CPU: ``hf-greedy`` against adaspec's AR shows what the kernels alone are worth. On a
+quantized target (``adaspec.quant``: a GGUF file's own blocks) the peers run its dense twin, the
+file de-quantized as transformers loads it (``dense_twin``), and so does an ``hf-assisted``
+assistant: what a Hugging Face user has.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from contextlib import ExitStack
 from collections import Counter
 from dataclasses import dataclass
@@ -227,14 +231,15 @@ class HFPeer:
     """
 
     def __init__(self, target: LoadedModel, spec: str | PeerSpec, device: Any = None, dtype: Any = None,
-                 *, assistant: LoadedModel | None = None):
-        self.target = target
+                 *, assistant: LoadedModel | None = None, dense: LoadedModel | None = None):
+        #: the model the peer generates with: the target, or its dense twin (``dense_twin``)
+        self.target = dense if dense is not None else dense_twin(target)
         self.spec = spec if isinstance(spec, PeerSpec) else parse_peer(spec)
         self.assistant: LoadedModel | None = None
         if self.spec.kind == "assisted":
             if assistant is None:
                 assistant = load_model(self.spec.model or "", device=device or target.device,
-                                       dtype=dtype or target.dtype)
+                                       dtype=dtype or target.dtype, weights="dense")
             if assistant.model is target.model:
                 raise ConfigError(f"peer {self.spec.spec!r}: the assistant must be a separate model instance, "
                                   "not the target itself (forward counts would mix): load it with load_model")
@@ -350,9 +355,30 @@ class HFPeer:
         """Nothing to free: the peer runs on the bench's own models."""
 
 
+def dense_twin(target: LoadedModel) -> LoadedModel:
+    """The model a Hugging Face peer runs for ``target``: the target itself, or for a quantized
+    target (``quant.quantized_of``) the same file loaded with dense weights (``weights="dense"``),
+    loaded once per target."""
+    from ..quant import quantized_of
+
+    if quantized_of(target.model) is None:
+        return target
+    twin = _twins.get(id(target))
+    if twin is None or twin[0]() is not target:
+        dense = load_model(target.name, device=target.device, weights="dense")
+        _twins[id(target)] = (weakref.ref(target), dense)
+        return dense
+    return twin[1]
+
+
+#: id(quantized target) -> (weak reference to it, its dense twin)
+_twins: dict[int, tuple[Any, LoadedModel]] = {}
+
+
 def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype: Any = None) -> list[HFPeer]:
     """Build the peers of a bench; each assistant model is loaded once, even if several peers use it."""
     assistants: dict[str, LoadedModel] = {}
+    dense = dense_twin(target)
     peers = []
     for text in specs:
         spec = parse_peer(text)
@@ -360,9 +386,9 @@ def build_peers(target: LoadedModel, specs: list[str], device: Any = None, dtype
         if spec.kind == "assisted" and spec.model is not None:
             if spec.model not in assistants:
                 assistants[spec.model] = load_model(spec.model, device=device or target.device,
-                                                    dtype=dtype or target.dtype)
+                                                    dtype=dtype or target.dtype, weights="dense")
             assistant = assistants[spec.model]
-        peers.append(HFPeer(target, spec, device, dtype, assistant=assistant))
+        peers.append(HFPeer(target, spec, device, dtype, assistant=assistant, dense=dense))
     return peers
 
 

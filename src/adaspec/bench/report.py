@@ -715,6 +715,14 @@ def _linear_note(linear: Any) -> str:
     return f", linear kernels {linear}" if linear else ""
 
 
+def _weights_note(weights: Any) -> str:
+    """The target's weights when they are a GGUF file's own blocks (``quant.weights_mode``)."""
+    if isinstance(weights, str) and weights.startswith("gguf"):
+        return (f", quantized weights {weights} (adaspec's kernels); Hugging Face peers on the dense "
+                "weights, PyTorch's kernels")
+    return ""
+
+
 def _flash_note(flash_attn: Any) -> str:
     """llama.cpp's flash attention in the run (target and llama.cpp peers alike)."""
     return {True: ", flash attention on", False: ", flash attention off"}.get(flash_attn, "")
@@ -728,7 +736,8 @@ def _header(summary: dict[str, Any]) -> list[str]:
     cats = ", ".join(summary["categories"]) or "none"
     return [f"# adaspec bench report: {g('model', '?')}", "",
             f"- model `{g('model', '?')}` on `{g('device', '?')}` ({g('dtype', '?')}, backend "
-            f"`{g('backend', 'transformers')}`{_linear_note(g('linear'))}{_flash_note(g('flash_attn'))}), {mode}",
+            f"`{g('backend', 'transformers')}`{_weights_note(g('weights')) or _linear_note(g('linear'))}"
+            f"{_flash_note(g('flash_attn'))}), {mode}",
             f"- suite `{g('suite', '?')}`: {g('n_prompts', '?')} prompts, categories: {cats}",
             f"- max {g('max_new_tokens', '?')} new tokens, {g('repeats', '?')} timed pass(es) over the "
             "workload (median per prompt), configurations interleaved",

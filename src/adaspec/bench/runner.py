@@ -31,6 +31,7 @@ from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..exactness import NEAR_TIE_NATS, divergence_gap
 from ..kernels import linear_mode
+from ..quant import weights_mode
 from ..metrics import Rates, RequestStats
 from ..models import LoadedModel
 from .workloads import BUILTIN_PROMPTS, BenchPrompt, turn_prompt
@@ -241,6 +242,9 @@ class BenchRun:
     backend: str = "transformers"  # what ran the target (``backends``)
     #: adaspec's linear kernels (``kernels.linear_mode``): "packed", "small-batch" or "stock"
     linear: str = "stock"
+    #: the target's weights (``quant.weights_mode``): "dense" or "gguf[TYPES]/ISA" (its own
+    #: quantized blocks; Hugging Face peers then run the dense twin)
+    weights: str = "dense"
     #: llama.cpp's flash attention as the target ran it (True, False; None: llama.cpp's own
     #: choice, or another backend)
     flash_attn: bool | None = None
@@ -503,7 +507,7 @@ class BenchRun:
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "adaspec_version": __version__, "model": self.model, "device": self.device,
-            "dtype": self.dtype, "backend": self.backend, "linear": self.linear,
+            "dtype": self.dtype, "backend": self.backend, "linear": self.linear, "weights": self.weights,
             **({"flash_attn": self.flash_attn} if self.backend == "llama.cpp" else {}),
             "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens,
@@ -934,6 +938,7 @@ def _run_passes(target: LoadedModel, configs: list[BenchConfig], warmed: list[_R
     return BenchRun(target.name, configs, records, rounds, max_new_tokens, repeats, temperature,
                     suite, device, dtype, costs, backend=target.backend, verify_rows=verify_rows,
                     linear=linear_mode(getattr(target, "model", None)),
+                    weights=weights_mode(getattr(target, "model", None)),
                     flash_attn=getattr(target, "flash_attn", None),
                     steadiness=steadiness([tr.steps for runs in turns for tr in runs]),
                     peer_settings={c.name: r.peer.settings() for c, r in zip(configs, warmed) if r.peer is not None})
@@ -941,7 +946,7 @@ def _run_passes(target: LoadedModel, configs: list[BenchConfig], warmed: list[_R
 
 # -- config files -------------------------------------------------------------------------
 #: keys a bench config file may set (TOML or YAML); CLI flags override them
-FILE_KEYS = {"model", "device", "dtype", "backend", "linear", "flash_attn", "suite", "per_category", "seed",
+FILE_KEYS = {"model", "device", "dtype", "backend", "linear", "flash_attn", "weights", "suite", "per_category", "seed",
              "max_new_tokens", "repeats",
              "temperature", "drafters", "ks", "selectors", "lengths", "peers", "static", "costs",
              "out", "config", "tree"}

@@ -34,6 +34,11 @@ LINEAR_HELP = ("linear kernels on CPU float32: auto (packed where torch has MKL 
                "~1.7x faster decoding and ~1.8x faster 16-token verification here, a second copy of the "
                "weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
                "(PyTorch's F.linear); transformers backend only")
+WEIGHTS_HELP = ("weights of a GGUF model on the transformers backend: auto (on a CPU in float32, the file's own "
+                "quantized blocks run by adaspec's kernels, compiled once: gguf-q8 with AVX-512 VNNI, else gguf; "
+                "dense elsewhere), gguf (the blocks, float32 activations: the dequantized model exactly), gguf-q8 "
+                "(8-bit activations, integer dot products, as llama.cpp), dense (de-quantized to --dtype, run "
+                "with --linear's kernels); CPU, float32 and no --linear for gguf*; docs/kernels.md")
 MODEL_HELP = ("target: 'smollm2' (embedded), 'qwen2.5-coder-1.5b' / 'qwen2.5-coder-0.5b' (after adaspec fetch), "
               "a Hugging Face id, a local directory or a .gguf file")
 TREE_HELP = ("draft trees: every drafter proposes several continuations (model drafters: EAGLE-2 "
@@ -66,6 +71,7 @@ def generate(
                                      "batch-invariant); transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     tree: bool = typer.Option(False, "--tree", help=TREE_HELP),
     tree_nodes: int = typer.Option(15, "--tree-nodes", help="with --tree: most nodes of a draft tree "
@@ -79,23 +85,22 @@ def generate(
     """Generate an answer, streaming it as tokens are accepted."""
     from ..config import GenerationConfig, SamplingConfig
     from ..engine import SpeculativeEngine
+    from ..models import load_model
 
     try:
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                chat_template=not no_chat_template,
                                sampling=SamplingConfig(temperature, top_k, top_p, seed))
         check_tree(tree, backend, tree_nodes)
-        check_target(model, device, dtype, backend, linear, flash_attn)
+        check_target(model, device, dtype, backend, linear, flash_attn, weights)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         with StageProgress(err) as bar:
-            engine = SpeculativeEngine.from_pretrained(model, drafter or None, device=device, dtype=dtype,
-                                                       backend=backend, linear=linear, flash_attn=flash_attn,
-                                                       selector=selector,
-                                                       length=length, k=k,
-                                                       tree=tree, tree_nodes=tree_nodes,
-                                                       pool=False if pool == "none" else pool,
-                                                       costs_progress=_grid_progress(bar))
+            engine = SpeculativeEngine(load_model(model, device=device, dtype=dtype, backend=backend, linear=linear,
+                                                  flash_attn=flash_attn, weights=weights),
+                                       drafter or None, selector=selector, length=length, k=k,
+                                       tree=tree, tree_nodes=tree_nodes, pool=False if pool == "none" else pool,
+                                       costs_progress=_grid_progress(bar))
         if as_json:
             result = engine.generate(prompt, cfg)
             print(json.dumps(result.to_dict(rounds=rounds), ensure_ascii=False))
@@ -140,6 +145,7 @@ def serve(
                                      "backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     prefix_cache: bool = typer.Option(True, help="start a prompt from the KV of the last request's "
                                       "shared prefix (a chat's next turn; llama.cpp backend)"),
@@ -151,6 +157,7 @@ def serve(
     from ..artifacts import cache_dir
     from ..backends import check_backend
     from ..engine import SpeculativeEngine
+    from ..models import load_model
 
     try:
         from ..serve import DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, default_drafters, run_server
@@ -163,7 +170,7 @@ def serve(
     selector = selector or DEFAULT_SELECTOR
     length = length or DEFAULT_LENGTH
     try:  # every option before the model loads
-        check_target(model, device, dtype, backend, linear, flash_attn)
+        check_target(model, device, dtype, backend, linear, flash_attn, weights)
         check_drafters(drafter)
         check_policies([selector], [length], [k])
         check_number("--port", port, low=1, high=65535, integer=True)
@@ -189,10 +196,10 @@ def serve(
         torch.set_num_threads(threads)
     try:
         with StageProgress(err) as bar:
-            engine = SpeculativeEngine.from_pretrained(model, drafter, device=device, dtype=dtype,
-                                                       backend=backend, linear=linear, flash_attn=flash_attn,
-                                                       selector=selector,
-                                                       length=length, k=k, costs_progress=_grid_progress(bar))
+            engine = SpeculativeEngine(load_model(model, device=device, dtype=dtype, backend=backend, linear=linear,
+                                                  flash_attn=flash_attn, weights=weights),
+                                       drafter, selector=selector, length=length, k=k,
+                                       costs_progress=_grid_progress(bar))
         max_batch = serve_batch_size(engine, max_batch)
         measure_batch_grid(engine, max_batch)
         if no_state:
@@ -256,7 +263,7 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
 
 
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
-                  "flash_attn": None,
+                  "flash_attn": None, "weights": "auto",
                   "suite": "mixed", "per_category": None,  # None: workloads.default_per_category
                   "seed": 0, "max_new_tokens": 128, "repeats": 1, "temperature": 0.0,
                   "drafters": ["prompt-lookup", "suffix", "recycle"], "ks": [5], "selectors": ["auto"],
@@ -302,6 +309,7 @@ def bench(
     backend: str | None = typer.Option(None, "--backend", help=BACKEND_HELP + " [default: transformers; "
                                        "on llama.cpp the default peers are llama.cpp and llama.cpp-pld]"),
     linear: str | None = typer.Option(None, "--linear", help=LINEAR_HELP + " [default: auto]"),
+    weights: str | None = typer.Option(None, "--weights", help=WEIGHTS_HELP + " [default: auto]"),
     flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     costs: bool | None = typer.Option(None, "--costs/--no-costs", help="measure the verify-cost curve"),
     out: str | None = typer.Option(None, "--out", "-o",
@@ -339,7 +347,8 @@ def bench(
     flags = {"model": model, "drafters": drafter, "ks": k, "selectors": selector, "lengths": length,
              "peers": peer, "suite": suite, "per_category": per_category, "max_new_tokens": max_new_tokens,
              "repeats": repeats, "temperature": temperature, "seed": seed, "device": device,
-             "dtype": dtype, "backend": backend, "linear": linear, "flash_attn": flash_attn, "costs": costs,
+             "dtype": dtype, "backend": backend, "linear": linear, "flash_attn": flash_attn, "weights": weights,
+             "costs": costs,
              "out": out, "tree": tree}
     try:
         file_cfg = load_bench_file(config_file) if config_file else {}
@@ -363,7 +372,8 @@ def bench(
         check_number("--prompts", prompts, low=0, integer=True)
         check_sampling(opt["temperature"])
         check_tree(opt["tree"], opt["backend"])
-        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"], opt["linear"], opt["flash_attn"])
+        check_target(opt["model"], opt["device"], opt["dtype"], opt["backend"], opt["linear"], opt["flash_attn"],
+                     opt["weights"])
         check_policies(opt["selectors"], opt["lengths"], opt["ks"])
         for p in opt["peers"]:
             check_peer(p)
@@ -406,7 +416,7 @@ def bench(
                 record = str(Path(out_dir) / "trace.npz")
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"],
-                            linear=opt["linear"], flash_attn=opt["flash_attn"])
+                            linear=opt["linear"], flash_attn=opt["flash_attn"], weights=opt["weights"])
         if pool is None and opt["selectors"]:
             from ..pools import find_pool
 
@@ -572,6 +582,7 @@ def costs(
     dtype: str | None = typer.Option(None, help="float32 (the default) or bfloat16; transformers backend only"),
     backend: str = typer.Option("transformers", "--backend", help=BACKEND_HELP),
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
     refresh: bool = typer.Option(False, help="measure again instead of using the cache (the linear "
                                  "kernels' timing too)"),
@@ -584,9 +595,9 @@ def costs(
     from ..models import LoadedModel, load_model, small_rows_plan
 
     try:
-        check_target(model, device, dtype, backend, linear, flash_attn)
+        check_target(model, device, dtype, backend, linear, flash_attn, weights)
         loaded = load_model(model, device=device, dtype=dtype, backend=backend, linear=linear,
-                            flash_attn=flash_attn)
+                            flash_attn=flash_attn, weights=weights)
         if refresh and isinstance(loaded, LoadedModel):  # the grid is keyed by the kernels: time them again
             small_rows_plan(loaded.model, refresh=True)
         with StageProgress(err) as bar:
@@ -597,7 +608,8 @@ def costs(
         return
     print(surface.table())
     print(f"{len(surface.contexts)} cache lengths x {len(surface.ks)} widths; measuring the grid took "
-          f"{surface.measure_s:.1f} s (once per model, device, dtype, thread count and linear kernels: cache key {surface.key})")
+          f"{surface.measure_s:.1f} s (once per model, device, dtype, thread count, weights and linear kernels: "
+          f"cache key {surface.key})")
     if png:
         from ..bench.report import plot_verify_surface
 
