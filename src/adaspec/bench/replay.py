@@ -661,6 +661,24 @@ def _metrics(tokens: int, rounds: int, seconds: float, ar_seconds: float) -> dic
             "speedup": ar_seconds / seconds if seconds > 0 else None}
 
 
+def _best_fixed(fixed: dict[str, Any], labels: Sequence[str], n_prompts: int, crit: str,
+                ar_total: float) -> dict[str, Any]:
+    """Per prompt the best fixed drafter's replay (``crit``: ``by_mat``, fewest rounds first, or
+    ``by_time``, least time first), summed over the prompts, with the choices."""
+    rounds = seconds = 0.0
+    choice = []
+    for p in range(n_prompts):
+        def score(lab: str, p: int = p) -> tuple[float, float]:
+            pr = fixed[lab].prompts[p]
+            return (len(pr.rounds), pr.seconds) if crit == "by_mat" else (pr.seconds, len(pr.rounds))
+        best = min(labels, key=score)
+        choice.append(best)
+        rounds += len(fixed[best].prompts[p].rounds)
+        seconds += fixed[best].prompts[p].seconds
+    tokens = next(iter(fixed.values())).tokens
+    return _metrics(tokens, int(rounds), seconds, ar_total) | {"choice": choice}
+
+
 def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = None,
                   costs: VerifyCostSurface | None = None) -> dict[str, Any]:
     """Hindsight bounds on a trace, with predicted times from its cost model.
@@ -689,19 +707,8 @@ def oracle_bounds(trace: Trace, k: int = 5, drafters: Sequence[str] | None = Non
     out: dict[str, Any] = {"k": k, "max_draft": trace.max_draft, "tokens": tokens, "ar_seconds": ar_total,
                            "fixed": {lab: _metrics(r.tokens, r.n_rounds, r.seconds, r.ar_seconds)
                                      for lab, r in fixed.items()}}
-    for crit in ("by_mat", "by_time"):
-        rounds = seconds = 0.0
-        choice = []
-        for p in range(len(trace.prompts)):
-            def score(lab: str, p: int = p, crit: str = crit) -> tuple[float, float]:
-                pr = fixed[lab].prompts[p]
-                return (len(pr.rounds), pr.seconds) if crit == "by_mat" else (pr.seconds, len(pr.rounds))
-            best = min(pool.labels, key=score)
-            choice.append(best)
-            rounds += len(fixed[best].prompts[p].rounds)
-            seconds += fixed[best].prompts[p].seconds
-        out.setdefault("best_fixed", {})[crit] = _metrics(tokens, int(rounds), seconds, ar_total) | {
-            "choice": choice}
+    out["best_fixed"] = {crit: _best_fixed(fixed, pool.labels, len(trace.prompts), crit, ar_total)
+                         for crit in ("by_mat", "by_time")}
 
     def round_s(p: int, x: int, j: int, d: int | None) -> float:
         """A round at position x of prompt p in which recorded drafter d drafts j tokens."""
@@ -819,6 +826,28 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _bounds_table(bounds: dict[str, Any]) -> Any:
+    """The hindsight bounds of ``oracle_bounds`` as a rich table."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    ob = Table(title=f"hindsight bounds (k={bounds['k']}, max_draft={bounds['max_draft']})")
+    for col in ("bound", "MAT", "rounds", "pred. tokens/s", "pred. speed-up"):
+        ob.add_column(col, justify="left" if col == "bound" else "right")
+    rows = [(f"fixed {lab} k={bounds['k']}", m) for lab, m in bounds["fixed"].items()]
+    rows += [("best fixed per prompt (MAT)", bounds["best_fixed"]["by_mat"]),
+             ("best fixed per prompt (time)", bounds["best_fixed"]["by_time"])]
+    rows += [(f"oracle length (Thm 4.1) {lab}", m) for lab, m in bounds.get("oracle_length", {}).items()]
+    rows += [(f"per-round oracle, cap k={bounds['k']}", bounds["greedy_oracle_k"]),
+             ("per-round oracle (greedy)", bounds["greedy_oracle"]),
+             ("per-round oracle (fewest rounds)", bounds["dp_rounds"]),
+             ("per-round oracle (least time)", bounds["dp_time"])]
+    for name, m in rows:
+        ob.add_row(escape(name), f"{m['mat']:.2f}", str(m["rounds"]), _fmt(m["tokens_per_s"], ".1f"),
+                   _fmt(m["speedup"], ".2f") + "x")
+    return ob
+
+
 def replay_command(
     trace: str = typer.Argument(..., help="trace file written by `adaspec bench --record FILE`"),
     selector: list[str] = typer.Option([], "--selector", "-s", help="drafter policy, repeatable"),
@@ -841,7 +870,8 @@ def replay_command(
     from rich.markup import escape
     from rich.table import Table
 
-    err = Console(stderr=True)
+    from ..options import fail
+
     try:
         for kk in k:
             validate_k(kk)
@@ -858,9 +888,7 @@ def replay_command(
                    for c in _configs(tr, selector, length, k, drafter or None)]
         bounds = oracle_bounds(tr, k[0], drafter or None, costs=surface) if oracle else None
     except AdaspecError as exc:
-        # escaped and unwrapped as cli.options.fail prints (bench may not import the cli)
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(2) from None
+        fail(exc)
     n_tok = sum(min(p.n_out, tr.max_new_tokens) for p in tr.prompts)
     pools = {tuple(r.drafters) for r in results}
     one_pool = len(pools) == 1
@@ -882,21 +910,7 @@ def replay_command(
                   f"({total_rounds / total_s if total_s else 0:.0f} rounds/s); times predicted from the recorded "
                   "costs; 'time-dep.' policies read round times, so their replay is not a live run[/]")
     if bounds is not None:
-        ob = Table(title=f"hindsight bounds (k={bounds['k']}, max_draft={bounds['max_draft']})")
-        for col in ("bound", "MAT", "rounds", "pred. tokens/s", "pred. speed-up"):
-            ob.add_column(col, justify="left" if col == "bound" else "right")
-        rows = [(f"fixed {lab} k={bounds['k']}", m) for lab, m in bounds["fixed"].items()]
-        rows += [("best fixed per prompt (MAT)", bounds["best_fixed"]["by_mat"]),
-                 ("best fixed per prompt (time)", bounds["best_fixed"]["by_time"])]
-        rows += [(f"oracle length (Thm 4.1) {lab}", m) for lab, m in bounds.get("oracle_length", {}).items()]
-        rows += [(f"per-round oracle, cap k={bounds['k']}", bounds["greedy_oracle_k"]),
-                 ("per-round oracle (greedy)", bounds["greedy_oracle"]),
-                 ("per-round oracle (fewest rounds)", bounds["dp_rounds"]),
-                 ("per-round oracle (least time)", bounds["dp_time"])]
-        for name, m in rows:
-            ob.add_row(escape(name), f"{m['mat']:.2f}", str(m["rounds"]), _fmt(m["tokens_per_s"], ".1f"),
-                       _fmt(m["speedup"], ".2f") + "x")
-        console.print(ob)
+        console.print(_bounds_table(bounds))
     if json_out:
         doc = {"trace": trace, "target": tr.target, "drafters": tr.specs,
                "results": [r.to_dict() for r in results], "oracle": bounds}
