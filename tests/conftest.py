@@ -186,7 +186,7 @@ def stock_smollm2():
     Session-scoped: one copy per worker, whatever module asks."""
     from adaspec.models import load_model
 
-    loaded = load_model("smollm2", linear="stock")
+    loaded = load_model("smollm2", weights="dense", linear="stock")
     loaded.model.set_attn_implementation("sdpa")
     kinds = {type(m) for m in loaded.model.modules()}
     assert all(k.__module__.split(".")[0] in ("torch", "transformers") for k in kinds), kinds

@@ -128,7 +128,9 @@ def test_the_engine_learns_its_own_verify_steps():
     live = sorted(r.verify_s for r in res.stats.rounds if r.drafted == 3)
     assert len(live) >= 5 and eng.cost_model.live.seen
     median = live[len(live) // 2]
-    assert median / 3 < eng.cost_model.verify_cost(4) < 3 * median  # from 1.3 s to what width 4 took
+    # from the surface's 1.3 s to about what width 4 took: a lower bound near the median step, an
+    # upper one far below the surface (a decayed mean follows a slow step on a loaded machine)
+    assert median / 3 < eng.cost_model.verify_cost(4) < 0.05
 
 
 def test_cost_caches_are_keyed_by_the_machine(monkeypatch):

@@ -576,7 +576,7 @@ def test_smollm2_greedy_trees_equal_plain_decoding(drafters, stock_smollm2, stoc
     from adaspec.exactness import check_tie_aware
 
     torch.set_num_threads(real_model_threads())
-    smol = load_model("smollm2")
+    smol = load_model("smollm2", weights="dense")  # the fp32 model (the quantized target: tests/test_quant.py)
     ar = SpeculativeEngine(smol, [])
     eng = _flat_costs(SpeculativeEngine(smol, drafters, k=5, tree=True))
     tree_rounds = accepted = 0
