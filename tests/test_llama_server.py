@@ -396,6 +396,27 @@ def test_bench_runs_the_peer_beside_ar_and_stops_it(stub, tmp_path, monkeypatch)
     assert len(_requests(tmp_path)) == 1 + 2 * 2  # warm-up, then two passes over two prompts
 
 
+def test_a_speculating_server_starts_every_pass_afresh(stub, tmp_path, monkeypatch):
+    """llama-server's n-gram pools outlive requests: a speculating peer is started again before
+    each pass (and warmed on the chat header), so a pass cannot draft a prompt from its answer in
+    the pass before; a plain server is started once."""
+    from adaspec.bench import llamacpp_peer
+    from adaspec.bench.runner import BenchConfig, run_bench
+    from adaspec.bench.workloads import BenchPrompt
+
+    target = _tiny_target()
+    model_file = tmp_path / "tiny.gguf"
+    model_file.write_bytes(b"GGUF")
+    monkeypatch.setattr(llamacpp_peer, "target_gguf", lambda t: model_file)
+    prompts = [BenchPrompt.single("code", "w01 w02 w03", id="p1")]
+    plain, spec = f"llama-server:bin={stub}", f"llama-server:bin={stub},spec=ngram-mod"
+    for name, starts in ((plain, 1), (spec, 1 + 3)):
+        started = _count_starts(monkeypatch)
+        run_bench(target, [BenchConfig("AR (no drafter)", []), BenchConfig(name, peer=name)], prompts,
+                  max_new_tokens=4, repeats=3, warmup_tokens=2, measure_costs=False)
+        assert len(started) == starts and not any(s.running for s in started), name
+
+
 def test_bench_stops_started_servers_when_a_later_config_fails(stub, model_file, monkeypatch):
     from adaspec.bench import llamacpp_peer
     from adaspec.bench.runner import BenchConfig, run_bench

@@ -219,6 +219,25 @@ class LlamaServerPeer:
                                 binary=binary)
         self.server = LlamaServer(options).start()
         self.version = server_version(binary)
+        self._warm_ids: list[int] | None = None
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the server runs a speculator (which may keep state across requests)."""
+        return bool(self.spec.types or self.spec.default or self.spec.draft is not None)
+
+    def new_pass(self) -> None:
+        """A speculating server is started afresh (its n-gram pools, ``ngram-mod``'s above all,
+        outlive requests and would draft a repeated prompt from its earlier answer), then warmed
+        with the first request's opening tokens (the chat template's header, shared by every
+        prompt) and two new tokens; a plain server keeps nothing and runs on."""
+        if not self.speculates:
+            return
+        options = self.server.options
+        self.server.close()
+        self.server = LlamaServer(options).start()
+        if self._warm_ids:
+            self.server.post("/completion", completion_request(self._warm_ids[:8], 2))
 
     @property
     def name(self) -> str:
@@ -232,6 +251,8 @@ class LlamaServerPeer:
     def run(self, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> PeerRun:
         """One greedy request (see the module docstring); stopped like adaspec's engine."""
         prompt_ids = list(prompt_ids)
+        if self._warm_ids is None:
+            self._warm_ids = prompt_ids
         window = self.server.slot_ctx or self.ctx
         if len(prompt_ids) + max_new_tokens > window:
             raise PromptError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

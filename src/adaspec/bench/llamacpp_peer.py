@@ -132,6 +132,9 @@ class LlamaCppPeer:
     def settings(self) -> dict[str, Any]:
         return self.spec.settings() | {"flash_attn": self.flash_attn}
 
+    def new_pass(self) -> None:
+        """Nothing to forget: prompt lookup drafts from the request's own context."""
+
     def close(self) -> None:
         """Nothing to free before the bench ends (the model goes with the process)."""
 

@@ -67,6 +67,11 @@ class Peer(Protocol):
 
     def settings(self) -> dict[str, Any]: ...
 
+    def new_pass(self) -> None:
+        """Before each timed pass over the workload: forget what earlier requests taught it (a
+        server's n-gram pool), as adaspec's configurations start every pass from new engines,
+        so that a pass cannot draft from the answers of the same prompts in the pass before."""
+
     def close(self) -> None: ...
 
 

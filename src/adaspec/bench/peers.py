@@ -351,6 +351,9 @@ class HFPeer:
                        assistant_forwards=assistant_forwards, verify_widths=dict(Counter(widths[1:])),
                        first_s=first_s, decode_s=decode_s, decode_tokens=decode_tokens)
 
+    def new_pass(self) -> None:
+        """Nothing to forget: Hugging Face's assisted generation keeps nothing between calls."""
+
     def close(self) -> None:
         """Nothing to free: the peer runs on the bench's own models."""
 

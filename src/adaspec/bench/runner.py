@@ -850,7 +850,8 @@ def _run_passes(target: LoadedModel, configs: list[BenchConfig], warmed: list[_R
         r.run(first_ids, warm, eos)
 
     def fresh() -> list[_Runner]:
-        """Every pass starts from new engines (peers are stateless and kept): what a policy,
+        """Every pass starts from new engines (peers are kept, and start each pass afresh:
+        ``Peer.new_pass``): what a policy,
         a tree calibration or a learning datastore learns in the warm-up or in one pass must
         not help it on the same prompts in the next (each pass is a fresh process). Drafters
         given as objects, not specs, are used as given, state included."""
@@ -872,6 +873,9 @@ def _run_passes(target: LoadedModel, configs: list[BenchConfig], warmed: list[_R
     verify_rows: list[VerifyStep] = []
     for rep in range(repeats):
         runners = fresh()
+        for r in runners:
+            if r.peer is not None:
+                r.peer.new_pass()
         for pos, prompt in enumerate(prompts):
             for turn, tr in enumerate(turns[pos]):
                 if rep == 0:
