@@ -387,6 +387,9 @@ def test_bench_runs_the_peer_beside_ar_and_stops_it(stub, tmp_path, monkeypatch)
     assert started and not started[0].running  # stopped when the bench ended
     recs = {r.prompt_id: r for r in run.of(spec)}
     assert recs["p1"].identical and not recs["p2"].identical and recs["p2"].first_mismatch is not None
+    from adaspec.exactness import NEAR_TIE_NATS_LLAMACPP
+
+    assert recs["p2"].tie_nats == NEAR_TIE_NATS_LLAMACPP  # judged at llama.cpp's bound (Peer.tie_nats)
     assert recs["p1"].decode_tokens == 5 and recs["p1"].decode_s == pytest.approx(0.010)
     summary = run.summary()
     rows = {r["config"]: r for r in summary["overall"]}

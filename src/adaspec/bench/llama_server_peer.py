@@ -46,6 +46,7 @@ from typing import Any
 
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
+from ..exactness import NEAR_TIE_NATS_LLAMACPP
 from ..models import locate_model
 from .llama_server import LlamaServer, LlamaServerError, ServerOptions, find_llama_server, server_version
 from .peer_run import PeerRun
@@ -220,6 +221,7 @@ class LlamaServerPeer:
         self.server = LlamaServer(options).start()
         self.version = server_version(binary)
         self._warm_ids: list[int] | None = None
+        self.tie_nats = NEAR_TIE_NATS_LLAMACPP  # llama.cpp's kernels (``Peer``)
 
     @property
     def speculates(self) -> bool:

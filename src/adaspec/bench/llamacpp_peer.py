@@ -24,6 +24,7 @@ from typing import Any
 from ..backends.llamacpp import import_llama_cpp, llama_thread, on_thread, safe_model_params, uses_amx
 from ..drafters import parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
+from ..exactness import NEAR_TIE_NATS_LLAMACPP
 from ..models import locate_model
 from .peer_run import EmissionClock, PeerRun
 
@@ -110,6 +111,7 @@ class LlamaCppPeer:
         if flash is None:  # the target's own, so that both run the same kernels
             flash = bool(getattr(target, "flash_attn", False))
         self.flash_attn = flash
+        self.tie_nats = NEAR_TIE_NATS_LLAMACPP  # llama.cpp's kernels (``Peer``)
         # built and run on the target's llama.cpp thread, if it has one (``LlamaThread``)
         self._decoder = llama_thread(uses_amx(L, path))
         with safe_model_params(L, path):  # the same weights' layout as the target backend's

@@ -58,7 +58,14 @@ class PeerRun:
 
 class Peer(Protocol):
     """What ``adaspec bench`` needs of a peer: a name, greedy requests, its settings, and ``close``
-    (frees what it holds: a llama-server process)."""
+    (frees what it holds: a llama-server process). ``tie_nats``: the near-tie bound of its
+    outputs against the target's plain decoding (``exactness``): the suite's float bound where
+    it computes the target's own model in float arithmetic, llama.cpp's where either side rounds
+    activations to 8 bits (llama.cpp's kernels; the ``gguf-q8`` target against its dense twin).
+    A peer's difference beyond it is reported, but only adaspec's own configurations, which
+    are lossless, fail the bench."""
+
+    tie_nats: float
 
     @property
     def name(self) -> str: ...

@@ -43,8 +43,10 @@ import torch
 
 from ..drafters import check_same_vocabulary, parse_params
 from ..errors import AdaspecError, ConfigError, PromptError
+from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from ..kernels import stock_kernels
 from ..models import LoadedModel, load_model
+from ..quant import weights_mode
 from .peer_run import EmissionClock, Peer, PeerRun
 
 PEER_NAMES = ("hf-greedy", "hf-pld[:k=10,max_ngram=2]",
@@ -246,6 +248,9 @@ class HFPeer:
             check_same_vocabulary(target, assistant)
             self.assistant = assistant
         self._timer_sync = torch.cuda.synchronize if target.device.type == "cuda" else None
+        # the dense twin of an 8-bit-activation target computes the same weights without that rounding
+        eight_bit = self.target is not target and weights_mode(target.model).startswith("gguf-q8")
+        self.tie_nats = NEAR_TIE_NATS_LLAMACPP if eight_bit else NEAR_TIE_NATS
 
     @property
     def name(self) -> str:

@@ -920,6 +920,8 @@ def _run_passes(target: LoadedModel, configs: list[BenchConfig], warmed: list[_R
                     offset = rec.tokens - len(outs[ci][-1])  # tokens of earlier turns
                     at, rec.mismatch_gap = divergence_gap(target, ids, ref, wrong)
                     rec.tie_nats = target.near_tie_nats_at(len(ids) + at)
+                    if runners[ci].peer is not None:  # another kernel path: its own bound (``Peer``)
+                        rec.tie_nats = max(rec.tie_nats, runners[ci].peer.tie_nats)
                     rec.first_mismatch = offset + at
                 per_round = last[ci].rounds if isinstance(last[ci], RequestStats) else []  # peers: none
                 for j, rr in enumerate(per_round):
