@@ -262,6 +262,13 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
     return requested
 
 
+#: ``adaspec bench`` with no matrix options (no --config, -d, -k, -s, -l, --full): the answer a user
+#: asks for first (plain decoding, the best single drafters, auto, Hugging Face's speculative peer, one
+#: prompt per category, no trace); every other key is BENCH_DEFAULTS'. QUICK_MINUTES is its bench time
+#: on a 2-core CPU (docs/results.md, "The default bench").
+QUICK_DEFAULTS = {"static": False, "peers": ["hf-pld"], "per_category": 1, "singles": ["prompt-lookup", "suffix"]}
+QUICK_MINUTES = "5"
+
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
                   "flash_attn": None, "weights": "auto",
                   "suite": "mixed", "per_category": None,  # None: workloads.default_per_category
@@ -331,12 +338,27 @@ def bench(
                                    "and no per-round oracle; saves about 4 AR runs of time)"),
     tree: bool | None = typer.Option(None, "--tree", help="also run every configuration with draft trees "
                                      "(NAME +tree, next to its chain); " + TREE_HELP),
+    full: bool = typer.Option(False, "--full", help="the full matrix: every drafter at every K and with every "
+                              "length policy, both Hugging Face peers, 2 prompts per category and a replay "
+                              "trace (replay predictions, per-round oracle) [default without matrix options: "
+                              "AR, prompt-lookup and suffix with cost-model, auto, hf-pld, 1 prompt per "
+                              "category, no trace]"),
+    concurrency: str | None = typer.Option(None, "--concurrency", help="instead of the matrix, the continuous "
+                                           "batching benchmark at these levels (comma-separated, e.g. 1,4,16): "
+                                           "sequential auto, batched AR and batched auto, total tokens/s and "
+                                           "latency per level; with --model, --suite, -n, --out"),
 ) -> None:
     """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
-    every configuration and Hugging Face's assisted generation, side by side in one process.
+    the configurations and Hugging Face's assisted generation, side by side in one process.
+    With no matrix options a quick run (a few minutes); --full for every row and the trace.
     Writes report.md, summary.json, rounds.csv and plots."""
     import datetime as dt
 
+    if concurrency is not None:
+        _bench_batching(concurrency, model, suite, max_new_tokens, device, dtype, linear, weights, out,
+                        others=any(v is not None for v in (config_file, drafter, k, selector, length, peer, record,
+                                                           tree, temperature, backend)) or full)
+        return
     from ..backends import check_backend
     from ..bench.peers import check_peer
     from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench, with_pool_rows
@@ -352,7 +374,9 @@ def bench(
              "out": out, "tree": tree}
     try:
         file_cfg = load_bench_file(config_file) if config_file else {}
-        opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
+        quick = not (full or config_file or drafter or k or selector or length)
+        opt = dict(BENCH_DEFAULTS) | (QUICK_DEFAULTS if quick else {})
+        opt |= {key: v for key, v in file_cfg.items() if key != "config"}
         opt |= {key: v for key, v in flags.items() if v is not None}
         opt["backend"] = check_backend(opt["backend"])
         if "drafters" not in file_cfg and drafter is None:  # the engine's default arms on this backend
@@ -400,11 +424,12 @@ def bench(
         each = f"{opt['per_category']} per category" if opt["per_category"] else "all"
         err.print(f"[dim]workload {escape(str(opt['suite']))}: {len(work)} prompts ({each}"
                   f"{f', the first {prompts}' if prompts > 0 else ''})[/]", soft_wrap=True)
+        singles = None if opt.get("singles") is None else [d for d in opt["drafters"] if d in opt["singles"]]
         configs = default_configs(opt["drafters"], opt["ks"], opt["selectors"], opt["lengths"],
-                                  static=opt["static"], peers=opt["peers"], tree=bool(opt["tree"]))
+                                  static=opt["static"], peers=opt["peers"], tree=bool(opt["tree"]), singles=singles)
         configs += explicit_configs(file_cfg.get("config", []))
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        if (record is None and not no_record and opt["temperature"] == 0
+        if (record is None and not no_record and not quick and opt["temperature"] == 0
                 and any(c.kind == "adaptive" for c in configs)):
             if opt["backend"] != "transformers":
                 err.print(f"[dim]no trace recorded (traces are recorded on the transformers backend, not "
@@ -414,6 +439,7 @@ def bench(
             else:  # the per-round oracle and replay's predictions need a trace of this workload
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 record = str(Path(out_dir) / "trace.npz")
+        _print_plan(configs, len(work), opt, quick, record)
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"],
                             linear=opt["linear"], flash_attn=opt["flash_attn"], weights=opt["weights"])
@@ -464,6 +490,67 @@ def bench(
                   + f" and {sum(p.suffix == '.png' for p in written)} plots")
     if any(r.mismatches for r in run.results):
         raise typer.Exit(1)
+
+
+def _bench_batching(levels: str, model: str | None, suite: str | None, max_new_tokens: int | None,
+                    device: str | None, dtype: str | None, linear: str | None, weights: str | None, out: str | None,
+                    *, others: bool) -> None:
+    """``adaspec bench --concurrency``: ``bench.batching`` at the levels given; writes bench.json and
+    bench.md in ``--out`` and prints the table."""
+    import datetime as dt
+
+    from ..bench.batching import BatchingPlan, batching_table, parse_levels, run_batching
+    from ..bench.workloads import load_workload
+    from ..models import load_model
+
+    try:
+        if others:
+            raise AdaspecError("--concurrency runs the batching benchmark (sequential auto, batched AR, batched "
+                               "auto): it takes --model, --suite, -n, --device, --dtype, --linear, --weights and "
+                               "--out only")
+        d = BENCH_DEFAULTS
+        check_number("--max-new-tokens", max_new_tokens, low=1, integer=True)
+        plan = BatchingPlan(parse_levels(levels), max_new_tokens=max_new_tokens or d["max_new_tokens"])
+        check_target(model or d["model"], device or d["device"], dtype, "transformers", linear or d["linear"], None,
+                     weights or d["weights"])
+        work = load_workload(suite or d["suite"])
+        out_dir = Path(out or f"adaspec-bench/batch-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        n = sum(plan.requests(c) for c in plan.levels) * len(plan.modes)
+        err.print(f"batching bench: {', '.join(plan.modes)} at concurrency {', '.join(map(str, plan.levels))}: "
+                  f"{n} requests x {plan.max_new_tokens} tokens", soft_wrap=True)
+        err.print(f"loading {model or d['model']} ...")
+        target = load_model(model or d["model"], device=device or d["device"], dtype=dtype,
+                            linear=linear or d["linear"], weights=weights or d["weights"])
+        with StageProgress(err) as bar:
+            rows = run_batching(target, work, plan, progress=lambda msg: bar.message(msg))
+    except AdaspecError as exc:
+        fail(exc)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    meta = {"model": model or d["model"], "suite": suite or d["suite"], "max_new_tokens": plan.max_new_tokens,
+            "levels": list(plan.levels), "threads": torch.get_num_threads()}
+    (out_dir / "bench.json").write_text(json.dumps(meta | {"rows": rows}, indent=2), encoding="utf-8")
+    title = f"# Continuous batching ({meta['model']}, greedy, suite {meta['suite']}, {plan.max_new_tokens} new tokens)"
+    table = batching_table(rows)
+    (out_dir / "bench.md").write_text(f"{title}\n\n{table}\n", encoding="utf-8")
+    Console().print(table, soft_wrap=True)
+    Console().print(f"written: {out_dir / 'bench.json'}, {out_dir / 'bench.md'}")
+    if any(r["mismatch_not_tie"] for r in rows):
+        raise typer.Exit(1)
+
+
+def _print_plan(configs: Sequence[Any], n_prompts: int, opt: dict, quick: bool, record: str | None) -> None:
+    """What the bench will run, before it starts (and, for the quick default, about how long)."""
+    names = ", ".join(escape(c.name) for c in configs)
+    err.print(f"{'quick bench' if quick else 'bench'}: {len(configs)} configurations ({names}) x {n_prompts} "
+              f"prompts x {opt['max_new_tokens']} tokens x {opt['repeats']} pass(es)"
+              f"{', then a replay trace' if record else ''}", soft_wrap=True)
+    if quick:
+        err.print(f"[dim]about {QUICK_MINUTES} minutes for SmolLM2 on a 2-core CPU (more on a first run, which "
+                  "measures the verify costs); adaspec bench --full: every row, 2 prompts per category and "
+                  "the replay trace (about 4x as long)[/]", soft_wrap=True)
 
 
 def _verify_probe(target: Any, work: Sequence[Any], max_new_tokens: int) -> Any:

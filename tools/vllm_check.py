@@ -1,7 +1,7 @@
 """Serve SmolLM2 with vLLM (CPU) without speculation, with vLLM's ngram and suffix methods and
 with the adaspec proposer, on the same prompts, one server at a time, in one run.
 
-Run through scripts/vllm_check.sh (it builds the venv this needs). For every method: start
+Run through tools/vllm_check.sh (it builds the venv this needs). For every method: start
 ``vllm serve`` on 127.0.0.1, send the prompts concurrently (greedy), read vLLM's spec-decode
 counters from /metrics, stop the server. Prints a table: outputs equal to the no-speculation
 server, draft acceptance rate, mean accepted length (1 + accepted / drafts, vLLM's
