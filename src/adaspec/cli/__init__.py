@@ -865,6 +865,27 @@ def _register() -> None:
 _register()
 
 
+#: what a bad command line raises in ``parse_command``: click's ``UsageError`` (typer vendors click)
+UsageError = typer.BadParameter.__mro__[1]
+
+
+def parse_command(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """Parse ``adaspec ARGV`` as the command line would, running nothing: the subcommand's name
+    and its parameters, every option and value checked by click (unknown options, missing
+    values, types, choices); a ``UsageError`` names what is wrong. The docs' commands are
+    checked with it (tests/test_docs.py)."""
+    group = typer.main.get_command(app)
+    with group.make_context("adaspec", list(argv)) as ctx:
+        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        if not rest:
+            return "", dict(ctx.params)
+        name, cmd, args = group.resolve_command(ctx, rest)
+        if cmd is None:
+            raise UsageError(f"no such command {name!r}")
+        with cmd.make_context(name, args, parent=ctx) as sub:
+            return str(name), dict(sub.params)
+
+
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.WARNING)
     app()
