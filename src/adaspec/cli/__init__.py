@@ -28,11 +28,10 @@ err = Console(stderr=True)
 
 BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF models on llama.cpp's "
                 "kernels; pip install 'adaspec\\[llamacpp]')")
-FLASH_HELP = ("llama.cpp's flash attention [default: off on a CPU, where ggml's made forwards past ~128 "
-              "cached tokens slower here; llama.cpp's own choice on a GPU]; llama.cpp backend only")
+FLASH_HELP = ("llama.cpp's flash attention [default: off on a CPU, where ggml's makes forwards past ~128 "
+              "cached tokens slower; llama.cpp's own choice on a GPU]; llama.cpp backend only")
 LINEAR_HELP = ("linear kernels on CPU float32: auto (packed where torch has MKL and oneDNN: same product, "
-               "~1.7x faster decoding and ~1.8x faster 16-token verification here, a second copy of the "
-               "weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
+               "faster decoding and verification, a second copy of the weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
                "(PyTorch's F.linear); transformers backend only")
 WEIGHTS_HELP = ("weights of a GGUF model on the transformers backend: auto (on a CPU in float32, the file's own "
                 "quantized blocks run by adaspec's kernels, compiled once: gguf-q8 with AVX-512 VNNI, else gguf; "
@@ -229,9 +228,8 @@ def _grid_progress(bar: StageProgress) -> Callable[[int, int], None]:
 def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
     """Before ``adaspec serve`` listens: the batch verify-cost grid its policies price batched
     rounds with, measured with a progress bar if this machine has none cached yet (the
-    ``BatchEngine`` would otherwise measure it in the first round two requests share, ~45 s
-    on SmolLM2 for a batch of 8 on a 2-core CPU, every request waiting; rows 1-32, ~150 s, until
-    2026-11-30)."""
+    ``BatchEngine`` would otherwise measure it in the first round two requests share, every
+    request waiting)."""
     from ..batch import load_or_measure_batch
     from ..costs import batch_grid_rows
 
@@ -243,7 +241,7 @@ def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
 
 
 #: requests ``adaspec serve`` decodes together when --max-batch is not given and the engine can
-#: batch (measured: batched auto 4.1x the one-at-a-time server's tokens/s at 16 clients, level at 1)
+#: batch (docs/results.md, "Continuous batching")
 SERVE_BATCH = 8
 
 
