@@ -262,10 +262,10 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
 
 #: ``adaspec bench`` with no matrix options (no --config, -d, -k, -s, -l, --full): the answer a user
 #: asks for first (plain decoding, the best single drafters, auto, Hugging Face's speculative peer, one
-#: prompt per category, no trace); every other key is BENCH_DEFAULTS'. QUICK_MINUTES is its bench time
-#: on a 2-core CPU (docs/results.md, "The default bench").
+#: prompt per category, no trace); every other key is BENCH_DEFAULTS'. QUICK_MINUTES is its expected bench
+#: time on a quiet 2-core CPU (docs/results.md, "The default bench", has the runs).
 QUICK_DEFAULTS = {"static": False, "peers": ["hf-pld"], "per_category": 1, "singles": ["prompt-lookup", "suffix"]}
-QUICK_MINUTES = "5"
+QUICK_MINUTES = "4"
 
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
                   "flash_attn": None, "weights": "auto",
@@ -546,9 +546,9 @@ def _print_plan(configs: Sequence[Any], n_prompts: int, opt: dict, quick: bool, 
               f"prompts x {opt['max_new_tokens']} tokens x {opt['repeats']} pass(es)"
               f"{', then a replay trace' if record else ''}", soft_wrap=True)
     if quick:
-        err.print(f"[dim]about {QUICK_MINUTES} minutes for SmolLM2 on a 2-core CPU (more on a first run, which "
-                  "measures the verify costs); adaspec bench --full: every row, 2 prompts per category and "
-                  "the replay trace (about 4x as long)[/]", soft_wrap=True)
+        err.print(f"[dim]about {QUICK_MINUTES} minutes for SmolLM2 on a quiet 2-core CPU (longer on a busy one, "
+                  "and on a first run, which measures the verify costs); adaspec bench --full: every row, "
+                  "2 prompts per category and the replay trace (about 4x as long)[/]", soft_wrap=True)
 
 
 def _verify_probe(target: Any, work: Sequence[Any], max_new_tokens: int) -> Any:
