@@ -241,3 +241,22 @@ def test_cli_bench_concurrency_runs_the_batching_benchmark(model_dir, tmp_path):
                       (["--concurrency", "2", "-d", "suffix"], "--concurrency runs the batching")):
         res = CliRunner().invoke(app, ["bench", "-m", model_dir, *bad])
         assert res.exit_code == 2 and said in res.output, res.output
+
+
+def test_cli_bench_temperatures_runs_one_bench_per_temperature_and_seed(model_dir, tmp_path):
+    out = tmp_path / "sampling"
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "-d", "prompt-lookup", "-k", "3", "-s", "none", "-l", "none",
+                                   "--temperatures", "0.5,1", "--seeds", "1,2", "--suite", _suite_file(tmp_path),
+                                   "-n", "5", "--no-costs", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    table = json.loads((out / "sampling.json").read_text())
+    assert table["temperatures"] == [0.5, 1.0] and table["seeds"] == [1, 2]
+    assert [r["config"] for r in table["rows"]] == ["prompt-lookup k=3"]
+    cell = table["rows"][0]["cells"]["0.5"]
+    assert cell["min"] <= cell["mean"] <= cell["max"] and cell["mat"] >= 1.0
+    assert len(table["runs"]["1.0"]) == 2  # one run per seed
+    assert "| prompt-lookup k=3 |" in (out / "sampling.md").read_text()
+    for bad, said in ((["--temperatures", "0"], "must be > 0"), (["--temperatures", "0.5", "-t", "0.5"], "leave out"),
+                      (["--temperatures", "a"], "give numbers")):
+        res = CliRunner().invoke(app, ["bench", "-m", model_dir, *bad])
+        assert res.exit_code == 2 and said in res.output, res.output

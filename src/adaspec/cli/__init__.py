@@ -345,6 +345,10 @@ def bench(
                                            "batching benchmark at these levels (comma-separated, e.g. 1,4,16): "
                                            "sequential auto, batched AR and batched auto, total tokens/s and "
                                            "latency per level; with --model, --suite, -n, --out"),
+    temperatures: str | None = typer.Option(None, "--temperatures", help="sampling at these temperatures "
+                                            "(comma-separated, e.g. 0.3,0.7,1.0), one run per temperature and "
+                                            "seed: a table of speed-ups (mean over --seeds, range, MAT); no peers"),
+    seeds: str = typer.Option("1,2", "--seeds", help="with --temperatures: the sampling seeds, comma-separated"),
 ) -> None:
     """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
     the configurations and Hugging Face's assisted generation, side by side in one process.
@@ -371,6 +375,13 @@ def bench(
              "costs": costs,
              "out": out, "tree": tree}
     try:
+        from ..bench.temperatures import parse_floats, parse_ints
+
+        temps = parse_floats("--temperatures", temperatures, low_open=0.0) if temperatures is not None else ()
+        seed_list = parse_ints("--seeds", seeds) if temps else ()
+        if temps and (temperature is not None or record):
+            raise AdaspecError("--temperatures runs every temperature it lists: leave out -t/--temperature and "
+                               "--record (traces replay greedy runs)")
         file_cfg = load_bench_file(config_file) if config_file else {}
         quick = not (full or config_file or drafter or k or selector or length)
         opt = dict(BENCH_DEFAULTS) | (QUICK_DEFAULTS if quick else {})
@@ -381,6 +392,10 @@ def bench(
             opt["drafters"] = [d for d in default_drafters(opt["backend"]) if d != "none"]
         if opt["backend"] == "llama.cpp" and "peers" not in file_cfg and peer is None:
             opt["peers"] = ["llama.cpp", "llama.cpp-pld"]  # what a CPU user runs instead
+        if temps:
+            opt["temperature"] = temps[0]  # checked like -t; each run takes its own
+            if "peers" not in file_cfg and peer is None:
+                opt["peers"] = []  # the peers run greedy only
         if no_static:
             opt["static"] = False
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
@@ -452,6 +467,9 @@ def bench(
                           "(--pool none: without)[/]")
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
+        if temps:
+            _bench_temperatures(target, configs, work, opt, temps, seed_list, out_dir)
+            return
         probe = _verify_probe(target, work, opt["max_new_tokens"]) if record else None
         with StageProgress(err) as bar:
             def step(msg: str) -> None:
@@ -488,6 +506,34 @@ def bench(
                   + f" and {sum(p.suffix == '.png' for p in written)} plots")
     if any(r.mismatches for r in run.results):
         raise typer.Exit(1)
+
+
+def _bench_temperatures(target: Any, configs: Sequence[Any], work: Sequence[Any], opt: dict,
+                        temps: Sequence[float], seeds: Sequence[int], out_dir: str) -> None:
+    """``adaspec bench --temperatures``: ``bench.temperatures`` over the matrix; writes sampling.json
+    and sampling.md in ``--out`` and prints the table."""
+    from ..bench.runner import run_bench
+    from ..bench.temperatures import run_temperatures, temperatures_table
+
+    turns = sum(len(p.turns) for p in work)
+    total = turns * len(configs) * opt["repeats"] * len(temps) * len(seeds)
+    with StageProgress(err) as bar:
+        def one(t: float, seed: int) -> Any:
+            return run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"], measure_costs=False,
+                             progress=lambda msg: bar.step("bench", f"T={t:g} seed {seed}: {msg}", total=total),
+                             temperature=t, seed=seed, suite=opt["suite"], device=opt["device"],
+                             dtype=opt["dtype"] or ("float32" if opt["backend"] == "transformers" else "gguf"))
+
+        table = run_temperatures(one, temps, seeds)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sampling.json").write_text(json.dumps(table, indent=1), encoding="utf-8")
+    md = temperatures_table(table)
+    title = (f"# Speed-up under sampling ({opt['model']}, {len(work)} prompts of {opt['suite']} x "
+             f"{opt['max_new_tokens']} tokens, seeds {', '.join(map(str, seeds))})")
+    (out / "sampling.md").write_text(f"{title}\n\nmean over the seeds [min-max] (MAT)\n\n{md}\n", encoding="utf-8")
+    Console().print(md, soft_wrap=True)
+    Console().print(f"written: {out / 'sampling.json'}, {out / 'sampling.md'}")
 
 
 def _bench_batching(levels: str, model: str | None, suite: str | None, max_new_tokens: int | None,
