@@ -54,10 +54,9 @@ class BatchingPlan:
 
 def parse_levels(text: str) -> tuple[int, ...]:
     """``"1,4,16"`` -> (1, 4, 16), with an error naming the bad part."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--concurrency {text!r}: give integers, comma-separated (--concurrency 1,4,16)") from None
+    from .temperatures import parse_list
+
+    return parse_list("--concurrency", text, int, "1,4,16")
 
 
 def _pct(xs: list[float], q: int) -> float:

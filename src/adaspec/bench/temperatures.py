@@ -15,26 +15,22 @@ from typing import Any
 from ..errors import ConfigError
 
 
-def parse_floats(option: str, text: str, *, low_open: float | None = None) -> tuple[float, ...]:
-    """``"0.3,0.7"`` -> (0.3, 0.7), with an error naming the option and the bad part."""
+def parse_list(option: str, text: str, cast: type = float, example: str = "0.3,0.7,1.0") -> tuple:
+    """``"0.3,0.7"`` -> (0.3, 0.7) (``cast`` each), with an error naming the option and the fix."""
+    kind = "integers" if cast is int else "numbers"
     try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
+        values = tuple(cast(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"{option} {text!r}: give numbers, comma-separated ({option} 0.3,0.7,1.0)") from None
+        raise ConfigError(f"{option} {text!r}: give {kind}, comma-separated ({option} {example})") from None
     if not values:
-        raise ConfigError(f"{option} is empty: give at least one value ({option} 0.3,0.7,1.0)")
-    if low_open is not None and any(not v > low_open for v in values):
-        raise ConfigError(f"{option} {text}: every value must be > {low_open:g} (greedy is the plain bench)")
+        raise ConfigError(f"{option} is empty: give at least one value ({option} {example})")
     return values
 
 
-def parse_ints(option: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{option} {text!r}: give integers, comma-separated ({option} 1,2)") from None
-    if not values:
-        raise ConfigError(f"{option} is empty: give at least one value ({option} 1,2)")
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    values = parse_list("--temperatures", text)
+    if any(not v > 0 for v in values):
+        raise ConfigError(f"--temperatures {text}: every value must be > 0 (greedy is the plain bench)")
     return values
 
 

@@ -375,10 +375,10 @@ def bench(
              "costs": costs,
              "out": out, "tree": tree}
     try:
-        from ..bench.temperatures import parse_floats, parse_ints
+        from ..bench.temperatures import parse_list, parse_temperatures
 
-        temps = parse_floats("--temperatures", temperatures, low_open=0.0) if temperatures is not None else ()
-        seed_list = parse_ints("--seeds", seeds) if temps else ()
+        temps = parse_temperatures(temperatures) if temperatures is not None else ()
+        seed_list = parse_list("--seeds", seeds, int, "1,2") if temps else ()
         if temps and (temperature is not None or record):
             raise AdaspecError("--temperatures runs every temperature it lists: leave out -t/--temperature and "
                                "--record (traces replay greedy runs)")
