@@ -232,7 +232,7 @@ def test_llamacpp_flash_attention_is_off_on_the_cpu_by_default(llama, llama_fa):
 def test_llamacpp_blocks_without_flash_attention_move_logits_within_the_bound(llama):
     """Without flash attention a verify block's rows are not the one-token rows bit for bit, at
     any length, but they move the margin of the two best tokens less than the near-tie bound
-    (``scripts/llamacpp_numerics.py --flash-attn off``)."""
+    (``tools/llamacpp_numerics.py --flash-attn off``)."""
     ids = _ids(llama, 120, 11)
     single, block = _single_and_block_rows(llama, ids[:100], ids[100:108])  # 9 wide (measured: 0.37)
     assert not torch.equal(single, block)
@@ -242,7 +242,7 @@ def test_llamacpp_blocks_without_flash_attention_move_logits_within_the_bound(ll
 
 @pytest.mark.slow
 def test_llamacpp_qwen_q4_k_m_blocks_are_not_invariant_at_short_lengths():
-    """Measured (``scripts/llamacpp_numerics.py --model qwen2.5-coder-1.5b``): on the fetched
+    """Measured (``tools/llamacpp_numerics.py --model qwen2.5-coder-1.5b``): on the fetched
     Q4_K_M file a verify block moves logits under 256 tokens, and the probe sees it."""
     if not HAVE_LLAMA:
         pytest.skip("llama-cpp-python is not installed")

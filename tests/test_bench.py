@@ -320,7 +320,7 @@ def test_every_shipped_bench_config_loads():
     from adaspec.bench.runner import explicit_configs, load_bench_file
 
     files = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.toml"))
-    assert len(files) >= 20
+    assert len(files) >= 9  # one a question (benchmarks/README.md)
     for f in files:
         data = load_bench_file(f)
         names = [c.name for c in explicit_configs(data.get("config", []))]

@@ -190,3 +190,73 @@ def test_cli_bench_bad_input(model_dir, tmp_path):
     assert res.exit_code == 2 and "nonsense" in res.output
     res = CliRunner().invoke(app, ["bench", "-m", model_dir, "--config", str(tmp_path / "x.toml")])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def _suite_file(tmp_path):
+    suite = tmp_path / "work.jsonl"
+    suite.write_text("\n".join(json.dumps({"question_id": p.id, "category": p.category, "turns": list(p.turns)})
+                               for p in PROMPTS))
+    return str(suite)
+
+
+def test_cli_bench_without_matrix_options_runs_the_quick_matrix_and_says_so(model_dir, tmp_path):
+    """No -d/-k/-s/-l/--config/--full: AR, the single drafters prompt-lookup and suffix with the
+    cost-model length, auto over the default arms, hf-pld, one prompt per category, no trace;
+    the plan (and --full) is named before it starts."""
+    out = tmp_path / "quick"
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "--suite", _suite_file(tmp_path), "-n", "6",
+                                   "--no-costs", "--no-plots", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "summary.json").read_text())
+    assert [r["config"] for r in data["overall"]] == [
+        "AR (no drafter)", "auto over [prompt-lookup, suffix, recycle]", "prompt-lookup + cost-model",
+        "suffix + cost-model", "hf-pld"]
+    assert data["n_prompts"] == 2  # one per category of the file's two
+    assert not (out / "trace.npz").exists()
+    assert "quick bench: 5 configurations" in res.output and "--full" in res.output
+
+
+def test_cli_bench_full_runs_the_whole_matrix_and_the_trace(model_dir, tmp_path):
+    out = tmp_path / "full"
+    res = CliRunner().invoke(app, ["bench", "--full", "-m", model_dir, "--suite", _suite_file(tmp_path), "-n", "6",
+                                   "--no-costs", "--no-plots", "--peer", "hf-pld", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    names = [r["config"] for r in json.loads((out / "summary.json").read_text())["overall"]]
+    assert "recycle k=5" in names and "recycle + cost-model" in names and "prompt-lookup k=5" in names
+    assert (out / "trace.npz").is_file()
+    assert "quick bench" not in res.output
+
+
+def test_cli_bench_concurrency_runs_the_batching_benchmark(model_dir, tmp_path):
+    out = tmp_path / "batch"
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "--concurrency", "1,2", "--suite",
+                                   _suite_file(tmp_path), "-n", "5", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [
+        (c, m) for c in (1, 2) for m in ("sequential-auto", "batched-ar", "batched-auto")]
+    assert all(r["requests"] == 8 and r["mismatch_not_tie"] == 0 for r in rows)
+    assert "| concurrency | mode |" in (out / "bench.md").read_text()
+    for bad, said in ((["--concurrency", "1,x"], "integers"), (["--concurrency", "0"], "levels >= 1"),
+                      (["--concurrency", "2", "-d", "suffix"], "--concurrency runs the batching")):
+        res = CliRunner().invoke(app, ["bench", "-m", model_dir, *bad])
+        assert res.exit_code == 2 and said in res.output, res.output
+
+
+def test_cli_bench_temperatures_runs_one_bench_per_temperature_and_seed(model_dir, tmp_path):
+    out = tmp_path / "sampling"
+    res = CliRunner().invoke(app, ["bench", "-m", model_dir, "-d", "prompt-lookup", "-k", "3", "-s", "none", "-l", "none",
+                                   "--temperatures", "0.5,1", "--seeds", "1,2", "--suite", _suite_file(tmp_path),
+                                   "-n", "5", "--no-costs", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    table = json.loads((out / "sampling.json").read_text())
+    assert table["temperatures"] == [0.5, 1.0] and table["seeds"] == [1, 2]
+    assert [r["config"] for r in table["rows"]] == ["prompt-lookup k=3"]
+    cell = table["rows"][0]["cells"]["0.5"]
+    assert cell["min"] <= cell["mean"] <= cell["max"] and cell["mat"] >= 1.0
+    assert len(table["runs"]["1.0"]) == 2  # one run per seed
+    assert "| prompt-lookup k=3 |" in (out / "sampling.md").read_text()
+    for bad, said in ((["--temperatures", "0"], "must be > 0"), (["--temperatures", "0.5", "-t", "0.5"], "leave out"),
+                      (["--temperatures", "a"], "give numbers")):
+        res = CliRunner().invoke(app, ["bench", "-m", model_dir, *bad])
+        assert res.exit_code == 2 and said in res.output, res.output

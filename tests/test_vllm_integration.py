@@ -1,6 +1,6 @@
 """The adaspec proposer inside a real vLLM engine (skipped without vLLM, as in CI).
 
-Run in the venv that scripts/vllm_check.sh builds:
+Run in the venv that tools/vllm_check.sh builds:
 ``/work/venv-vllm/bin/python -m pytest -q -m slow tests/test_vllm_integration.py``.
 The row mapping is checked against vLLM's own batch bookkeeping: a spy on the model
 runner's ``propose_draft_token_ids`` reads ``input_batch.req_ids`` (the request id of every
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI has none): run scripts/vllm_check.sh")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI has none): run tools/vllm_check.sh")
 
 PROMPTS = [
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n-1) + fib(n-2)\n\ndef fib2(n):",

@@ -1,9 +1,8 @@
 """The measured cost model: what a target forward, a draft and a catch-up cost on this machine.
 
 Verification: a target forward over k new tokens costs V(k, L), a function of the cache
-length L as well as of k. On CPUs the k-axis is not flat and not even monotone (SmolLM2-135M
-fp32 on two threads, 200-token cache: k=2-3 cost 1.7-1.85x a single token, k=5-9 only
-1.2-1.4x: a GEMM cliff), and a forward on a long cache costs more, and grows faster with k,
+length L as well as of k. On CPUs the k-axis is not flat and not even monotone (a blocked
+GEMM kernel can make k=5-9 cheaper than k=2-3: a cost cliff), and a forward on a long cache costs more, and grows faster with k,
 than on a short one (attention over L keys). The engine measures V on a small grid of
 (L, k) once per model, device, dtype, thread count and machine (``VerifyCostSurface``),
 caches it on disk and interpolates between grid points, so that cost-aware policies, replay
@@ -46,9 +45,8 @@ DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DEFAULT_CONTEXTS = (32, 128, 256, 512, 1024)
 SURFACE_FORMAT = "surface/4"  # part of the cache key: bump when the measurement changes (4: median_low)
 #: a grid whose passes are quick gets more timed passes (medians of more forwards), up to this
-#: many, while they fit in ``GRID_BUDGET_S`` with the warm-up: on llama.cpp's SmolLM2 Q4_0 (a
-#: pass ~3 s) two 2-pass grids measured one after the other put V(1) at 128 cached tokens at
-#: 4.7 and 4.3 ms, and ``auto`` plans every round on those prices
+#: many, while they fit in ``GRID_BUDGET_S`` with the warm-up: a 2-pass grid of a fast target
+#: moves by several percent between two measurements, and ``auto`` plans every round on it
 MAX_GRID_REPEATS = 8
 GRID_BUDGET_S = 20.0
 
@@ -120,12 +118,10 @@ def monotone_within_noise(seconds: Sequence[float], tol: float = NOISE_DIP) -> l
     measured cheaper by at most ``tol`` of the narrower's: pool-adjacent-violators (the
     non-decreasing least-squares fit) with merges limited to such dips, so a drop larger than
     ``tol`` (by default a ``CLIFF_FACTOR`` cliff) stays a cost cliff. Why: a grid median of a
-    few forwards moves by 5-10% between widths whose true costs are equal (SmolLM2 here:
-    25.2, 24.8, 23.5, 24.4, 27.2, 24.8 ms for 1-6 tokens), and policies that price every
-    width take such a dip as a cliff and stop there: `auto` planned 3-token blocks where 4 or 5
-    cost the same (A/B runs on the mixed suite, 16 prompts x 128 tokens x 2: 1.019x and 1.012x
-    with unlimited merges, 1.006x with this rule).
-    The real cliffs of blocked kernels are 30% and more (k=3 at 2.0x a step, k=4 at 1.3x)."""
+    few forwards moves by several percent between widths whose true costs are equal, and
+    policies that price every width take such a dip as a cliff and stop there (`auto` would
+    plan 3-token blocks where 4 or 5 cost the same). The real cliffs of blocked kernels are
+    far larger (30% and more)."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in seconds:
         blocks.append([float(v), 1.0])
@@ -516,7 +512,6 @@ def measure_verify_surface(loaded: TargetBackend, contexts: Sequence[int] = DEFA
             loaded.release(cache)
     # the lower middle of an even count (of 2, the smaller): machine noise only adds time, and
     # llama.cpp's grids get 2 timed passes in the budget, whose mean a single slow forward moved
-    # (V(1) at 256 cached tokens 21.4 ms against 18.2 one grid earlier: k=2 priced 1.17x a step)
     seconds = [[median_low(times[(c, k)]) for k in ks] for c in contexts]
     return VerifyCostSurface(list(contexts), list(ks), seconds, pre, measure_s=time.perf_counter() - t_start,
                              switch_s=max(0.0, median(switches)) if switches else 0.0)
@@ -729,9 +724,8 @@ def load_or_measure_batch_costs(loaded: TargetBackend,
 class LiveVerifyRatio:
     """Live verify seconds over the surface's price, per width, learned from the rounds
     (``CostModel.observe``): the grid is measured once, in other conditions, and the live step
-    adds verification and cache work. On the AVX2 EPYC (SmolLM2 fp32, 2026-11-29) the rounds'
-    median ratio was 1.05 at width 1, 1.10 at 2 and 1.18 at 16, each round's within +-25%:
-    the grid priced wide trees ~10% low against narrow blocks.
+    adds verification and cache work, more at wide widths than at narrow ones, so a grid alone
+    prices wide trees low against narrow blocks.
 
     Per width, a decayed mean of log(live / priced), shrunk toward a weighted line in the width
     fitted over every width's mean (``prior`` rounds' weight): a width verified a few times

@@ -33,7 +33,7 @@ NEAR_TIE_NATS = 0.05
 #: kernel for several rows; without flash attention at any length, with it past 256 cached
 #: cells, where one query takes the split-KV path). It is the largest move of the two best
 #: tokens' margin between one-token decoding and verify blocks measured over the built-in suites
-#: (``scripts/llamacpp_numerics.py``; the table is in docs/llamacpp.md), rounded up. A difference
+#: (``tools/llamacpp_numerics.py``; the table is in docs/llamacpp.md), rounded up. A difference
 #: from plain decoding within it is reported as a near-tie; one beyond it is a mismatch (the
 #: bench exits 1, the tests fail): a verifier that accepts a wrong token puts it a whole margin
 #: below the argmax, beyond the bound (``tests/test_llamacpp_exactness.py`` injects one)

@@ -4,22 +4,19 @@ PyTorch's and transformers' defaults.
 Decoding and verification multiply a few rows (1 token, or a draft block of 2-16) by large
 weight matrices. On x86 CPUs with MKL, PyTorch's ``F.linear(x, W)`` takes a slow path for
 these shapes: one row goes through a matrix-vector kernel and 2-4 rows through a GEMM that is
-slower still (measured here on SmolLM2's 211 linear layers: 1 row 46 ms, 2 rows 76 ms, 3 rows
-96 ms). Two faster paths, each the same product up to float rounding:
+slower still. Two faster paths, each the same product up to float rounding:
 
 - the *transposed product* ``(W @ x.T).T`` streams the weights through another MKL kernel at
-  about twice the bandwidth (1 row padded to 2: 22 ms, 2 rows 20 ms, 8 rows 47 ms, no extra
-  memory): ``SmallBatchLinear``, ``linear="small-batch"``;
+  about twice the bandwidth (no extra memory): ``SmallBatchLinear``, ``linear="small-batch"``;
 - oneDNN's matmul on a copy of the weights *prepacked* once in its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, as torch.compile's CPU freezing does for
-  dynamic shapes) is faster still from 3 rows to hundreds (3 rows 23 ms, 8 rows 28 ms, 16 rows
-  32 ms against 93, 57 and 81 ms with ``F.linear``) at the price of a second copy of the weights:
+  dynamic shapes) is faster still from 3 rows to hundreds, at the price of a second copy of the weights:
   ``PackedLinear``, ``linear="packed"`` (the default on CPU float32), which runs 1-3 rows on
   whichever of the transposed product, the packed matmul and ``F.linear`` a timed forward finds
-  fastest for the model on this CPU (``tune_small_rows``: MKL's ``F.linear`` was the slowest for
-  one row on the machine of the numbers above, the fastest of the three on a Xeon with AMX).
+  fastest for the model on this CPU (``tune_small_rows``: MKL's ``F.linear`` is the slowest for
+  one row on some CPUs, the fastest on a Xeon with AMX).
 
-``scripts/linear_kernels.py`` measures them; docs/kernels.md has the tables. The result is the
+docs/results.md ("Linear kernels") has the measurements. The result is the
 same product up to float rounding (the summation order differs), like any change of BLAS
 kernel; greedy exactness is judged against the engine's own autoregressive decoding, which
 uses the same kernels.
@@ -29,8 +26,7 @@ transformers' SDPA path copies every layer's keys and values once per query-head
 (``repeat_kv``) because masked grouped-query attention falls back to a slow kernel on CUDA. On
 the CPU, PyTorch's flash kernel takes the mask and the grouping together (``enable_gqa``):
 ``GQA_ATTENTION``, installed on CPU models by ``load_model`` (``use_gqa_attention``), saves
-those copies (SmolLM2, 400 cached tokens: 4 ms of a 37-66 ms forward at 2-16 tokens;
-``scripts/attention_kernels.py``).
+those copies (docs/results.md, "Grouped attention").
 """
 
 from __future__ import annotations
@@ -179,8 +175,7 @@ def machine_identity(device: torch.device) -> str:
     cached on disk: the GPU's name on CUDA, else the CPU's model name, vector ISA and core
     count. A cache directory shared between
     machines (a cluster's home directory, a VM moved to another host) must not price one
-    CPU's forwards with another's grid: until 2026-11-29 the key held only the model and
-    runtime, and this project's cache carried grids across four machines."""
+    CPU's forwards with another's grid (a cache directory shared between machines)."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     name = platform.processor() or platform.machine()
@@ -194,13 +189,10 @@ def tune_small_rows(model: nn.Module, reps: int = 5) -> tuple[str, ...] | None:
     """Time forwards of 1, 2 and 3 tokens of ``model`` with its ``PackedLinear`` layers running
     that many rows on each of ``SMALL_KINDS``, interleaved (``reps`` each after a warm-up), and
     keep the fastest per row count (``PackedLinear.small_plan``). Which one wins depends on the
-    weights' shapes and on the CPU's BLAS (docs/kernels.md: on Qwen2.5-1.5B the padded packed
-    matmul, on SmolLM2 the transposed product on the first machine and ``F.linear`` on a Xeon with AMX),
-    hence a measurement per model. Returns the plan, None when the model has no packed layer on
+    weights' shapes and on the CPU's BLAS (docs/kernels.md), hence a measurement per model. Returns the plan, None when the model has no packed layer on
     a CPU. ``load_model`` times once per model shape and machine (``models.small_rows_plan``
-    caches the plan), so ``reps`` is 5 (2 until 2026-11-30, when each load timed): on the AVX2
-    EPYC one row's three kernels were within 5% of each other, and two timings a kernel flipped
-    the pick from one process to the next."""
+    caches the plan), so ``reps`` can be 5: where one row's kernels are near a tie, fewer
+    timings a kernel flip the pick from one process to the next."""
     layers = tunable_layers(model)
     if not layers:
         return None

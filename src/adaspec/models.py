@@ -235,7 +235,7 @@ def load_model(
     same attention, without copying the keys and values per query group in masked blocks).
     ``linear="auto"`` (the default) computes the model's float32 linear layers on a CPU where
     torch has MKL and oneDNN with ``"packed"`` kernels (``adaspec.kernels``: the same product,
-    about 1.7x faster decoding and 1.8x faster 16-token verification here, for a second copy of
+    faster decoding and verification, for a second copy of
     the linear weights in oneDNN's layout; 1-3 rows take the transposed product, the packed
     matmul or ``F.linear``, whichever timed forwards find fastest for this model on this CPU:
     ``kernels.tune_small_rows``, timed once per model shape and machine and cached,
@@ -312,10 +312,9 @@ KERNEL_PLAN_FORMAT = "small-rows/1"
 def small_rows_plan(model: Any, refresh: bool = False) -> tuple[str, ...] | None:
     """``kernels.tune_small_rows`` once per model shape, thread count, torch and machine: the
     plan is cached in ``$ADASPEC_CACHE/kernels`` and set on ``model``'s packed layers (None
-    without any). Near a tie the timed pick flips from one process to the next (SmolLM2's
-    3-row kernel, packed matmul or transposed product, on the AVX2 EPYC of 2026-11-30), and
-    with it the kernels' float rounding and the cost grids' cache key (``identity``): every
-    other process measured the 20 s verify grid and the 150 s batch grid again. ``refresh``:
+    without any). Near a tie a timed pick would flip from one process to the next, and with it
+    the kernels' float rounding and the cost grids' cache key (``identity``), so that every
+    process measured the grids again. ``refresh``:
     time the kernels again (``adaspec costs --refresh``)."""
     layers = tunable_layers(model)
     if not layers:

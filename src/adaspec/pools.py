@@ -92,10 +92,8 @@ class PoolManifest:
     def default_drafters(self) -> list[PoolDrafter]:
         """The drafters an engine adds by default (``pool_drafters``): every trained drafter, and
         of the datastores only the generalist's when there is one. A domain's datastore indexes
-        a subset of the generalist's answers, so its matches are never longer; on the mixed suite
-        ``auto`` with the six datastores ran at 1.085x ``auto`` without them, with the
-        generalist's alone at 1.094x, and looking at six cost 2.9% of the wall time against
-        0.9% (docs/results.md, "Datastores of the target's own answers")."""
+        a subset of the generalist's answers, so its matches are never longer, while looking at
+        every datastore costs policy time each round."""
         trained = [d for d in self.drafters() if d.kind != "suffix"]
         stores = self.drafters(("suffix",))
         generalist = [d for d in stores if d.domain == GENERALIST]

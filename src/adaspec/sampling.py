@@ -73,8 +73,8 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 def row_argmax(logits: torch.Tensor) -> list[int]:
     """The argmax of every row of ``logits`` [n, V] (first index on ties, as torch's). On CPU
-    through numpy: torch's CPU argmax over a 49k vocabulary takes ~40 us a row on one thread,
-    numpy's ~4 us, which is 0.5-3% of a round on llama.cpp (measured: scripts/loop_overhead.py)."""
+    through numpy: torch's CPU argmax over a large vocabulary costs several times numpy's, a
+    visible share of a round on llama.cpp."""
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and not logits.requires_grad:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(dim=-1).tolist()

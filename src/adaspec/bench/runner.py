@@ -574,26 +574,30 @@ def label(spec: str) -> str:
 
 def default_configs(drafters: Sequence[str], ks: Sequence[int], selectors: Sequence[str] = (),
                     lengths: Sequence[str] = (), static: bool = True,
-                    peers: Sequence[str] = (), tree: bool = False) -> list[BenchConfig]:
-    """Plain AR first (the baseline); then every drafter at every K (static); every selector
-    over the whole drafter pool (at the first K); every length policy with every drafter; and
-    every peer. ``tree``: every engine configuration is followed by its twin with draft trees
-    (``NAME +tree``), so chains and trees sit side by side."""
+                    peers: Sequence[str] = (), tree: bool = False,
+                    singles: Sequence[str] | None = None) -> list[BenchConfig]:
+    """Plain AR first (the baseline); then every single drafter at every K (static); every
+    selector over the whole drafter pool (at the first K); every length policy with every
+    single drafter; and every peer. ``singles``: the drafters of the static and length rows
+    (default: every drafter; the selectors always run over all of them). ``tree``: every engine
+    configuration is followed by its twin with draft trees (``NAME +tree``), so chains and trees
+    sit side by side."""
     if not ks and drafters and (static or selectors or lengths):
         raise ConfigError("ks is empty: give at least one K (-k 5, ks = [5]): it sets the static "
                           "configurations and the K of the selector and length configurations")
     for k in ks:
         validate_k(k)
     configs = [BenchConfig(AR_NAME, [])]
+    alone = list(drafters) if singles is None else list(singles)
     if static:
-        for d in drafters:
+        for d in alone:
             for k in ks:
                 configs.append(BenchConfig(f"{label(d)} k={k}", [d], k=k))
     for sel in selectors:
         pool = ", ".join(label(d) for d in drafters) if len(drafters) <= 4 else f"{len(drafters)} drafters"
         configs.append(BenchConfig(f"{sel} over [{pool}]", list(drafters), k=ks[0], selector=sel))
     for ln in lengths:
-        for d in drafters:
+        for d in alone:
             configs.append(BenchConfig(f"{label(d)} + {ln}", [d], k=ks[0], length=ln))
     if tree:  # a twin for every configuration with a drafter that drafts trees
         configs = [configs[0]] + [x for c in configs[1:] for x in (

@@ -802,9 +802,7 @@ def live_verify_table(surface: VerifyCostSurface, rows: Sequence[tuple[int, int,
     probes took two per request and the calibration one minute after the run. The bench
     passes the steps of the passes whose times are its live medians (``BenchRun.priced_rows``):
     a slow pass the median drops is dropped from the prices too, and a slow step inside a
-    kept pass is paid live, so it is priced (an untrimmed mean). On four runs' saved steps
-    (``scripts/replay_components.py reprice``) replay's mean error per run went from +0.4% to
-    +3.4% (a trimmed mean over every pass) to -0.3% to +1.8%, its largest from 5.6% to 3.5%."""
+    kept pass is paid live, so it is priced (an untrimmed mean)."""
     live = dict(calibration_ratios([(w, s / surface.cost(w, ctx)) for w, ctx, s in rows], relative=False, trim=trim))
     base = {int(w): float(r) for w, r in fallback}
     if 1 not in live or 1 not in base:

@@ -28,11 +28,10 @@ err = Console(stderr=True)
 
 BACKEND_HELP = ("what runs the target: transformers (PyTorch) or llama.cpp (GGUF models on llama.cpp's "
                 "kernels; pip install 'adaspec\\[llamacpp]')")
-FLASH_HELP = ("llama.cpp's flash attention [default: off on a CPU, where ggml's made forwards past ~128 "
-              "cached tokens slower here; llama.cpp's own choice on a GPU]; llama.cpp backend only")
+FLASH_HELP = ("llama.cpp's flash attention [default: off on a CPU, where ggml's makes forwards past ~128 "
+              "cached tokens slower; llama.cpp's own choice on a GPU]; llama.cpp backend only")
 LINEAR_HELP = ("linear kernels on CPU float32: auto (packed where torch has MKL and oneDNN: same product, "
-               "~1.7x faster decoding and ~1.8x faster 16-token verification here, a second copy of the "
-               "weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
+               "faster decoding and verification, a second copy of the weights in memory; docs/kernels.md), packed, small-batch (no extra memory) or stock "
                "(PyTorch's F.linear); transformers backend only")
 WEIGHTS_HELP = ("weights of a GGUF model on the transformers backend: auto (on a CPU in float32, the file's own "
                 "quantized blocks run by adaspec's kernels, compiled once: gguf-q8 with AVX-512 VNNI, else gguf; "
@@ -229,9 +228,8 @@ def _grid_progress(bar: StageProgress) -> Callable[[int, int], None]:
 def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
     """Before ``adaspec serve`` listens: the batch verify-cost grid its policies price batched
     rounds with, measured with a progress bar if this machine has none cached yet (the
-    ``BatchEngine`` would otherwise measure it in the first round two requests share, ~45 s
-    on SmolLM2 for a batch of 8 on a 2-core CPU, every request waiting; rows 1-32, ~150 s, until
-    2026-11-30)."""
+    ``BatchEngine`` would otherwise measure it in the first round two requests share, every
+    request waiting)."""
     from ..batch import load_or_measure_batch
     from ..costs import batch_grid_rows
 
@@ -243,7 +241,7 @@ def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
 
 
 #: requests ``adaspec serve`` decodes together when --max-batch is not given and the engine can
-#: batch (measured: batched auto 4.1x the one-at-a-time server's tokens/s at 16 clients, level at 1)
+#: batch (docs/results.md, "Continuous batching")
 SERVE_BATCH = 8
 
 
@@ -261,6 +259,13 @@ def serve_batch_size(engine: object, requested: int | None) -> int:
         raise AdaspecError(f"--max-batch {requested}: {problem}; or pass --max-batch 1")
     return requested
 
+
+#: ``adaspec bench`` with no matrix options (no --config, -d, -k, -s, -l, --full): the answer a user
+#: asks for first (plain decoding, the best single drafters, auto, Hugging Face's speculative peer, one
+#: prompt per category, no trace); every other key is BENCH_DEFAULTS'. QUICK_MINUTES is its expected bench
+#: time on a quiet 2-core CPU (docs/results.md, "The default bench", has the runs).
+QUICK_DEFAULTS = {"static": False, "peers": ["hf-pld"], "per_category": 1, "singles": ["prompt-lookup", "suffix"]}
+QUICK_MINUTES = "4"
 
 BENCH_DEFAULTS = {"model": "smollm2", "device": "cpu", "dtype": None, "backend": "transformers", "linear": "auto",
                   "flash_attn": None, "weights": "auto",
@@ -331,12 +336,31 @@ def bench(
                                    "and no per-round oracle; saves about 4 AR runs of time)"),
     tree: bool | None = typer.Option(None, "--tree", help="also run every configuration with draft trees "
                                      "(NAME +tree, next to its chain); " + TREE_HELP),
+    full: bool = typer.Option(False, "--full", help="the full matrix: every drafter at every K and with every "
+                              "length policy, both Hugging Face peers, 2 prompts per category and a replay "
+                              "trace (replay predictions, per-round oracle) [default without matrix options: "
+                              "AR, prompt-lookup and suffix with cost-model, auto, hf-pld, 1 prompt per "
+                              "category, no trace]"),
+    concurrency: str | None = typer.Option(None, "--concurrency", help="instead of the matrix, the continuous "
+                                           "batching benchmark at these levels (comma-separated, e.g. 1,4,16): "
+                                           "sequential auto, batched AR and batched auto, total tokens/s and "
+                                           "latency per level; with --model, --suite, -n, --out"),
+    temperatures: str | None = typer.Option(None, "--temperatures", help="sampling at these temperatures "
+                                            "(comma-separated, e.g. 0.3,0.7,1.0), one run per temperature and "
+                                            "seed: a table of speed-ups (mean over --seeds, range, MAT); no peers"),
+    seeds: str = typer.Option("1,2", "--seeds", help="with --temperatures: the sampling seeds, comma-separated"),
 ) -> None:
     """Which drafters and policies make your model fast on your prompts: plain decoding (AR),
-    every configuration and Hugging Face's assisted generation, side by side in one process.
+    the configurations and Hugging Face's assisted generation, side by side in one process.
+    With no matrix options a quick run (a few minutes); --full for every row and the trace.
     Writes report.md, summary.json, rounds.csv and plots."""
     import datetime as dt
 
+    if concurrency is not None:
+        _bench_batching(concurrency, model, suite, max_new_tokens, device, dtype, linear, weights, out,
+                        others=any(v is not None for v in (config_file, drafter, k, selector, length, peer, record,
+                                                           tree, temperature, backend)) or full)
+        return
     from ..backends import check_backend
     from ..bench.peers import check_peer
     from ..bench.runner import default_configs, explicit_configs, load_bench_file, run_bench, with_pool_rows
@@ -351,14 +375,27 @@ def bench(
              "costs": costs,
              "out": out, "tree": tree}
     try:
+        from ..bench.temperatures import parse_list, parse_temperatures
+
+        temps = parse_temperatures(temperatures) if temperatures is not None else ()
+        seed_list = parse_list("--seeds", seeds, int, "1,2") if temps else ()
+        if temps and (temperature is not None or record):
+            raise AdaspecError("--temperatures runs every temperature it lists: leave out -t/--temperature and "
+                               "--record (traces replay greedy runs)")
         file_cfg = load_bench_file(config_file) if config_file else {}
-        opt = dict(BENCH_DEFAULTS) | {key: v for key, v in file_cfg.items() if key != "config"}
+        quick = not (full or config_file or drafter or k or selector or length)
+        opt = dict(BENCH_DEFAULTS) | (QUICK_DEFAULTS if quick else {})
+        opt |= {key: v for key, v in file_cfg.items() if key != "config"}
         opt |= {key: v for key, v in flags.items() if v is not None}
         opt["backend"] = check_backend(opt["backend"])
         if "drafters" not in file_cfg and drafter is None:  # the engine's default arms on this backend
             opt["drafters"] = [d for d in default_drafters(opt["backend"]) if d != "none"]
         if opt["backend"] == "llama.cpp" and "peers" not in file_cfg and peer is None:
             opt["peers"] = ["llama.cpp", "llama.cpp-pld"]  # what a CPU user runs instead
+        if temps:
+            opt["temperature"] = temps[0]  # checked like -t; each run takes its own
+            if "peers" not in file_cfg and peer is None:
+                opt["peers"] = []  # the peers run greedy only
         if no_static:
             opt["static"] = False
         opt["peers"] = [p for p in opt["peers"] if p != "none"]
@@ -400,11 +437,12 @@ def bench(
         each = f"{opt['per_category']} per category" if opt["per_category"] else "all"
         err.print(f"[dim]workload {escape(str(opt['suite']))}: {len(work)} prompts ({each}"
                   f"{f', the first {prompts}' if prompts > 0 else ''})[/]", soft_wrap=True)
+        singles = None if opt.get("singles") is None else [d for d in opt["drafters"] if d in opt["singles"]]
         configs = default_configs(opt["drafters"], opt["ks"], opt["selectors"], opt["lengths"],
-                                  static=opt["static"], peers=opt["peers"], tree=bool(opt["tree"]))
+                                  static=opt["static"], peers=opt["peers"], tree=bool(opt["tree"]), singles=singles)
         configs += explicit_configs(file_cfg.get("config", []))
         out_dir = opt["out"] or f"adaspec-bench/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        if (record is None and not no_record and opt["temperature"] == 0
+        if (record is None and not no_record and not quick and opt["temperature"] == 0
                 and any(c.kind == "adaptive" for c in configs)):
             if opt["backend"] != "transformers":
                 err.print(f"[dim]no trace recorded (traces are recorded on the transformers backend, not "
@@ -414,6 +452,7 @@ def bench(
             else:  # the per-round oracle and replay's predictions need a trace of this workload
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 record = str(Path(out_dir) / "trace.npz")
+        _print_plan(configs, len(work), opt, quick, record)
         err.print(f"loading {opt['model']} ...")
         target = load_model(opt["model"], device=opt["device"], dtype=opt["dtype"], backend=opt["backend"],
                             linear=opt["linear"], flash_attn=opt["flash_attn"], weights=opt["weights"])
@@ -428,6 +467,9 @@ def bench(
                           "(--pool none: without)[/]")
         turns = sum(len(p.turns) for p in work)
         total = turns * len(configs) * opt["repeats"] + (1 if opt["costs"] else 0)
+        if temps:
+            _bench_temperatures(target, configs, work, opt, temps, seed_list, out_dir)
+            return
         probe = _verify_probe(target, work, opt["max_new_tokens"]) if record else None
         with StageProgress(err) as bar:
             def step(msg: str) -> None:
@@ -465,6 +507,95 @@ def bench(
     peers = {c.name for c in run.configs if c.peer}
     if any(r.mismatches for r in run.results if r.name not in peers):  # lossless configurations only
         raise typer.Exit(1)
+
+
+def _bench_temperatures(target: Any, configs: Sequence[Any], work: Sequence[Any], opt: dict,
+                        temps: Sequence[float], seeds: Sequence[int], out_dir: str) -> None:
+    """``adaspec bench --temperatures``: ``bench.temperatures`` over the matrix; writes sampling.json
+    and sampling.md in ``--out`` and prints the table."""
+    from ..bench.runner import run_bench
+    from ..bench.temperatures import run_temperatures, temperatures_table
+
+    turns = sum(len(p.turns) for p in work)
+    total = turns * len(configs) * opt["repeats"] * len(temps) * len(seeds)
+    with StageProgress(err) as bar:
+        def one(t: float, seed: int) -> Any:
+            return run_bench(target, configs, work, opt["max_new_tokens"], opt["repeats"], measure_costs=False,
+                             progress=lambda msg: bar.step("bench", f"T={t:g} seed {seed}: {msg}", total=total),
+                             temperature=t, seed=seed, suite=opt["suite"], device=opt["device"],
+                             dtype=opt["dtype"] or ("float32" if opt["backend"] == "transformers" else "gguf"))
+
+        table = run_temperatures(one, temps, seeds)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sampling.json").write_text(json.dumps(table, indent=1), encoding="utf-8")
+    md = temperatures_table(table)
+    title = (f"# Speed-up under sampling ({opt['model']}, {len(work)} prompts of {opt['suite']} x "
+             f"{opt['max_new_tokens']} tokens, seeds {', '.join(map(str, seeds))})")
+    (out / "sampling.md").write_text(f"{title}\n\nmean over the seeds [min-max] (MAT)\n\n{md}\n", encoding="utf-8")
+    Console().print(md, soft_wrap=True)
+    Console().print(f"written: {out / 'sampling.json'}, {out / 'sampling.md'}")
+
+
+def _bench_batching(levels: str, model: str | None, suite: str | None, max_new_tokens: int | None,
+                    device: str | None, dtype: str | None, linear: str | None, weights: str | None, out: str | None,
+                    *, others: bool) -> None:
+    """``adaspec bench --concurrency``: ``bench.batching`` at the levels given; writes bench.json and
+    bench.md in ``--out`` and prints the table."""
+    import datetime as dt
+
+    from ..bench.batching import BatchingPlan, batching_table, parse_levels, run_batching
+    from ..bench.workloads import load_workload
+    from ..models import load_model
+
+    try:
+        if others:
+            raise AdaspecError("--concurrency runs the batching benchmark (sequential auto, batched AR, batched "
+                               "auto): it takes --model, --suite, -n, --device, --dtype, --linear, --weights and "
+                               "--out only")
+        d = BENCH_DEFAULTS
+        check_number("--max-new-tokens", max_new_tokens, low=1, integer=True)
+        plan = BatchingPlan(parse_levels(levels), max_new_tokens=max_new_tokens or d["max_new_tokens"])
+        check_target(model or d["model"], device or d["device"], dtype, "transformers", linear or d["linear"], None,
+                     weights or d["weights"])
+        work = load_workload(suite or d["suite"])
+        out_dir = Path(out or f"adaspec-bench/batch-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        n = sum(plan.requests(c) for c in plan.levels) * len(plan.modes)
+        err.print(f"batching bench: {', '.join(plan.modes)} at concurrency {', '.join(map(str, plan.levels))}: "
+                  f"{n} requests x {plan.max_new_tokens} tokens", soft_wrap=True)
+        err.print(f"loading {model or d['model']} ...")
+        target = load_model(model or d["model"], device=device or d["device"], dtype=dtype,
+                            linear=linear or d["linear"], weights=weights or d["weights"])
+        with StageProgress(err) as bar:
+            rows = run_batching(target, work, plan, progress=lambda msg: bar.message(msg))
+    except AdaspecError as exc:
+        fail(exc)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    meta = {"model": model or d["model"], "suite": suite or d["suite"], "max_new_tokens": plan.max_new_tokens,
+            "levels": list(plan.levels), "threads": torch.get_num_threads()}
+    (out_dir / "bench.json").write_text(json.dumps(meta | {"rows": rows}, indent=2), encoding="utf-8")
+    title = f"# Continuous batching ({meta['model']}, greedy, suite {meta['suite']}, {plan.max_new_tokens} new tokens)"
+    table = batching_table(rows)
+    (out_dir / "bench.md").write_text(f"{title}\n\n{table}\n", encoding="utf-8")
+    Console().print(table, soft_wrap=True)
+    Console().print(f"written: {out_dir / 'bench.json'}, {out_dir / 'bench.md'}")
+    if any(r["mismatch_not_tie"] for r in rows):
+        raise typer.Exit(1)
+
+
+def _print_plan(configs: Sequence[Any], n_prompts: int, opt: dict, quick: bool, record: str | None) -> None:
+    """What the bench will run, before it starts (and, for the quick default, about how long)."""
+    names = ", ".join(escape(c.name) for c in configs)
+    err.print(f"{'quick bench' if quick else 'bench'}: {len(configs)} configurations ({names}) x {n_prompts} "
+              f"prompts x {opt['max_new_tokens']} tokens x {opt['repeats']} pass(es)"
+              f"{', then a replay trace' if record else ''}", soft_wrap=True)
+    if quick:
+        err.print(f"[dim]about {QUICK_MINUTES} minutes for SmolLM2 on a quiet 2-core CPU (longer on a busy one, "
+                  "and on a first run, which measures the verify costs); adaspec bench --full: every row, "
+                  "2 prompts per category and the replay trace (about 4x as long)[/]", soft_wrap=True)
 
 
 def _verify_probe(target: Any, work: Sequence[Any], max_new_tokens: int) -> Any:
@@ -777,6 +908,27 @@ def _register() -> None:
 
 
 _register()
+
+
+#: what a bad command line raises in ``parse_command``: click's ``UsageError`` (typer vendors click)
+UsageError = typer.BadParameter.__mro__[1]
+
+
+def parse_command(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """Parse ``adaspec ARGV`` as the command line would, running nothing: the subcommand's name
+    and its parameters, every option and value checked by click (unknown options, missing
+    values, types, choices); a ``UsageError`` names what is wrong. The docs' commands are
+    checked with it (tests/test_docs.py)."""
+    group = typer.main.get_command(app)
+    with group.make_context("adaspec", list(argv)) as ctx:
+        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        if not rest:
+            return "", dict(ctx.params)
+        name, cmd, args = group.resolve_command(ctx, rest)
+        if cmd is None:
+            raise UsageError(f"no such command {name!r}")
+        with cmd.make_context(name, args, parent=ctx) as sub:
+            return str(name), dict(sub.params)
 
 
 def main() -> None:  # pragma: no cover

@@ -101,9 +101,7 @@ optimizer's curse, Smith & Winkler 2006), and on a steep verify curve (llama.cpp
 token pays only if a > 0.83) a context that looked good by chance costs more than plain
 decoding. It needs full information (the counts keep coming whatever is chosen): with bandit
 feedback the plan uses the means (``shrink`` 0), else a drafter whose bound fell below paying
-would never be tried again. Replay (``scripts/auto_ablation.py``), mixed-suite trace: 1.38x ->
-1.42x over AR on the PyTorch surface, 1.02x -> 1.06x on llama.cpp's (lowest category 0.935x
--> 0.990x); held-out trace (docs/results/smollm2-holdout): 1.54x -> 1.56x, 1.04x -> 1.08x.
+would never be tried again.
 """
 
 from __future__ import annotations
@@ -146,8 +144,7 @@ MAX_LOOK_SKIP = 8
 #: scoring trusted model drafters on rounds they did not play may cost at most this share of
 #: the wall time (``CostModel.eval_share``; option ``eval_share``): past it their scores are
 #: skipped (Not-a-Bandit B.5). With the default SmolLM2 pool's six feature heads scoring
-#: took 6.2% of the wall time without a budget; 0.01 and 0.005 ran level (1.90x AR both,
-#: docs/results/smollm2-pool-auto-overhead), 0.005 at 0.9% of the wall time instead of 1.0%
+#: took several percent of the wall time without a budget; with one, under 1%, at the same speed
 EVAL_SHARE = 0.005
 
 
@@ -562,8 +559,7 @@ class AutoController:
         """The widest cap ``best_k`` may plan this round (its ``top``) over the drafters
         ``choose`` prices: 0 when each is ``none``, rests or proposed nothing, ``max_k`` when
         one was not looked at. The verify row is read this wide only: a round of short or empty
-        blocks (most of them where nothing is copied) prices a few widths, not ``max_k``
-        (on llama.cpp's SmolLM2, planning was ~70 us a round with only ``none``; 2026-11-29)."""
+        blocks (most of them where nothing is copied) prices a few widths, not ``max_k``."""
         need, peeked, rest, depth, top = 0, self.peeked, self.rest_until, self.peek_depth, self.max_k
         for d, name in enumerate(self.names):
             if name in NONE_NAMES or (rest and rest.get(d, 0) > self.rounds):

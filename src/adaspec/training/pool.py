@@ -60,8 +60,7 @@ DEFAULT_POOL_TOKENS = 128
 DEFAULT_POOL_TEMPERATURES: tuple[float, ...] = (0.0,)
 #: training of the generalist (and of specialists trained from scratch): the union holds ~310k
 #: response tokens, so a few epochs of 1024-token batches. Pools stop on epochs, never on a
-#: clock: a minute cap made the trained weights depend on the machine's speed and load (a
-#: translation specialist trained beside tests stopped after 0.7 of its 3 epochs, 2026-11-28)
+#: clock: a minute cap would make the trained weights depend on the machine's speed and load
 DEFAULT_POOL_TRAIN_OPTS: dict[str, Any] = {"batch_tokens": 1024, "lr": 2e-3, "epochs": 6}
 #: specialists start from the generalist and fine-tune on their domain only: with a fifth of the
 #: data, a specialist trained from scratch lost to the generalist on 2 of 5 domains (measured)
