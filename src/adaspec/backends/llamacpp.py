@@ -51,9 +51,12 @@ import torch
 from ..errors import ConfigError, ModelLoadError
 from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from ..kernels import release_own_openmp_threads
-from .base import TargetBackend
+from .base import RowStates, TargetBackend
 
 log = logging.getLogger(__name__)
+
+#: the most sequences a llama.cpp context holds (its ``LLAMA_MAX_SEQ``)
+MAX_SEQUENCES = 256
 
 INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'adaspec[llamacpp]' "
                 "(it builds llama.cpp from source: cmake and a C++ compiler must be installed)")
@@ -394,6 +397,10 @@ class LlamaCppTarget(TargetBackend):
         self._n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self._train_ctx = int(L.llama_model_n_ctx_train(model))
         self._eos = {int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0}
+        if not 1 <= int(n_seq_max) <= min(int(n_batch), MAX_SEQUENCES):  # llama.cpp aborts on more
+            L.llama_model_free(model)
+            raise ConfigError(f"n_seq_max={n_seq_max}: a llama.cpp context holds 1 to {MAX_SEQUENCES} sequences, "
+                              f"and at most n_batch ({n_batch}, the outputs it reserves)")
         cp = L.llama_context_default_params()
         cp.n_ctx = int(n_ctx or self._train_ctx)
         cp.n_batch = cp.n_ubatch = int(n_batch)
@@ -574,6 +581,95 @@ class LlamaCppTarget(TargetBackend):
         ctypes.memmove(rows.data_ptr(), L.llama_get_logits(self._ctx), rows.nbytes)
         return rows, None
 
+    def forward_rows(self, states: Sequence[LlamaSequence], inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Every row's ``inputs`` appended to its sequence in one ``llama_batch`` (a token per
+        input, with its row's ``seq_id`` and position, logits on; ``n_batch`` tokens per
+        ``llama_decode``, a row split across calls where the round holds more): logits
+        [rows, widest row, vocab], a row's columns past its width zero (no padding token is
+        fed). A row whose state has its prompt's last token ``pending`` takes that row from
+        ``prefill``, as ``forward`` does. On a failed decode every row is cut back to where it
+        was before the call."""
+        if len(states) != len(inputs) or not inputs:
+            raise ConfigError(f"forward_rows needs one input list per state: {len(states)} states, "
+                              f"{len(inputs)} input lists")
+        inputs = [list(x) for x in inputs]
+        if any(not x for x in inputs):
+            raise ConfigError("forward_rows: every row needs at least one input token")
+        if self._kept is not None:  # as in ``forward``: the kept state is stale now
+            self._drop_kept()
+        out = torch.empty(len(inputs), max(len(x) for x in inputs), self._n_vocab, dtype=torch.float32)
+        todo: list[tuple[int, list[int], int]] = []  # (row, tokens to feed, the column of the first)
+        for r, (state, ids) in enumerate(zip(states, inputs)):
+            self._check_live(state)
+            first = 0
+            if state.pending is not None:
+                row = self._resolve_pending(state, ids[0])
+                if row is not None:
+                    out[r, 0] = row[0]
+                    first = 1
+            if state.length + len(ids) - first > self._n_ctx:
+                raise ConfigError(f"{state.length + len(ids) - first} tokens exceed this llama.cpp context of "
+                                  f"{self._n_ctx}: shorten the prompt or lower max_new_tokens")
+            out[r, len(ids):] = 0.0
+            if first < len(ids):
+                todo.append((r, ids[first:], first))
+        start = {r: states[r].length for r, _, _ in todo}
+        L, b = self._L, self._batch
+        spans: list[tuple[int, int, int]] = []  # the batch's outputs in order: (row, column, count)
+        n = 0
+        try:
+            for r, ids, col in todo:
+                state, j = states[r], 0
+                while j < len(ids):
+                    m = min(len(ids) - j, self._n_batch - n)
+                    for i, t in enumerate(ids[j:j + m]):
+                        k = n + i
+                        b.token[k] = t
+                        b.pos[k] = state.length + i
+                        b.n_seq_id[k] = 1
+                        b.seq_id[k][0] = state.seq_id
+                        b.logits[k] = True
+                    state.length += m
+                    state.tokens.extend(ids[j:j + m])
+                    spans.append((r, col + j, m))
+                    n, j = n + m, j + m
+                    if n == self._n_batch:
+                        self._decode_rows(n, spans, out)
+                        spans, n = [], 0
+            if n:
+                self._decode_rows(n, spans, out)
+        except BaseException:
+            for r, length in start.items():
+                L.llama_memory_seq_rm(self._mem, states[r].seq_id, length, -1)
+                states[r].length = length
+                del states[r].tokens[length:]
+            raise
+        return out
+
+    def _decode_rows(self, n: int, spans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> None:
+        """``llama_decode`` of the batch's first ``n`` tokens, their logits copied into ``out``
+        at ``spans`` (row, column, count; in batch order: llama.cpp stores the outputs so)."""
+        L, b = self._L, self._batch
+        b.n_tokens = n
+        rc = on_thread(self._decoder, L.llama_decode, self._ctx, b)
+        if rc != 0:
+            hint = (f": the {self._n_ctx} KV cells that every sequence shares are full; decode fewer "
+                    "requests at once (--max-batch) or load with a larger n_ctx") if rc == 1 else ""
+            raise RuntimeError(f"llama_decode failed with code {rc} on a {n}-token batch of "
+                               f"{len({r for r, _, _ in spans})} rows{hint}")
+        src = ctypes.cast(L.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        row_bytes = self._n_vocab * 4
+        for r, col, m in spans:
+            ctypes.memmove(out[r, col].data_ptr(), src, m * row_bytes)
+            src += m * row_bytes
+
+    def new_rows(self, compact_fraction: float = 0.25) -> LlamaCppRows:
+        """The rows' sequences, verified together in one ``llama_batch`` (``LlamaCppRows``)."""
+        return LlamaCppRows(self)
+
+    def batching_problem(self) -> str | None:
+        return None
+
     def truncate(self, state: LlamaSequence, length: int) -> None:
         self._check_live(state)
         if state.pending is not None:
@@ -636,6 +732,73 @@ class LlamaCppTarget(TargetBackend):
                 + {True: "|fa=on", False: "|fa=off", None: "|fa=auto"}[self.flash_attn])
 
 
+class LlamaCppRows(RowStates):
+    """The rows of a batch as sequences of one llama.cpp context: a round's inputs of every row
+    go into one ``llama_batch`` (``LlamaCppTarget.forward_rows``), and ``end_round`` removes each
+    row's rejected tail with ``llama_memory_seq_rm`` from its kept length. The layout has no
+    holes (each sequence holds its own tokens only), so ``compact`` has nothing to do. A row's
+    state is its ``LlamaSequence``, lent for the backend's per-sequence operations at any time.
+
+    Exactness: llama.cpp's kernels are not batch-invariant, and a multi-sequence batch takes
+    other matrix shapes (and attends over every sequence's cells, masked) than one sequence's
+    forward: a row's logits may differ from its one-at-a-time logits within the backend's
+    near-tie bound (``near_tie_nats``), and greedy outputs then differ only at such near-ties."""
+
+    batched = True
+
+    def __init__(self, target: LlamaCppTarget):
+        super().__init__(target)
+        self.target: LlamaCppTarget = target
+        self._seqs: list[LlamaSequence] = []
+        self._before: list[int] | None = None  # each row's length before the open round's forward
+        self._kept: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def join(self, state: LlamaSequence, length: int) -> None:
+        self.target._check_live(state)
+        if self._before is not None:
+            raise RuntimeError("LlamaCppRows.join during a round: join before forward or after end_round")
+        self._seqs.append(state)
+
+    def leave(self, rows: Sequence[int]) -> None:
+        drop = set(rows)
+        for r in sorted(drop):
+            self.target.release(self._seqs[r])
+        self._seqs = [s for r, s in enumerate(self._seqs) if r not in drop]
+        if self._before is not None:
+            self._before = [n for r, n in enumerate(self._before) if r not in drop]
+            self._kept = [n for r, n in enumerate(self._kept) if r not in drop]
+
+    def state(self, r: int) -> LlamaSequence:
+        return self._seqs[r]
+
+    def forward(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        if len(inputs) != len(self._seqs):
+            raise ConfigError(f"LlamaCppRows.forward: {len(inputs)} input lists for {len(self._seqs)} rows")
+        logits = self.target.forward_rows(self._seqs, inputs)
+        self._before = [s.length - len(x) for s, x in zip(self._seqs, inputs)]
+        self._kept = [0] * len(self._seqs)
+        return logits
+
+    def keep(self, r: int, kept: int) -> None:
+        if self._before is None:
+            raise RuntimeError("LlamaCppRows.keep without a forward in this round")
+        self._kept[r] = int(kept)
+
+    def end_round(self, leaving: Sequence[int] = ()) -> None:
+        """Cut every row to its length before the forward plus what it kept (a row not kept
+        drops its inputs), then drop the rows ``leaving`` (their tokens exact for the prefix
+        cache). After a round the rows ran on their own states, only the leaving."""
+        if self._before is not None:
+            for s, before, kept in zip(self._seqs, self._before, self._kept):
+                self.target.truncate(s, before + kept)
+            self._before = None
+        if leaving:
+            self.leave(leaving)
+
+
 def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
     L.llama_batch_free(batch)
     L.llama_free(ctx)
@@ -658,10 +821,18 @@ def gguf_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"could not read the tokenizer of {path}: {exc}") from exc
 
 
+#: KV sequences of a context that ``load_model`` loads (``sequences``): a batch's rows, the
+#: prefix cache's kept state and, while rows decode, a batch cost grid's rows (sequence ids
+#: cost llama.cpp no compute: the unified cache's cells are shared, ``n_ctx`` in all)
+DEFAULT_SEQUENCES = 32
+
+
 def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: Any = None,
-                  threads: int | None = None, flash_attn: bool | None = None) -> LlamaCppTarget:
+                  threads: int | None = None, flash_attn: bool | None = None,
+                  sequences: int | None = None) -> LlamaCppTarget:
     """``load_model(spec, backend="llama.cpp")``: checks that the model is a GGUF file and that
-    the options make sense on llama.cpp before loading."""
+    the options make sense on llama.cpp before loading; ``sequences``: the context's KV
+    sequences (``n_seq_max``; default ``DEFAULT_SEQUENCES``, at most 256)."""
     if gguf is None:
         raise ConfigError(f"the llama.cpp backend runs GGUF files, and {spec!r} is not one: pass a .gguf "
                           "file (or 'smollm2', or a model fetched with `adaspec fetch`), or use "
@@ -678,5 +849,9 @@ def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: A
     else:
         raise ConfigError(f"device {dev!r} on the llama.cpp backend: this llama.cpp build runs on the "
                           "CPU only: use device cpu (or a GPU build of llama-cpp-python for cuda)")
+    sequences = DEFAULT_SEQUENCES if sequences is None else sequences
+    if isinstance(sequences, bool) or not isinstance(sequences, int) or not 1 <= sequences <= MAX_SEQUENCES:
+        raise ConfigError(f"sequences must be an integer from 1 to {MAX_SEQUENCES} (llama.cpp's limit), "
+                          f"got {sequences!r}")
     return LlamaCppTarget(gguf, name=str(spec), tokenizer=gguf_tokenizer(gguf), threads=threads,
-                          gpu_layers=gpu_layers, flash_attn=flash_attn)
+                          gpu_layers=gpu_layers, flash_attn=flash_attn, n_seq_max=sequences)
