@@ -299,3 +299,98 @@ def test_row_cost_grid_through_the_batched_rows(llama):
     assert llama.free_states() >= 11
     with pytest.raises(ConfigError, match="needs 64 free KV states"):
         measure_row_costs(llama, rows=[64], widths=[1], contexts=[16])
+
+
+def test_served_llamacpp_requests_share_rounds_and_answer_as_one_at_a_time(llama):
+    """``adaspec serve --backend llama.cpp --max-batch 3`` (prefix cache off): five concurrent
+    completions, some streamed, share batched rounds; each answer's tokens equal the engine's one
+    request at a time, or differ first at a near-tie of plain decoding (printed)."""
+    import asyncio
+    import json
+
+    import httpx
+    from serving import serve_in_thread
+
+    from adaspec.config import GenerationConfig
+    from adaspec.serve import ServeConfig, create_app
+
+    engine = SpeculativeEngine(llama, ["prompt-lookup", "suffix"], selector="round-robin", length=3)
+    app = create_app(engine, ServeConfig(model_id="smollm2", selector="round-robin", length=3, k=3, max_batch=3,
+                                         prefix_cache=False, state_file=None))
+    prompts = [PROMPTS[i] for i in (0, 1, 3, 5, 2)]
+    budgets = [20, 12, 16, 8, 10]
+    executor = app.state.server.scheduler._batch
+    sizes, tokens = [], {}
+    step, deliver = executor.batch.step, executor._deliver
+
+    def spy_step():
+        sizes.append(len(executor.batch.active))
+        return step()
+
+    def spy_deliver(ev):
+        tokens.setdefault(tuple(executor.live[ev.request].job.plan.prompt_ids), []).extend(ev.tokens)
+        return deliver(ev)
+
+    executor.batch.step, executor._deliver = spy_step, spy_deliver
+
+    async def main(base):
+        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            return await asyncio.gather(*[
+                http.post("/v1/completions", json={"model": "smollm2", "prompt": p, "max_tokens": n,
+                                                   "temperature": 0, "stream": i % 2 == 1})
+                for i, (p, n) in enumerate(zip(prompts, budgets))])
+
+    with serve_in_thread(app) as base:
+        responses = asyncio.run(main(base))
+    assert max(sizes) > 1 and max(sizes) <= 3
+    for i, (resp, p, n) in enumerate(zip(responses, prompts, budgets)):
+        assert resp.status_code == 200
+        if i % 2 == 1:
+            got = "".join(json.loads(line[6:])["choices"][0]["text"] for line in resp.text.splitlines()
+                          if line.startswith("data: {"))
+        else:
+            got = resp.json()["choices"][0]["text"]
+        ids = engine.encode_prompt(p, False)
+        served = tokens[tuple(ids)]
+        assert got == engine.decode(served)
+        want = engine.generate(p, GenerationConfig(max_new_tokens=n, chat_template=False))
+        at, gap = divergence_gap(llama, ids, want.token_ids, served)
+        if gap is None:
+            assert served == want.token_ids and got == want.text
+        else:
+            print(f"served prompt {i} differs at token {at}, margin {gap:.4f} nats")
+            assert gap <= llama.near_tie_nats
+
+
+SYSTEM = "You are a careful assistant. Answer in one short sentence, and never add anything else. "
+
+
+def test_batched_requests_share_a_prefix_from_the_prefix_cache(llama):
+    """With ``prefix_cache`` on, a request that joins a batch while others decode starts from a
+    finished request's KV (their shared system prompt), as the kept prefix survives the batch's
+    rounds; its answer equals the one a fresh engine gives, or differs first at a near-tie of
+    plain decoding (the reused KV was computed in other batches). Off: nothing is reused."""
+    engine = SpeculativeEngine(llama, ["prompt-lookup"], selector="static", k=3)
+    prompts = [SYSTEM + "What colour is the sky?", "Count: 1, 2, 3, 4, 5, 6,", SYSTEM + "What colour is grass?"]
+    budgets = [4, 30, 12]
+    shared = len(engine.encode_prompt(SYSTEM, False))
+    results = {}
+    for cache in (False, True):
+        llama.prefix_cache = cache
+        try:
+            batch = BatchEngine(engine, max_batch=2)
+            ids = [batch.add(p, max_new_tokens=n, chat_template=False) for p, n in zip(prompts, budgets)]
+            out = batch.run()
+            results[cache] = [out[i] for i in ids]
+        finally:
+            llama.prefix_cache = False
+            llama.drop_prefixes()
+    assert [r.stats.cached_prompt_tokens for r in results[False]] == [0, 0, 0]
+    on = results[True]
+    assert on[0].stats.cached_prompt_tokens == 0 and shared - 2 <= on[2].stats.cached_prompt_tokens < len(on[2].prompt_ids)
+    for p, n, r in zip(prompts, budgets, on):
+        want = engine.generate(p, max_new_tokens=n, chat_template=False)
+        at, gap = divergence_gap(llama, want.prompt_ids, want.token_ids, r.token_ids)
+        if gap is not None:
+            print(f"prefix cache on: {p!r} differs at token {at}, margin {gap:.4f} nats")
+            assert gap <= llama.near_tie_nats

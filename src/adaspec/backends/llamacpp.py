@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -314,12 +315,19 @@ class LlamaCppTarget(TargetBackend):
             8 tokens 34 ms against 109; docs/llamacpp.md, "Flash attention off"). True: on
             (then verify blocks give one-token forwards' logits bit for bit while the sequence
             holds at most 256 tokens, on SmolLM2's file); False: off.
-        prefix_cache: keep the KV of the last released state, and let the next ``prefill``
-            start from the longest prefix its prompt shares with it (a chat's next turn, a
-            shared system prompt), as llama.cpp's server does with ``cache_prompt``. Off by
-            default: the reused KV was computed in other batches than a fresh prefill's, so
-            outputs may differ from a fresh run's at numeric near-ties (``adaspec serve``
-            turns it on; benchmarks and exactness checks leave it off).
+        prefix_cache: keep the KV of released states (whole prefixes: the state's tokens), and
+            let a ``prefill`` start from the longest prefix its prompt shares with any of them
+            (a chat's next turn, a shared system prompt), as llama.cpp's server does with
+            ``cache_prompt``, across the requests of a batch too. Off by default: the reused KV
+            was computed in other batches than a fresh prefill's, so outputs may differ from a
+            fresh run's at numeric near-ties (``adaspec serve`` turns it on; benchmarks and
+            exactness checks leave it off).
+        prefix_cache_tokens: the kept prefixes' size: least recently used ones are dropped while
+            they hold more tokens together than this (default: an eighth of ``n_ctx``), the last
+            released one always kept; every kept cell widens the attention span of every
+            forward on the unified cache, so the size bounds that cost. A prefix also gives up
+            its sequence id when ``new_state`` needs one, and one that a newer prefix extends is
+            dropped.
     """
 
     backend = "llama.cpp"
@@ -358,21 +366,25 @@ class LlamaCppTarget(TargetBackend):
             n = self._n_vocab
             ids = [(i * 7919 + 13) % n for i in range(self.PROBE_PREFIX + self.PROBE_BLOCK)]
             prefix, tail = ids[:self.PROBE_PREFIX], ids[self.PROBE_PREFIX:]
-            rows = []
-            for blocks in ([[t] for t in tail], [tail]):
-                state = self.new_state()
-                try:
-                    self.forward(state, prefix, keep=1)
-                    rows.append(torch.cat([self.forward(state, b, keep=len(b))[0] for b in blocks]))
-                finally:
-                    self.release(state)
+            rows, cache = [], self.prefix_cache
+            self.prefix_cache = False  # the probe's random ids are no prefix worth keeping
+            try:
+                for blocks in ([[t] for t in tail], [tail]):
+                    state = self.new_state()
+                    try:
+                        self.forward(state, prefix, keep=1)
+                        rows.append(torch.cat([self.forward(state, b, keep=len(b))[0] for b in blocks]))
+                    finally:
+                        self.release(state)
+            finally:
+                self.prefix_cache = cache
             self._short_invariant = bool(torch.equal(rows[0], rows[1]))
         return self._short_invariant
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
                  n_batch: int = 512, gpu_layers: int = 0, prefix_cache: bool = False,
-                 flash_attn: bool | None = None):
+                 flash_attn: bool | None = None, prefix_cache_tokens: int | None = None):
         L = import_llama_cpp()
         self._L = L
         self.path = Path(path)
@@ -435,8 +447,13 @@ class LlamaCppTarget(TargetBackend):
         self._short_invariant: bool | None = None  # see short_blocks_invariant
         self._rows = RowBuffers(self._n_vocab)  # the forwards' logits rows, reused when free
         self.prefix_cache = bool(prefix_cache)
-        #: (sequence id, its tokens): the KV of the last released state, kept for the next prefill
-        self._kept: tuple[int, list[int]] | None = None
+        if prefix_cache_tokens is not None and (isinstance(prefix_cache_tokens, bool)
+                                                or not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0):
+            raise ConfigError(f"prefix_cache_tokens must be an integer >= 0, got {prefix_cache_tokens!r}")
+        #: most tokens the kept prefixes hold together (the last released one is kept regardless)
+        self.prefix_cache_tokens = self._n_ctx // 8 if prefix_cache_tokens is None else int(prefix_cache_tokens)
+        #: sequence id -> its tokens: released states' KV kept for later prefills, least recently used first
+        self._prefixes: OrderedDict[int, list[int]] = OrderedDict()
         self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
 
     # -- TargetBackend ------------------------------------------------------------------
@@ -471,8 +488,8 @@ class LlamaCppTarget(TargetBackend):
                 "weights": f"{digest}-{self.path.stat().st_size}"}
 
     def new_state(self) -> LlamaSequence:
-        if not self._free_ids and self._kept is not None:
-            self._drop_kept()
+        if not self._free_ids and self._prefixes:
+            self._drop_prefix(next(iter(self._prefixes)))  # the least recently used gives way
         if not self._free_ids:
             raise ConfigError(f"all {self._n_seq_max} KV sequences of this llama.cpp "
                               "context are in use: release states, or load with a larger n_seq_max")
@@ -490,36 +507,60 @@ class LlamaCppTarget(TargetBackend):
         feeds it: the last token's KV and logits then carry the same numbers as there (batches of
         other sizes may not), and its row answers the first round (``pending``). With
         ``prefix_cache``, an empty state first takes the longest prefix the prompt shares with
-        the kept state (all but its last token at most, whose row is needed) by copying its KV
-        cells (``llama_memory_seq_cp``: no compute), and the batch is the rest. Returns the
-        number of prompt tokens reused so."""
+        a kept prefix (all but its last token at most, whose row is needed) by copying its KV
+        cells (``llama_memory_seq_cp``: the cells are shared, no compute), and the batch is the
+        rest; that prefix becomes the most recently used. Returns the number of prompt tokens
+        reused so."""
         prompt = list(prompt)
         self._check_live(state)
         reused = 0
-        if self._kept is not None:
-            kept_id, kept_tokens = self._kept
-            if self.prefix_cache and state.length == 0 and state.pending is None and len(prompt) > 1:
-                n = min(len(kept_tokens), len(prompt) - 1)
-                while reused < n and kept_tokens[reused] == prompt[reused]:
-                    reused += 1
-                if reused:
-                    self._L.llama_memory_seq_cp(self._mem, kept_id, state.seq_id, 0, reused)
-                    state.length, state.tokens = reused, prompt[:reused]
-            self._drop_kept()  # its other cells would only widen every later forward's attention
+        if self._prefixes and not self.prefix_cache:  # turned off: nothing kept is used again
+            self.drop_prefixes()
+        if self._prefixes and state.length == 0 and state.pending is None and len(prompt) > 1:
+            limit, best_id = len(prompt) - 1, None
+            for seq_id, tokens in self._prefixes.items():
+                n = _shared_prefix(tokens, prompt, limit)
+                if n > reused:
+                    reused, best_id = n, seq_id
+            if best_id is not None:
+                self._L.llama_memory_seq_cp(self._mem, best_id, state.seq_id, 0, reused)
+                state.length, state.tokens = reused, prompt[:reused]
+                self._prefixes.move_to_end(best_id)
         if len(prompt) > reused:
             logits, _ = self.forward(state, prompt[reused:], keep=1)
             state.length -= 1
             state.pending = (prompt[-1], logits[-1:])
         return reused
 
-    def _drop_kept(self) -> None:
-        """Free the kept state's sequence (its cells that another state copied stay, as that
+    @property
+    def prefixes(self) -> list[list[int]]:
+        """The kept prefixes' tokens, least recently used first (``prefix_cache``)."""
+        return [list(t) for t in self._prefixes.values()]
+
+    def drop_prefixes(self) -> None:
+        """Free every kept prefix (``prefix_cache``)."""
+        for seq_id in list(self._prefixes):
+            self._drop_prefix(seq_id)
+
+    def _drop_prefix(self, seq_id: int) -> None:
+        """Free a kept prefix's sequence (its cells that a live state copied stay, as that
         state's)."""
-        if self._kept is not None:
-            seq_id, _ = self._kept
-            self._kept = None
-            self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            self._free_ids.append(seq_id)
+        del self._prefixes[seq_id]
+        self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._free_ids.append(seq_id)
+
+    def _keep_prefix(self, seq_id: int, tokens: list[int]) -> None:
+        """Keep a released state's KV as the most recent prefix; drop the prefixes it extends,
+        then the least recently used while they hold more than ``prefix_cache_tokens``."""
+        for other, held in list(self._prefixes.items()):
+            if len(held) <= len(tokens) and tokens[:len(held)] == held:
+                self._drop_prefix(other)
+        self._prefixes[seq_id] = tokens
+        total = sum(len(t) for t in self._prefixes.values())
+        while len(self._prefixes) > 1 and total > self.prefix_cache_tokens:
+            oldest = next(iter(self._prefixes))
+            total -= len(self._prefixes[oldest])
+            self._drop_prefix(oldest)
 
     def _resolve_pending(self, state: LlamaSequence, first: int | None) -> torch.Tensor | None:
         """Consume a pending prompt token: its logits row when ``first`` is that token (the KV is
@@ -539,8 +580,6 @@ class LlamaCppTarget(TargetBackend):
             self.require_hidden_states("forward(hidden=True)")
         self._check_live(state)
         ids = list(ids)
-        if self._kept is not None:  # a forward not led by prefill: the kept state is stale
-            self._drop_kept()
         if state.pending is not None and ids:
             row = self._resolve_pending(state, ids[0])
             if row is not None:
@@ -595,8 +634,6 @@ class LlamaCppTarget(TargetBackend):
         inputs = [list(x) for x in inputs]
         if any(not x for x in inputs):
             raise ConfigError("forward_rows: every row needs at least one input token")
-        if self._kept is not None:  # as in ``forward``: the kept state is stale now
-            self._drop_kept()
         out = torch.empty(len(inputs), max(len(x) for x in inputs), self._n_vocab, dtype=torch.float32)
         todo: list[tuple[int, list[int], int]] = []  # (row, tokens to feed, the column of the first)
         for r, (state, ids) in enumerate(zip(states, inputs)):
@@ -683,14 +720,15 @@ class LlamaCppTarget(TargetBackend):
         return state.length
 
     def release(self, state: LlamaSequence) -> None:
-        """Free the state's sequence; with ``prefix_cache``, keep its KV (in place of the state
-        kept before) for the next ``prefill`` instead."""
+        """Free the state's sequence; with ``prefix_cache``, keep its KV as a prefix for later
+        ``prefill`` calls instead (the size and eviction rule: ``prefix_cache_tokens``)."""
         if not state.released:
             state.released = True
             if self.prefix_cache and state.tokens:
-                self._drop_kept()
-                state.finalizer.detach()  # the id now belongs to the kept entry
-                self._kept = (state.seq_id, state.tokens)
+                if state.pending is not None:  # the pending token's KV is there: it is kept too
+                    state.pending = None
+                state.finalizer.detach()  # the id now belongs to the kept prefix
+                self._keep_prefix(state.seq_id, state.tokens)
                 state.tokens = []
             else:
                 state.finalizer()  # _reclaim, once
@@ -718,7 +756,7 @@ class LlamaCppTarget(TargetBackend):
                 torch.set_num_threads(self._torch_threads)
 
     def free_states(self) -> int:
-        return len(self._free_ids) + (self._kept is not None)  # a kept state gives way to a new one
+        return len(self._free_ids) + len(self._prefixes)  # a kept prefix gives way to a new state
 
     def _check_live(self, state: Any) -> None:
         if not isinstance(state, LlamaSequence) or state.released:
@@ -797,6 +835,14 @@ class LlamaCppRows(RowStates):
             self._before = None
         if leaving:
             self.leave(leaving)
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n, limit = 0, min(limit, len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
