@@ -394,3 +394,27 @@ def test_batched_requests_share_a_prefix_from_the_prefix_cache(llama):
         if gap is not None:
             print(f"prefix cache on: {p!r} differs at token {at}, margin {gap:.4f} nats")
             assert gap <= llama.near_tie_nats
+
+
+def test_a_full_kv_cache_frees_the_kept_prefixes_then_says_so():
+    """The sequences share ``n_ctx`` cells: where a forward finds them full, the kept prefixes
+    give way and it runs; where live states hold them, the error names the cause and the fix."""
+    target = _target(n_ctx=256, n_seq_max=4, prefix_cache=True, prefix_cache_tokens=1000)
+    ids = _ids(target, 400, 31)
+    s = target.new_state()
+    target.prefill(s, ids[:200])
+    target.release(s)
+    assert [len(p) for p in target.prefixes] == [200]
+    s = target.new_state()
+    logits, _ = target.forward(s, ids[200:300], keep=1)  # 200 kept + 100 > 256: the prefix goes
+    assert target.prefixes == [] and s.length == 100
+    rows = target.new_rows()
+    rows.join(s, 100)
+    other = target.new_state()
+    target.forward(other, ids[300:400], keep=1)
+    rows.join(other, 100)
+    with pytest.raises(RuntimeError, match="KV cells that every sequence shares are full.*--max-batch"):
+        rows.forward([ids[:40], ids[40:80]])  # 200 held + 80 > 256
+    assert [rows.state(r).length for r in range(2)] == [100, 100]  # cut back to before the call
+    target.prefix_cache = False
+    rows.release()

@@ -607,11 +607,11 @@ class LlamaCppTarget(TargetBackend):
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
                 b.logits[i] = i >= first_out
-            rc = on_thread(self._decoder, L.llama_decode, self._ctx, b)
+            rc = self._decode()
             if rc != 0:
                 # the failed batch may have left cells behind: drop everything past the old length
                 L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
-                raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch")
+                raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch{self._full_hint(rc)}")
             state.length += m
             state.tokens.extend(chunk)
         # one memcpy out of llama.cpp's buffer (overwritten by the next decode) into a free
@@ -688,17 +688,31 @@ class LlamaCppTarget(TargetBackend):
         at ``spans`` (row, column, count; in batch order: llama.cpp stores the outputs so)."""
         L, b = self._L, self._batch
         b.n_tokens = n
-        rc = on_thread(self._decoder, L.llama_decode, self._ctx, b)
+        rc = self._decode()
         if rc != 0:
-            hint = (f": the {self._n_ctx} KV cells that every sequence shares are full; decode fewer "
-                    "requests at once (--max-batch) or load with a larger n_ctx") if rc == 1 else ""
             raise RuntimeError(f"llama_decode failed with code {rc} on a {n}-token batch of "
-                               f"{len({r for r, _, _ in spans})} rows{hint}")
+                               f"{len({r for r, _, _ in spans})} rows{self._full_hint(rc)}")
         src = ctypes.cast(L.llama_get_logits(self._ctx), ctypes.c_void_p).value
         row_bytes = self._n_vocab * 4
         for r, col, m in spans:
             ctypes.memmove(out[r, col].data_ptr(), src, m * row_bytes)
             src += m * row_bytes
+
+    def _decode(self) -> int:
+        """``llama_decode`` of the batch; where the KV cells are full (code 1: nothing was
+        computed or stored), the kept prefixes give way and it is tried once more."""
+        rc = on_thread(self._decoder, self._L.llama_decode, self._ctx, self._batch)
+        if rc == 1 and self._prefixes:
+            self.drop_prefixes()
+            rc = on_thread(self._decoder, self._L.llama_decode, self._ctx, self._batch)
+        return rc
+
+    def _full_hint(self, rc: int) -> str:
+        """What a failed decode's code means, where it is the full KV cache's."""
+        if rc != 1:
+            return ""
+        return (f": the {self._n_ctx} KV cells that every sequence shares are full; decode fewer "
+                "requests at once (--max-batch) or load with a larger n_ctx")
 
     def new_rows(self, compact_fraction: float = 0.25) -> LlamaCppRows:
         """The rows' sequences, verified together in one ``llama_batch`` (``LlamaCppRows``)."""
