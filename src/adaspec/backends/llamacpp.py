@@ -52,7 +52,7 @@ import torch
 from ..errors import ConfigError, ModelLoadError
 from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from ..kernels import release_own_openmp_threads
-from .base import RowStates, TargetBackend
+from .base import SequentialRows, TargetBackend
 
 log = logging.getLogger(__name__)
 
@@ -446,6 +446,9 @@ class LlamaCppTarget(TargetBackend):
         self._scopes, self._torch_threads = 0, torch.get_num_threads()  # see request_scope
         self._short_invariant: bool | None = None  # see short_blocks_invariant
         self._rows = RowBuffers(self._n_vocab)  # the forwards' logits rows, reused when free
+        # a batched round's logits [rows, widest, vocab] (``forward_rows``): up to 128 rows, two
+        # buffers (fresh tensors of ~16 MB a round came from fresh pages, faulted in each time)
+        self._round_rows = RowBuffers(self._n_vocab, rows=128, count=2)
         self.prefix_cache = bool(prefix_cache)
         if prefix_cache_tokens is not None and (isinstance(prefix_cache_tokens, bool)
                                                 or not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0):
@@ -634,7 +637,8 @@ class LlamaCppTarget(TargetBackend):
         inputs = [list(x) for x in inputs]
         if any(not x for x in inputs):
             raise ConfigError("forward_rows: every row needs at least one input token")
-        out = torch.empty(len(inputs), max(len(x) for x in inputs), self._n_vocab, dtype=torch.float32)
+        width = max(len(x) for x in inputs)
+        out = self._round_rows.take(len(inputs) * width).view(len(inputs), width, self._n_vocab)
         todo: list[tuple[int, list[int], int]] = []  # (row, tokens to feed, the column of the first)
         for r, (state, ids) in enumerate(zip(states, inputs)):
             self._check_live(state)
@@ -784,7 +788,7 @@ class LlamaCppTarget(TargetBackend):
                 + {True: "|fa=on", False: "|fa=off", None: "|fa=auto"}[self.flash_attn])
 
 
-class LlamaCppRows(RowStates):
+class LlamaCppRows(SequentialRows):
     """The rows of a batch as sequences of one llama.cpp context: a round's inputs of every row
     go into one ``llama_batch`` (``LlamaCppTarget.forward_rows``), and ``end_round`` removes each
     row's rejected tail with ``llama_memory_seq_rm`` from its kept length. The layout has no
@@ -801,37 +805,28 @@ class LlamaCppRows(RowStates):
     def __init__(self, target: LlamaCppTarget):
         super().__init__(target)
         self.target: LlamaCppTarget = target
-        self._seqs: list[LlamaSequence] = []
         self._before: list[int] | None = None  # each row's length before the open round's forward
         self._kept: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self._seqs)
 
     def join(self, state: LlamaSequence, length: int) -> None:
         self.target._check_live(state)
         if self._before is not None:
             raise RuntimeError("LlamaCppRows.join during a round: join before forward or after end_round")
-        self._seqs.append(state)
+        super().join(state, length)
 
     def leave(self, rows: Sequence[int]) -> None:
-        drop = set(rows)
-        for r in sorted(drop):
-            self.target.release(self._seqs[r])
-        self._seqs = [s for r, s in enumerate(self._seqs) if r not in drop]
         if self._before is not None:
+            drop = set(rows)
             self._before = [n for r, n in enumerate(self._before) if r not in drop]
             self._kept = [n for r, n in enumerate(self._kept) if r not in drop]
-
-    def state(self, r: int) -> LlamaSequence:
-        return self._seqs[r]
+        super().leave(rows)
 
     def forward(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
-        if len(inputs) != len(self._seqs):
-            raise ConfigError(f"LlamaCppRows.forward: {len(inputs)} input lists for {len(self._seqs)} rows")
-        logits = self.target.forward_rows(self._seqs, inputs)
-        self._before = [s.length - len(x) for s, x in zip(self._seqs, inputs)]
-        self._kept = [0] * len(self._seqs)
+        if len(inputs) != len(self._states):
+            raise ConfigError(f"LlamaCppRows.forward: {len(inputs)} input lists for {len(self._states)} rows")
+        logits = self.target.forward_rows(self._states, inputs)
+        self._before = [s.length - len(x) for s, x in zip(self._states, inputs)]
+        self._kept = [0] * len(self._states)
         return logits
 
     def keep(self, r: int, kept: int) -> None:
@@ -844,7 +839,7 @@ class LlamaCppRows(RowStates):
         drops its inputs), then drop the rows ``leaving`` (their tokens exact for the prefix
         cache). After a round the rows ran on their own states, only the leaving."""
         if self._before is not None:
-            for s, before, kept in zip(self._seqs, self._before, self._kept):
+            for s, before, kept in zip(self._states, self._before, self._kept):
                 self.target.truncate(s, before + kept)
             self._before = None
         if leaving:
