@@ -347,7 +347,7 @@ def kept(llama):
         yield llama
     finally:
         llama.prefix_cache = False
-        llama._drop_kept()
+        llama.drop_prefixes()
 
 
 def test_llamacpp_prefix_cache_starts_the_next_prompt_from_the_kept_kv(kept):
@@ -363,11 +363,11 @@ def test_llamacpp_prefix_cache_starts_the_next_prompt_from_the_kept_kv(kept):
     llama.forward(s, ids[66:68], keep=1)
     assert s.tokens == ids[:68] and s.length == 68
     llama.release(s)
-    assert llama._kept is not None and llama.free_states() == free  # a kept state gives way
+    assert llama.prefixes == [ids[:68]] and llama.free_states() == free  # a kept prefix gives way
 
     s = llama.new_state()
     try:
-        assert llama.prefill(s, ids[:90]) == 68 and llama._kept is None
+        assert llama.prefill(s, ids[:90]) == 68 and llama.prefixes == [ids[:68]]  # still kept for others
         assert s.tokens == ids[:90] and s.length == 89 and s.pending is not None
         row = llama.forward(s, [ids[89]], keep=1)[0][-1].clone()
     finally:
@@ -376,6 +376,7 @@ def test_llamacpp_prefix_cache_starts_the_next_prompt_from_the_kept_kv(kept):
     # prefill of all 90 tokens in one batch computes other numbers on llama.cpp's quantized
     # kernels: up to ~0.3 apart on these random ids, as its own server's cache_prompt does.)
     llama.prefix_cache = False
+    llama.drop_prefixes()
     s = llama.new_state()
     try:
         llama.forward(s, ids[:60], keep=1)
@@ -387,34 +388,51 @@ def test_llamacpp_prefix_cache_starts_the_next_prompt_from_the_kept_kv(kept):
         llama.release(s)
 
 
-def test_llamacpp_prefix_cache_keeps_the_last_state_only_and_gives_way(kept):
-    llama, ids = kept, _ids(kept, 60, 22)
-    s = llama.new_state()
-    llama.prefill(s, ids[:30])
-    llama.release(s)
-    s = llama.new_state()
-    assert llama.prefill(s, ids[30:]) == 0 and llama._kept is None  # nothing shared: dropped
-    llama.release(s)
-    # the whole prompt kept: all but its last token are reused (its row must be computed)
-    s = llama.new_state()
-    assert llama.prefill(s, ids[30:]) == 29
-    llama.release(s)
-    # a forward that no prefill leads (a fresh state's own tokens) drops the kept state
-    s = llama.new_state()
-    llama.forward(s, ids[:5], keep=1)
-    assert llama._kept is None
-    llama.release(s)
-    # every sequence wanted: the kept one is freed for it
-    states = [llama.new_state() for _ in range(llama.free_states())]
-    assert llama._kept is None and llama.free_states() == 0
-    for st in states:
-        llama.release(st)  # each release keeps its own, dropping the one before
-    assert llama.free_states() == len(states)
-    llama.prefix_cache = False
-    s = llama.new_state()
-    assert llama.prefill(s, ids[:10]) == 0 and llama._kept is None  # off: the kept one is not used
-    llama.release(s)
-    assert llama._kept is None  # nor is anything kept
+def test_llamacpp_prefix_cache_keeps_prefixes_by_lru_within_its_size(kept):
+    """Released states' prefixes are kept whole, least recently used first: a prompt reuses the
+    longest one it shares (all but its last token at most), which becomes the most recent; one
+    that a newer prefix extends is dropped; past ``prefix_cache_tokens`` the oldest go (the last
+    released stays); a new state takes a kept prefix's sequence when none is free; off, nothing
+    kept is used or kept."""
+    llama, ids = kept, _ids(kept, 200, 22)
+    size = llama.prefix_cache_tokens
+    llama.prefix_cache_tokens = 100
+    try:
+        a, b, c = ids[:30], ids[30:70], ids[70:110]
+        for p in (a, b):
+            s = llama.new_state()
+            llama.prefill(s, p)
+            llama.release(s)
+        assert llama.prefixes == [a, b]
+        s = llama.new_state()
+        assert llama.prefill(s, a[:20] + c) == 20 and llama.prefixes == [b, a]  # a: now the most recent
+        llama.release(s)  # a[:20] + c shares 20 with a: both kept, b (oldest) over the size
+        assert llama.prefixes == [a, a[:20] + c]
+        s = llama.new_state()
+        assert llama.prefill(s, a + [7, 8]) == 30  # the whole of a
+        llama.release(s)
+        assert llama.prefixes == [a[:20] + c, a + [7, 8]]  # a + [7, 8] extends a: a dropped
+        s = llama.new_state()
+        assert llama.prefill(s, ids[150:]) == 0  # nothing shared
+        llama.forward(s, ids[199:] + [5, 6], keep=1)  # forwards keep the prefixes
+        assert len(llama.prefixes) == 2
+        llama.release(s)
+        assert llama.prefixes == [a + [7, 8], ids[150:] + [5, 6]]  # 60 + 32 + 52 > 100: the oldest went
+        states = [llama.new_state() for _ in range(llama.free_states())]  # every sequence wanted
+        assert llama.prefixes == [] and llama.free_states() == 0
+        for st in states:
+            llama.release(st)  # empty states: nothing to keep
+        assert llama.prefixes == [] and llama.free_states() == len(states)
+        s = llama.new_state()
+        llama.prefill(s, a)
+        llama.release(s)
+        llama.prefix_cache = False
+        s = llama.new_state()
+        assert llama.prefill(s, a) == 0 and llama.prefixes == []  # off: nothing kept is used
+        llama.release(s)
+        assert llama.prefixes == []  # nor is anything kept
+    finally:
+        llama.prefix_cache_tokens = size
 
 
 def test_llamacpp_engine_reports_cached_prompt_tokens(kept):
@@ -436,7 +454,7 @@ def test_llamacpp_engine_reports_cached_prompt_tokens(kept):
     assert len(a.prompt_ids) <= b.stats.cached_prompt_tokens < len(b.prompt_ids)
     assert b.stats.to_dict()["cached_prompt_tokens"] == b.stats.cached_prompt_tokens
     kept.prefix_cache = False
-    kept._drop_kept()
+    kept.drop_prefixes()
     fresh = engine.generate(chat, max_new_tokens=16)
     assert fresh.stats.cached_prompt_tokens == 0
     # the reused KV was computed in other batches than a fresh prefill's: the answers agree up

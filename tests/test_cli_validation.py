@@ -81,7 +81,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "--port", "70000"], r"--port 70000: must be an integer >= 1 and <= 65535"),
         (["serve", "--max-queue", "0"], r"--max-queue 0: must be"),
         (["serve", "--max-batch", "0"], r"--max-batch 0: must be an integer >= 1"),
-        (["serve", "--max-batch", "4", "--backend", "llama.cpp"], r"--max-batch > 1 .* transformers backend"),
+        (["serve", "--max-batch", "300", "--backend", "llama.cpp"], r"--max-batch 300: a llama.cpp context holds at most 256"),
         (["serve", "--flash-attn"], r"--flash-attn/--no-flash-attn is for --backend llama.cpp"),
         (["serve", "--timeout", "0"], r"--timeout 0.0: must be"),
         (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),

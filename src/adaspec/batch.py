@@ -38,7 +38,7 @@ from .round import (GenerationResult, Outcome, Round, Row, RowParts, RowPlan, Se
 DEFAULT_PREFILL_CHUNK = 256
 
 __all__ = ["BatchEngine", "BatchEvent", "batching_problem", "joint_width", "load_or_measure_batch",
-           "measure_batch_costs", "DEFAULT_PREFILL_CHUNK"]
+           "measure_batch_costs", "measure_row_costs", "DEFAULT_PREFILL_CHUNK"]
 
 
 @dataclass
@@ -384,7 +384,8 @@ def load_or_measure_batch(target: LoadedModel, progress: Callable[[int, int], No
     """The target's batch verify-cost surface, measured once and cached (``costs.BatchCosts``;
     ``grid``: ``rows``, ``widths``, ``contexts`` other than the defaults; ``progress(done,
     total)`` after each cache length and row count measured)."""
-    return load_or_measure_batch_costs(target, measure_batch_costs, progress=progress, **grid)
+    measure = measure_batch_costs if isinstance(target, LoadedModel) else measure_row_costs
+    return load_or_measure_batch_costs(target, measure, progress=progress, **grid)
 
 
 @torch.inference_mode()
@@ -425,3 +426,69 @@ def measure_batch_costs(target: LoadedModel, rows: Sequence[int], widths: Sequen
         seconds.append(per_rows)
     return BatchCosts(list(contexts), list(rows), list(widths), seconds,
                       measure_s=time.perf_counter() - t_start)
+
+
+@torch.inference_mode()
+def measure_row_costs(target: Any, rows: Sequence[int], widths: Sequence[int], contexts: Sequence[int],
+                      repeats: int = 2, warmup: int = 1,
+                      progress: Callable[[int, int], None] | None = None) -> BatchCosts:
+    """``measure_batch_costs`` through the target's own batched ``RowStates`` (``new_rows``:
+    llama.cpp's sequences in one ``llama_batch``): median seconds of ``forward`` over ``rows``
+    rows of ``widths`` tokens each on states of each cache length of ``contexts``, the inputs
+    dropped after each (``keep`` nothing). Where every row at a length would not fit a shared
+    KV cache (``context_window`` cells for all sequences, llama.cpp's unified cache), that row
+    count is measured at the longest length that fits."""
+    from statistics import median
+
+    t_start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    vocab, window = target.vocab_size, target.context_window
+    widest = max(widths)
+    total = len(contexts) * len(rows)
+    free = target.free_states()
+    if free is not None and free < max(rows):
+        raise ConfigError(f"measuring the batch cost grid needs {max(rows)} free KV states and this target has "
+                          f"{free}: load it with more sequences (llama.cpp: n_seq_max, load_model(sequences=N)) "
+                          "or batch fewer rows")
+    seconds = []
+    if progress is not None:
+        progress(0, total)
+    with target.request_scope():  # timed as requests run (llama.cpp: torch off its cores)
+        for c in contexts:
+            seconds.append(_row_costs_at(target, c, rows, widths, repeats, warmup, gen,
+                                         lambda done: progress(len(seconds) * len(rows) + done, total)
+                                         if progress is not None else None))
+    return BatchCosts(list(contexts), list(rows), list(widths), seconds,
+                      measure_s=time.perf_counter() - t_start)
+
+
+def _row_costs_at(target: Any, c: int, rows: Sequence[int], widths: Sequence[int], repeats: int, warmup: int,
+                  gen: torch.Generator, progress: Callable[[int], None]) -> list[list[float]]:
+    """``measure_row_costs`` at cache length ``c``: per row count, the median seconds per width."""
+    from statistics import median
+
+    vocab, window, widest = target.vocab_size, target.context_window, max(widths)
+    per_rows = []
+    for b in rows:
+        length = c if window is None else max(1, min(c, window // b - widest))
+        states = target.new_rows()
+        try:
+            for _ in range(b):
+                state = target.new_state()
+                target.forward(state, torch.randint(0, vocab, (length,), generator=gen).tolist(), keep=1)
+                states.join(state, length)
+            times: dict[int, list[float]] = {w: [] for w in widths}
+            for rep in range(warmup + repeats):
+                for w in widths:
+                    ids = torch.randint(0, vocab, (b, w), generator=gen).tolist()
+                    t0 = time.perf_counter()
+                    states.forward(ids)
+                    dt = time.perf_counter() - t0
+                    states.end_round()  # nothing kept: back to ``length`` tokens a row
+                    if rep >= warmup:
+                        times[w].append(dt)
+        finally:
+            states.release()
+        per_rows.append([median(times[w]) for w in widths])
+        progress(len(per_rows))
+    return per_rows

@@ -220,6 +220,7 @@ def load_model(
     linear: str = "auto",
     flash_attn: bool | None = None,
     weights: str = "auto",
+    sequences: int | None = None,
 ) -> TargetBackend:
     """Load a causal LM and its tokenizer.
 
@@ -229,7 +230,8 @@ def load_model(
     Hugging Face cache, or downloaded when the hub is reachable). ``backend="llama.cpp"`` runs
     a GGUF model on llama.cpp (``backends.llamacpp``; ``threads`` its thread count, default
     torch's; ``flash_attn`` its flash attention, default off on a CPU, where ggml's was slower)
-    instead of de-quantising it for PyTorch.
+    instead of de-quantising it for PyTorch; ``sequences`` the KV sequences its context holds
+    (requests decoding together, ``backends.llamacpp.DEFAULT_SEQUENCES`` by default).
 
     On a CPU, a model on transformers' SDPA attention gets ``kernels.GQA_ATTENTION`` (the
     same attention, without copying the keys and values per query group in masked blocks).
@@ -256,7 +258,11 @@ def load_model(
     gguf = locate_model(spec)
     load = backend_loader(backend)  # a registered backend's own loader (llama.cpp); None: below
     if load is not None:
-        return load(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn)
+        more = {} if sequences is None else {"sequences": sequences}  # registered loaders need not take it
+        return load(spec, gguf, device=device, dtype=dtype, threads=threads, flash_attn=flash_attn, **more)
+    if sequences is not None:
+        raise ConfigError("sequences= is for the llama.cpp backend (its context's KV sequences): on "
+                          "transformers every state is its own cache; leave sequences unset")
     if threads is not None:
         raise ConfigError("threads= is for the llama.cpp backend: on transformers, set torch's "
                           "threads (torch.set_num_threads or --threads)")

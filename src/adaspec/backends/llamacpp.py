@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,9 +52,12 @@ import torch
 from ..errors import ConfigError, ModelLoadError
 from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from ..kernels import release_own_openmp_threads
-from .base import TargetBackend
+from .base import SequentialRows, TargetBackend
 
 log = logging.getLogger(__name__)
+
+#: the most sequences a llama.cpp context holds (its ``LLAMA_MAX_SEQ``)
+MAX_SEQUENCES = 256
 
 INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'adaspec[llamacpp]' "
                 "(it builds llama.cpp from source: cmake and a C++ compiler must be installed)")
@@ -311,12 +315,19 @@ class LlamaCppTarget(TargetBackend):
             8 tokens 34 ms against 109; docs/llamacpp.md, "Flash attention off"). True: on
             (then verify blocks give one-token forwards' logits bit for bit while the sequence
             holds at most 256 tokens, on SmolLM2's file); False: off.
-        prefix_cache: keep the KV of the last released state, and let the next ``prefill``
-            start from the longest prefix its prompt shares with it (a chat's next turn, a
-            shared system prompt), as llama.cpp's server does with ``cache_prompt``. Off by
-            default: the reused KV was computed in other batches than a fresh prefill's, so
-            outputs may differ from a fresh run's at numeric near-ties (``adaspec serve``
-            turns it on; benchmarks and exactness checks leave it off).
+        prefix_cache: keep the KV of released states (whole prefixes: the state's tokens), and
+            let a ``prefill`` start from the longest prefix its prompt shares with any of them
+            (a chat's next turn, a shared system prompt), as llama.cpp's server does with
+            ``cache_prompt``, across the requests of a batch too. Off by default: the reused KV
+            was computed in other batches than a fresh prefill's, so outputs may differ from a
+            fresh run's at numeric near-ties (``adaspec serve`` turns it on; benchmarks and
+            exactness checks leave it off).
+        prefix_cache_tokens: the kept prefixes' size: least recently used ones are dropped while
+            they hold more tokens together than this (default: an eighth of ``n_ctx``), the last
+            released one always kept; every kept cell widens the attention span of every
+            forward on the unified cache, so the size bounds that cost. A prefix also gives up
+            its sequence id when ``new_state`` needs one, and one that a newer prefix extends is
+            dropped.
     """
 
     backend = "llama.cpp"
@@ -355,21 +366,25 @@ class LlamaCppTarget(TargetBackend):
             n = self._n_vocab
             ids = [(i * 7919 + 13) % n for i in range(self.PROBE_PREFIX + self.PROBE_BLOCK)]
             prefix, tail = ids[:self.PROBE_PREFIX], ids[self.PROBE_PREFIX:]
-            rows = []
-            for blocks in ([[t] for t in tail], [tail]):
-                state = self.new_state()
-                try:
-                    self.forward(state, prefix, keep=1)
-                    rows.append(torch.cat([self.forward(state, b, keep=len(b))[0] for b in blocks]))
-                finally:
-                    self.release(state)
+            rows, cache = [], self.prefix_cache
+            self.prefix_cache = False  # the probe's random ids are no prefix worth keeping
+            try:
+                for blocks in ([[t] for t in tail], [tail]):
+                    state = self.new_state()
+                    try:
+                        self.forward(state, prefix, keep=1)
+                        rows.append(torch.cat([self.forward(state, b, keep=len(b))[0] for b in blocks]))
+                    finally:
+                        self.release(state)
+            finally:
+                self.prefix_cache = cache
             self._short_invariant = bool(torch.equal(rows[0], rows[1]))
         return self._short_invariant
 
     def __init__(self, path: str | Path, *, name: str | None = None, tokenizer: Any = None,
                  threads: int | None = None, n_ctx: int | None = None, n_seq_max: int = 8,
                  n_batch: int = 512, gpu_layers: int = 0, prefix_cache: bool = False,
-                 flash_attn: bool | None = None):
+                 flash_attn: bool | None = None, prefix_cache_tokens: int | None = None):
         L = import_llama_cpp()
         self._L = L
         self.path = Path(path)
@@ -394,6 +409,10 @@ class LlamaCppTarget(TargetBackend):
         self._n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self._train_ctx = int(L.llama_model_n_ctx_train(model))
         self._eos = {int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0}
+        if not 1 <= int(n_seq_max) <= min(int(n_batch), MAX_SEQUENCES):  # llama.cpp aborts on more
+            L.llama_model_free(model)
+            raise ConfigError(f"n_seq_max={n_seq_max}: a llama.cpp context holds 1 to {MAX_SEQUENCES} sequences, "
+                              f"and at most n_batch ({n_batch}, the outputs it reserves)")
         cp = L.llama_context_default_params()
         cp.n_ctx = int(n_ctx or self._train_ctx)
         cp.n_batch = cp.n_ubatch = int(n_batch)
@@ -427,9 +446,17 @@ class LlamaCppTarget(TargetBackend):
         self._scopes, self._torch_threads = 0, torch.get_num_threads()  # see request_scope
         self._short_invariant: bool | None = None  # see short_blocks_invariant
         self._rows = RowBuffers(self._n_vocab)  # the forwards' logits rows, reused when free
+        # a batched round's logits [rows, widest, vocab] (``forward_rows``): up to 128 rows, two
+        # buffers (fresh tensors of ~16 MB a round came from fresh pages, faulted in each time)
+        self._round_rows = RowBuffers(self._n_vocab, rows=128, count=2)
         self.prefix_cache = bool(prefix_cache)
-        #: (sequence id, its tokens): the KV of the last released state, kept for the next prefill
-        self._kept: tuple[int, list[int]] | None = None
+        if prefix_cache_tokens is not None and (isinstance(prefix_cache_tokens, bool)
+                                                or not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0):
+            raise ConfigError(f"prefix_cache_tokens must be an integer >= 0, got {prefix_cache_tokens!r}")
+        #: most tokens the kept prefixes hold together (the last released one is kept regardless)
+        self.prefix_cache_tokens = self._n_ctx // 8 if prefix_cache_tokens is None else int(prefix_cache_tokens)
+        #: sequence id -> its tokens: released states' KV kept for later prefills, least recently used first
+        self._prefixes: OrderedDict[int, list[int]] = OrderedDict()
         self._finalizer = weakref.finalize(self, _free, L, model, ctx, self._batch)
 
     # -- TargetBackend ------------------------------------------------------------------
@@ -464,8 +491,8 @@ class LlamaCppTarget(TargetBackend):
                 "weights": f"{digest}-{self.path.stat().st_size}"}
 
     def new_state(self) -> LlamaSequence:
-        if not self._free_ids and self._kept is not None:
-            self._drop_kept()
+        if not self._free_ids and self._prefixes:
+            self._drop_prefix(next(iter(self._prefixes)))  # the least recently used gives way
         if not self._free_ids:
             raise ConfigError(f"all {self._n_seq_max} KV sequences of this llama.cpp "
                               "context are in use: release states, or load with a larger n_seq_max")
@@ -483,36 +510,60 @@ class LlamaCppTarget(TargetBackend):
         feeds it: the last token's KV and logits then carry the same numbers as there (batches of
         other sizes may not), and its row answers the first round (``pending``). With
         ``prefix_cache``, an empty state first takes the longest prefix the prompt shares with
-        the kept state (all but its last token at most, whose row is needed) by copying its KV
-        cells (``llama_memory_seq_cp``: no compute), and the batch is the rest. Returns the
-        number of prompt tokens reused so."""
+        a kept prefix (all but its last token at most, whose row is needed) by copying its KV
+        cells (``llama_memory_seq_cp``: the cells are shared, no compute), and the batch is the
+        rest; that prefix becomes the most recently used. Returns the number of prompt tokens
+        reused so."""
         prompt = list(prompt)
         self._check_live(state)
         reused = 0
-        if self._kept is not None:
-            kept_id, kept_tokens = self._kept
-            if self.prefix_cache and state.length == 0 and state.pending is None and len(prompt) > 1:
-                n = min(len(kept_tokens), len(prompt) - 1)
-                while reused < n and kept_tokens[reused] == prompt[reused]:
-                    reused += 1
-                if reused:
-                    self._L.llama_memory_seq_cp(self._mem, kept_id, state.seq_id, 0, reused)
-                    state.length, state.tokens = reused, prompt[:reused]
-            self._drop_kept()  # its other cells would only widen every later forward's attention
+        if self._prefixes and not self.prefix_cache:  # turned off: nothing kept is used again
+            self.drop_prefixes()
+        if self._prefixes and state.length == 0 and state.pending is None and len(prompt) > 1:
+            limit, best_id = len(prompt) - 1, None
+            for seq_id, tokens in self._prefixes.items():
+                n = _shared_prefix(tokens, prompt, limit)
+                if n > reused:
+                    reused, best_id = n, seq_id
+            if best_id is not None:
+                self._L.llama_memory_seq_cp(self._mem, best_id, state.seq_id, 0, reused)
+                state.length, state.tokens = reused, prompt[:reused]
+                self._prefixes.move_to_end(best_id)
         if len(prompt) > reused:
             logits, _ = self.forward(state, prompt[reused:], keep=1)
             state.length -= 1
             state.pending = (prompt[-1], logits[-1:])
         return reused
 
-    def _drop_kept(self) -> None:
-        """Free the kept state's sequence (its cells that another state copied stay, as that
+    @property
+    def prefixes(self) -> list[list[int]]:
+        """The kept prefixes' tokens, least recently used first (``prefix_cache``)."""
+        return [list(t) for t in self._prefixes.values()]
+
+    def drop_prefixes(self) -> None:
+        """Free every kept prefix (``prefix_cache``)."""
+        for seq_id in list(self._prefixes):
+            self._drop_prefix(seq_id)
+
+    def _drop_prefix(self, seq_id: int) -> None:
+        """Free a kept prefix's sequence (its cells that a live state copied stay, as that
         state's)."""
-        if self._kept is not None:
-            seq_id, _ = self._kept
-            self._kept = None
-            self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            self._free_ids.append(seq_id)
+        del self._prefixes[seq_id]
+        self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._free_ids.append(seq_id)
+
+    def _keep_prefix(self, seq_id: int, tokens: list[int]) -> None:
+        """Keep a released state's KV as the most recent prefix; drop the prefixes it extends,
+        then the least recently used while they hold more than ``prefix_cache_tokens``."""
+        for other, held in list(self._prefixes.items()):
+            if len(held) <= len(tokens) and tokens[:len(held)] == held:
+                self._drop_prefix(other)
+        self._prefixes[seq_id] = tokens
+        total = sum(len(t) for t in self._prefixes.values())
+        while len(self._prefixes) > 1 and total > self.prefix_cache_tokens:
+            oldest = next(iter(self._prefixes))
+            total -= len(self._prefixes[oldest])
+            self._drop_prefix(oldest)
 
     def _resolve_pending(self, state: LlamaSequence, first: int | None) -> torch.Tensor | None:
         """Consume a pending prompt token: its logits row when ``first`` is that token (the KV is
@@ -532,8 +583,6 @@ class LlamaCppTarget(TargetBackend):
             self.require_hidden_states("forward(hidden=True)")
         self._check_live(state)
         ids = list(ids)
-        if self._kept is not None:  # a forward not led by prefill: the kept state is stale
-            self._drop_kept()
         if state.pending is not None and ids:
             row = self._resolve_pending(state, ids[0])
             if row is not None:
@@ -561,11 +610,11 @@ class LlamaCppTarget(TargetBackend):
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
                 b.logits[i] = i >= first_out
-            rc = on_thread(self._decoder, L.llama_decode, self._ctx, b)
+            rc = self._decode()
             if rc != 0:
                 # the failed batch may have left cells behind: drop everything past the old length
                 L.llama_memory_seq_rm(self._mem, seq, state.length, -1)
-                raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch")
+                raise RuntimeError(f"llama_decode failed with code {rc} on a {m}-token batch{self._full_hint(rc)}")
             state.length += m
             state.tokens.extend(chunk)
         # one memcpy out of llama.cpp's buffer (overwritten by the next decode) into a free
@@ -573,6 +622,108 @@ class LlamaCppTarget(TargetBackend):
         rows = self._rows.take(keep)
         ctypes.memmove(rows.data_ptr(), L.llama_get_logits(self._ctx), rows.nbytes)
         return rows, None
+
+    def forward_rows(self, states: Sequence[LlamaSequence], inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Every row's ``inputs`` appended to its sequence in one ``llama_batch`` (a token per
+        input, with its row's ``seq_id`` and position, logits on; ``n_batch`` tokens per
+        ``llama_decode``, a row split across calls where the round holds more): logits
+        [rows, widest row, vocab], a row's columns past its width zero (no padding token is
+        fed). A row whose state has its prompt's last token ``pending`` takes that row from
+        ``prefill``, as ``forward`` does. On a failed decode every row is cut back to where it
+        was before the call."""
+        if len(states) != len(inputs) or not inputs:
+            raise ConfigError(f"forward_rows needs one input list per state: {len(states)} states, "
+                              f"{len(inputs)} input lists")
+        inputs = [list(x) for x in inputs]
+        if any(not x for x in inputs):
+            raise ConfigError("forward_rows: every row needs at least one input token")
+        width = max(len(x) for x in inputs)
+        out = self._round_rows.take(len(inputs) * width).view(len(inputs), width, self._n_vocab)
+        todo: list[tuple[int, list[int], int]] = []  # (row, tokens to feed, the column of the first)
+        for r, (state, ids) in enumerate(zip(states, inputs)):
+            self._check_live(state)
+            first = 0
+            if state.pending is not None:
+                row = self._resolve_pending(state, ids[0])
+                if row is not None:
+                    out[r, 0] = row[0]
+                    first = 1
+            if state.length + len(ids) - first > self._n_ctx:
+                raise ConfigError(f"{state.length + len(ids) - first} tokens exceed this llama.cpp context of "
+                                  f"{self._n_ctx}: shorten the prompt or lower max_new_tokens")
+            out[r, len(ids):] = 0.0
+            if first < len(ids):
+                todo.append((r, ids[first:], first))
+        start = {r: states[r].length for r, _, _ in todo}
+        L, b = self._L, self._batch
+        spans: list[tuple[int, int, int]] = []  # the batch's outputs in order: (row, column, count)
+        n = 0
+        try:
+            for r, ids, col in todo:
+                state, j = states[r], 0
+                while j < len(ids):
+                    m = min(len(ids) - j, self._n_batch - n)
+                    for i, t in enumerate(ids[j:j + m]):
+                        k = n + i
+                        b.token[k] = t
+                        b.pos[k] = state.length + i
+                        b.n_seq_id[k] = 1
+                        b.seq_id[k][0] = state.seq_id
+                        b.logits[k] = True
+                    state.length += m
+                    state.tokens.extend(ids[j:j + m])
+                    spans.append((r, col + j, m))
+                    n, j = n + m, j + m
+                    if n == self._n_batch:
+                        self._decode_rows(n, spans, out)
+                        spans, n = [], 0
+            if n:
+                self._decode_rows(n, spans, out)
+        except BaseException:
+            for r, length in start.items():
+                L.llama_memory_seq_rm(self._mem, states[r].seq_id, length, -1)
+                states[r].length = length
+                del states[r].tokens[length:]
+            raise
+        return out
+
+    def _decode_rows(self, n: int, spans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> None:
+        """``llama_decode`` of the batch's first ``n`` tokens, their logits copied into ``out``
+        at ``spans`` (row, column, count; in batch order: llama.cpp stores the outputs so)."""
+        L, b = self._L, self._batch
+        b.n_tokens = n
+        rc = self._decode()
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc} on a {n}-token batch of "
+                               f"{len({r for r, _, _ in spans})} rows{self._full_hint(rc)}")
+        src = ctypes.cast(L.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        row_bytes = self._n_vocab * 4
+        for r, col, m in spans:
+            ctypes.memmove(out[r, col].data_ptr(), src, m * row_bytes)
+            src += m * row_bytes
+
+    def _decode(self) -> int:
+        """``llama_decode`` of the batch; where the KV cells are full (code 1: nothing was
+        computed or stored), the kept prefixes give way and it is tried once more."""
+        rc = on_thread(self._decoder, self._L.llama_decode, self._ctx, self._batch)
+        if rc == 1 and self._prefixes:
+            self.drop_prefixes()
+            rc = on_thread(self._decoder, self._L.llama_decode, self._ctx, self._batch)
+        return rc
+
+    def _full_hint(self, rc: int) -> str:
+        """What a failed decode's code means, where it is the full KV cache's."""
+        if rc != 1:
+            return ""
+        return (f": the {self._n_ctx} KV cells that every sequence shares are full; decode fewer "
+                "requests at once (--max-batch) or load with a larger n_ctx")
+
+    def new_rows(self, compact_fraction: float = 0.25) -> LlamaCppRows:
+        """The rows' sequences, verified together in one ``llama_batch`` (``LlamaCppRows``)."""
+        return LlamaCppRows(self)
+
+    def batching_problem(self) -> str | None:
+        return None
 
     def truncate(self, state: LlamaSequence, length: int) -> None:
         self._check_live(state)
@@ -587,14 +738,15 @@ class LlamaCppTarget(TargetBackend):
         return state.length
 
     def release(self, state: LlamaSequence) -> None:
-        """Free the state's sequence; with ``prefix_cache``, keep its KV (in place of the state
-        kept before) for the next ``prefill`` instead."""
+        """Free the state's sequence; with ``prefix_cache``, keep its KV as a prefix for later
+        ``prefill`` calls instead (the size and eviction rule: ``prefix_cache_tokens``)."""
         if not state.released:
             state.released = True
             if self.prefix_cache and state.tokens:
-                self._drop_kept()
-                state.finalizer.detach()  # the id now belongs to the kept entry
-                self._kept = (state.seq_id, state.tokens)
+                if state.pending is not None:  # the pending token's KV is there: it is kept too
+                    state.pending = None
+                state.finalizer.detach()  # the id now belongs to the kept prefix
+                self._keep_prefix(state.seq_id, state.tokens)
                 state.tokens = []
             else:
                 state.finalizer()  # _reclaim, once
@@ -622,7 +774,7 @@ class LlamaCppTarget(TargetBackend):
                 torch.set_num_threads(self._torch_threads)
 
     def free_states(self) -> int:
-        return len(self._free_ids) + (self._kept is not None)  # a kept state gives way to a new one
+        return len(self._free_ids) + len(self._prefixes)  # a kept prefix gives way to a new state
 
     def _check_live(self, state: Any) -> None:
         if not isinstance(state, LlamaSequence) or state.released:
@@ -634,6 +786,72 @@ class LlamaCppTarget(TargetBackend):
         return (f"llama.cpp|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|threads={self.threads}|"
                 f"n_batch={self._n_batch}|llama_cpp={self._L.__version__}" + ("|amx" if self.amx else "")
                 + {True: "|fa=on", False: "|fa=off", None: "|fa=auto"}[self.flash_attn])
+
+
+class LlamaCppRows(SequentialRows):
+    """The rows of a batch as sequences of one llama.cpp context: a round's inputs of every row
+    go into one ``llama_batch`` (``LlamaCppTarget.forward_rows``), and ``end_round`` removes each
+    row's rejected tail with ``llama_memory_seq_rm`` from its kept length. The layout has no
+    holes (each sequence holds its own tokens only), so ``compact`` has nothing to do. A row's
+    state is its ``LlamaSequence``, lent for the backend's per-sequence operations at any time.
+
+    Exactness: llama.cpp's kernels are not batch-invariant, and a multi-sequence batch takes
+    other matrix shapes (and attends over every sequence's cells, masked) than one sequence's
+    forward: a row's logits may differ from its one-at-a-time logits within the backend's
+    near-tie bound (``near_tie_nats``), and greedy outputs then differ only at such near-ties."""
+
+    batched = True
+
+    def __init__(self, target: LlamaCppTarget):
+        super().__init__(target)
+        self.target: LlamaCppTarget = target
+        self._before: list[int] | None = None  # each row's length before the open round's forward
+        self._kept: list[int] = []
+
+    def join(self, state: LlamaSequence, length: int) -> None:
+        self.target._check_live(state)
+        if self._before is not None:
+            raise RuntimeError("LlamaCppRows.join during a round: join before forward or after end_round")
+        super().join(state, length)
+
+    def leave(self, rows: Sequence[int]) -> None:
+        if self._before is not None:
+            drop = set(rows)
+            self._before = [n for r, n in enumerate(self._before) if r not in drop]
+            self._kept = [n for r, n in enumerate(self._kept) if r not in drop]
+        super().leave(rows)
+
+    def forward(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        if len(inputs) != len(self._states):
+            raise ConfigError(f"LlamaCppRows.forward: {len(inputs)} input lists for {len(self._states)} rows")
+        logits = self.target.forward_rows(self._states, inputs)
+        self._before = [s.length - len(x) for s, x in zip(self._states, inputs)]
+        self._kept = [0] * len(self._states)
+        return logits
+
+    def keep(self, r: int, kept: int) -> None:
+        if self._before is None:
+            raise RuntimeError("LlamaCppRows.keep without a forward in this round")
+        self._kept[r] = int(kept)
+
+    def end_round(self, leaving: Sequence[int] = ()) -> None:
+        """Cut every row to its length before the forward plus what it kept (a row not kept
+        drops its inputs), then drop the rows ``leaving`` (their tokens exact for the prefix
+        cache). After a round the rows ran on their own states, only the leaving."""
+        if self._before is not None:
+            for s, before, kept in zip(self._states, self._before, self._kept):
+                self.target.truncate(s, before + kept)
+            self._before = None
+        if leaving:
+            self.leave(leaving)
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n, limit = 0, min(limit, len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:
@@ -658,10 +876,18 @@ def gguf_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"could not read the tokenizer of {path}: {exc}") from exc
 
 
+#: KV sequences of a context that ``load_model`` loads (``sequences``): a batch's rows, the
+#: prefix cache's kept state and, while rows decode, a batch cost grid's rows (sequence ids
+#: cost llama.cpp no compute: the unified cache's cells are shared, ``n_ctx`` in all)
+DEFAULT_SEQUENCES = 32
+
+
 def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: Any = None,
-                  threads: int | None = None, flash_attn: bool | None = None) -> LlamaCppTarget:
+                  threads: int | None = None, flash_attn: bool | None = None,
+                  sequences: int | None = None) -> LlamaCppTarget:
     """``load_model(spec, backend="llama.cpp")``: checks that the model is a GGUF file and that
-    the options make sense on llama.cpp before loading."""
+    the options make sense on llama.cpp before loading; ``sequences``: the context's KV
+    sequences (``n_seq_max``; default ``DEFAULT_SEQUENCES``, at most 256)."""
     if gguf is None:
         raise ConfigError(f"the llama.cpp backend runs GGUF files, and {spec!r} is not one: pass a .gguf "
                           "file (or 'smollm2', or a model fetched with `adaspec fetch`), or use "
@@ -678,5 +904,9 @@ def load_llamacpp(spec: str, gguf: Path | None, *, device: Any = "cpu", dtype: A
     else:
         raise ConfigError(f"device {dev!r} on the llama.cpp backend: this llama.cpp build runs on the "
                           "CPU only: use device cpu (or a GPU build of llama-cpp-python for cuda)")
+    sequences = DEFAULT_SEQUENCES if sequences is None else sequences
+    if isinstance(sequences, bool) or not isinstance(sequences, int) or not 1 <= sequences <= MAX_SEQUENCES:
+        raise ConfigError(f"sequences must be an integer from 1 to {MAX_SEQUENCES} (llama.cpp's limit), "
+                          f"got {sequences!r}")
     return LlamaCppTarget(gguf, name=str(spec), tokenizer=gguf_tokenizer(gguf), threads=threads,
-                          gpu_layers=gpu_layers, flash_attn=flash_attn)
+                          gpu_layers=gpu_layers, flash_attn=flash_attn, n_seq_max=sequences)

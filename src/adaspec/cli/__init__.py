@@ -129,8 +129,8 @@ def serve(
                                            help="model id clients send (default: --model)"),
     max_queue: int = typer.Option(64, help="queued requests before answering 429"),
     max_batch: int | None = typer.Option(None, "--max-batch", help="requests decoded together (continuous "
-                                         "batching, transformers backend; default: 8 where the model and "
-                                         "drafters can batch, else 1); 1: one at a time"),
+                                         "batching; default: 8 where the model and drafters can batch, "
+                                         "else 1); 1: one at a time"),
     timeout: float = typer.Option(600.0, help="per-request timeout in seconds (queue included)"),
     max_tokens: int = typer.Option(256, help="max_tokens when a request does not set it"),
     state_file: Path | None = typer.Option(None, help="learnt-state file (default: in the adaspec "
@@ -176,9 +176,7 @@ def serve(
         check_number("--max-queue", max_queue, low=1, integer=True)
         if max_batch is not None:
             check_number("--max-batch", max_batch, low=1, integer=True)
-        if max_batch is not None and max_batch > 1 and check_backend(backend) != "transformers":
-            raise AdaspecError("--max-batch > 1 (continuous batching) runs on the transformers backend: "
-                               "drop --backend llama.cpp or use --max-batch 1")
+            check_serve_rows(backend, max_batch)
         check_number("--timeout", timeout, low=0.0, low_open=True)
         check_number("--max-tokens", max_tokens, low=1, integer=True)
         check_number("--save-every", save_every, low=1, integer=True)
@@ -196,7 +194,8 @@ def serve(
     try:
         with StageProgress(err) as bar:
             engine = SpeculativeEngine(load_model(model, device=device, dtype=dtype, backend=backend, linear=linear,
-                                                  flash_attn=flash_attn, weights=weights),
+                                                  flash_attn=flash_attn, weights=weights,
+                                                  sequences=serve_sequences(backend, max_batch)),
                                        drafter, selector=selector, length=length, k=k,
                                        costs_progress=_grid_progress(bar))
         max_batch = serve_batch_size(engine, max_batch)
@@ -243,6 +242,32 @@ def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
 #: requests ``adaspec serve`` decodes together when --max-batch is not given and the engine can
 #: batch (docs/results.md, "Continuous batching")
 SERVE_BATCH = 8
+
+
+def check_serve_rows(backend: str, max_batch: int) -> None:
+    """--max-batch on a backend whose states are sequences of one context (llama.cpp: at most
+    ``MAX_SEQUENCES``, one of them the prefix cache's)."""
+    from ..backends import check_backend
+    from ..backends.llamacpp import MAX_SEQUENCES
+
+    if check_backend(backend) == "llama.cpp" and max_batch >= MAX_SEQUENCES:
+        raise AdaspecError(f"--max-batch {max_batch}: a llama.cpp context holds at most {MAX_SEQUENCES} "
+                           f"sequences, a row's each and one for the prefix cache: use --max-batch "
+                           f"{MAX_SEQUENCES - 1} or fewer")
+
+
+def serve_sequences(backend: str, max_batch: int | None) -> int | None:
+    """The KV sequences a served llama.cpp context needs for ``max_batch`` rows (None: the
+    default, ``SERVE_BATCH``): a sequence per row, one for the prefix cache's kept state, and at
+    start-up the batch cost grid's rows (``measure_batch_grid``); None on other backends."""
+    from ..backends import check_backend
+    from ..backends.llamacpp import DEFAULT_SEQUENCES
+    from ..costs import batch_grid_rows
+
+    if check_backend(backend) != "llama.cpp":
+        return None
+    rows = SERVE_BATCH if max_batch is None else max_batch
+    return max(DEFAULT_SEQUENCES, rows + 1, max(batch_grid_rows(rows)) + 1)
 
 
 def serve_batch_size(engine: object, requested: int | None) -> int:
