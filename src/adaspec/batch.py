@@ -438,12 +438,8 @@ def measure_row_costs(target: Any, rows: Sequence[int], widths: Sequence[int], c
     dropped after each (``keep`` nothing). Where every row at a length would not fit a shared
     KV cache (``context_window`` cells for all sequences, llama.cpp's unified cache), that row
     count is measured at the longest length that fits."""
-    from statistics import median
-
     t_start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
-    vocab, window = target.vocab_size, target.context_window
-    widest = max(widths)
     total = len(contexts) * len(rows)
     free = target.free_states()
     if free is not None and free < max(rows):

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import DEFAULT_DRAFTERS as ENGINE_DEFAULT_DRAFTERS
-from ..engine import SpeculativeEngine, default_drafters
+from ..engine import SpeculativeEngine, default_drafters  # noqa: F401 (re-exported by adaspec.serve)
 from ..errors import AdaspecError
 from ..length import build_length
 from ..models import target_fingerprint
