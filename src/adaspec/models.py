@@ -294,21 +294,26 @@ def load_model(
             tok = None
     model = model.to(device)
     model.eval()
+    _install_kernels(model, gguf, weights, linear, dev, torch_dtype)
+    return LoadedModel(model=model, tokenizer=tok, name=spec)
+
+
+def _install_kernels(model: Any, gguf: Path | None, weights: str, linear: str, device: torch.device,
+                     dtype: torch.dtype) -> None:
+    """A loaded model's CPU kernels: the file's quantized blocks with fixed-order attention
+    (``weights`` in ``GGUF_MODES``), else the ``linear`` kernels with grouped attention."""
     if weights in GGUF_MODES:
         quantize_model(model, gguf, int8=weights == "gguf-q8")
         fuse_layers(model)
-        linear = "stock"  # every linear layer is a QuantLinear now
+        use_fixed_order_attention(model)
+        return  # every linear layer is a QuantLinear now
     if linear == "auto":
-        linear = auto_linear(check_device(device), torch_dtype)
+        linear = auto_linear(device, dtype)
     if linear != "stock":
         use_small_batch_linear(model, packed=linear == "packed")
     if linear == "packed":
         small_rows_plan(model)
-    if weights in GGUF_MODES:
-        use_fixed_order_attention(model)
-    else:
-        use_gqa_attention(model)
-    return LoadedModel(model=model, tokenizer=tok, name=spec)
+    use_gqa_attention(model)
 
 
 #: part of the cached kernel plans' key: bump when ``kernels.tune_small_rows`` changes

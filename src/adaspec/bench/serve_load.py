@@ -377,6 +377,110 @@ def _server_json(srv: ServerRuns) -> dict[str, Any]:
             "pass_tokens_per_s": srv.pass_rates()}
 
 
+def _check_options(concurrency: Sequence[int], requests: int, max_tokens: int, repeats: int, urls: Sequence[str],
+                   json_out: str | None, out: Path | None, threads: int | None, launched: Sequence[str],
+                   llama_server_bin: Path | None) -> None:
+    """``bench-serve``'s option checks, before anything is measured (``--out`` is created)."""
+    if any(c < 1 for c in concurrency) or requests < 1 or max_tokens < 1 or repeats < 1:
+        raise ConfigError("--concurrency, --requests, --max-tokens and --repeats must be >= 1")
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ConfigError(f"--url {u!r}: give the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    if json_out and not Path(json_out).expanduser().parent.is_dir():
+        raise ConfigError(f"--json {json_out}: the folder {Path(json_out).parent} does not exist")
+    if out:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot create it ({exc})") from None
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if not launched and (llama_server_bin is not None or threads is not None):
+        raise ConfigError("--llama-server-bin and --threads start llama-server: add --llama-server ARGS")
+
+
+def _launch_llama_servers(stack: Any, launched: Sequence[str], names: Sequence[str], model: str | None,
+                          llama_server_bin: Path | None, threads: int | None, concurrency: Sequence[int],
+                          prompts: Sequence[Any], max_tokens: int) -> list[ServerRuns]:
+    """One llama-server per ``--llama-server ARGS``, stopped when ``stack`` closes; ``names``: their
+    labels (the default: 'llama-server ARGS')."""
+    import shlex
+
+    from ..models import locate_model
+    from .llama_server import find_llama_server
+
+    gguf = locate_model(model or "smollm2")
+    if gguf is None:
+        raise ConfigError(f"--model {model}: llama-server serves a GGUF file: give smollm2, a fetched "
+                          "model's name or a .gguf path")
+    binary = find_llama_server(llama_server_bin)
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    servers = []
+    for j, text in enumerate(launched):
+        try:
+            args = shlex.split(text)
+        except ValueError as exc:
+            raise ConfigError(f"--llama-server {text!r}: {exc}") from None
+        typer.echo(f"starting {binary} {' '.join(args)} on {gguf.name} with {max(concurrency)} slots ...", err=True)
+        server = start_llama_server(gguf, args, max(concurrency), prompts, max_tokens, threads, binary,
+                                    log=lambda m: typer.echo(m, err=True))
+        stack.callback(server.close)
+        typer.echo(f"llama-server ready at {server.url}: {server.slot_ctx} tokens per slot", err=True)
+        name = names[j] if j < len(names) else " ".join(["llama-server", *args])
+        servers.append(ServerRuns(name, server.base_url, server_model(server.base_url), list(concurrency)))
+    return servers
+
+
+def _measure(servers: Sequence[ServerRuns], prompts: Sequence[Any], concurrency: Sequence[int], requests: int,
+             max_tokens: int, repeats: int) -> None:
+    """Warm every server, then ``repeats`` passes: every server through every level, in turn."""
+    for srv in servers:
+        warm_up(srv.url, srv.model, prompts[0])
+    for rep in range(repeats):
+        for srv in servers:
+            levels = []
+            for c in concurrency:
+                levels.append(asyncio.run(run_level(srv.url, srv.model, prompts, c, max(requests, c), max_tokens)))
+                failed = f", {len(levels[-1].failures)} failed" if levels[-1].failures else ""
+                again = f" (pass {rep + 1}/{repeats})" if repeats > 1 else ""
+                typer.echo(f"{srv.label}, concurrency {c}{again}: {levels[-1].tokens_per_s:.1f} tokens/s"
+                           f"{failed}", err=True)
+            srv.passes.append(levels)
+
+
+def _report(servers: Sequence[ServerRuns], suite: str, n_prompts: int, max_tokens: int, repeats: int,
+            json_out: str | None, out: Path | None) -> list[Any]:
+    """Print the tables, the steadiness and agreement lines and every failure; write ``--json``
+    and ``--out``; return the failures."""
+    table = markdown_all(servers)
+    steady = steadiness_line(servers)
+    agree = agreement_lines(servers)
+    typer.echo(table)
+    for line in ([steady] if steady else []) + agree:
+        typer.echo(line)
+    failures = [f for srv in servers for r in srv.levels for f in r.failures]
+    for srv in servers:
+        for r in srv.levels:
+            for f in r.failures:
+                typer.echo(f"FAILED {srv.label}: {f.line()}", err=True)
+    doc = {**_server_json(servers[0]), "suite": suite, "max_tokens": max_tokens, "repeats": repeats,
+           "servers": [_server_json(srv) for srv in servers], "steadiness": steady, "agreement": agree}
+    if json_out:
+        Path(json_out).expanduser().write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    if out:
+        (out / "serve.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        plot(servers, out / "serve.png")
+        (out / "report.md").write_text(
+            f"# bench-serve: {suite}, {n_prompts} prompts, {max_tokens} tokens, {repeats} pass(es)\n\n{table}\n\n"
+            + "".join(f"- {line}\n" for line in ([steady] if steady else []) + agree)
+            + "".join(f"- FAILED {f.line()}\n" for f in failures) + "\n![serve](serve.png)\n", encoding="utf-8")
+        typer.echo(f"written: {out / 'serve.json'}, {out / 'report.md'}, {out / 'serve.png'}", err=True)
+    return failures
+
+
 def bench_serve_command(
     url: list[str] | None = typer.Option(None, help="a running server's OpenAI base URL, repeatable "
                                          "[default: http://127.0.0.1:8000/v1 unless --llama-server is given]"),
@@ -408,7 +512,6 @@ def bench_serve_command(
 ) -> None:
     """Measure servers' latency and throughput at several concurrency levels: running ones
     (--url), and llama-server started for the run (--llama-server)."""
-    import shlex
     from contextlib import ExitStack
 
     try:
@@ -420,22 +523,8 @@ def bench_serve_command(
     servers: list[ServerRuns] = []
     with ExitStack() as stack:
         try:
-            if any(c < 1 for c in concurrency) or requests < 1 or max_tokens < 1 or repeats < 1:
-                raise ConfigError("--concurrency, --requests, --max-tokens and --repeats must be >= 1")
-            for u in urls:
-                if not u.startswith(("http://", "https://")):
-                    raise ConfigError(f"--url {u!r}: give the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-            if json_out and not Path(json_out).expanduser().parent.is_dir():
-                raise ConfigError(f"--json {json_out}: the folder {Path(json_out).parent} does not exist")
-            if out:
-                try:
-                    out.mkdir(parents=True, exist_ok=True)
-                except OSError as exc:
-                    raise ConfigError(f"--out {out}: cannot create it ({exc})") from None
-            if threads is not None and threads < 1:
-                raise ConfigError(f"--threads must be >= 1, got {threads}")
-            if not launched and (llama_server_bin is not None or threads is not None):
-                raise ConfigError("--llama-server-bin and --threads start llama-server: add --llama-server ARGS")
+            _check_options(concurrency, requests, max_tokens, repeats, urls, json_out, out, threads, launched,
+                           llama_server_bin)
             names = list(label or [])
             if len(names) > len(urls) + len(launched):
                 raise ConfigError(f"{len(names)} --label for {len(urls) + len(launched)} servers: give one per server")
@@ -451,71 +540,12 @@ def bench_serve_command(
                 name = names[i] if i < len(names) else ("server" if len(urls) == 1 else f"server {i + 1}")
                 servers.append(ServerRuns(name, u, model or server_model(u), list(concurrency)))
             if launched:
-                from ..models import locate_model
-                from .llama_server import find_llama_server
-
-                gguf = locate_model(model or "smollm2")
-                if gguf is None:
-                    raise ConfigError(f"--model {model}: llama-server serves a GGUF file: give smollm2, a fetched "
-                                      "model's name or a .gguf path")
-                binary = find_llama_server(llama_server_bin)
-                if threads is None:
-                    import torch
-
-                    threads = torch.get_num_threads()
-                for j, text in enumerate(launched):
-                    try:
-                        args = shlex.split(text)
-                    except ValueError as exc:
-                        raise ConfigError(f"--llama-server {text!r}: {exc}") from None
-                    typer.echo(f"starting {binary} {' '.join(args)} on {gguf.name} with {max(concurrency)} slots ...",
-                               err=True)
-                    server = start_llama_server(gguf, args, max(concurrency), prompts, max_tokens, threads, binary,
-                                                log=lambda m: typer.echo(m, err=True))
-                    stack.callback(server.close)
-                    typer.echo(f"llama-server ready at {server.url}: {server.slot_ctx} tokens per slot", err=True)
-                    k = len(urls) + j
-                    name = names[k] if k < len(names) else " ".join(["llama-server", *args])
-                    servers.append(ServerRuns(name, server.base_url, server_model(server.base_url),
-                                              list(concurrency)))
-            for srv in servers:
-                warm_up(srv.url, srv.model, prompts[0])
-            for rep in range(repeats):
-                for srv in servers:
-                    levels = []
-                    for c in concurrency:
-                        levels.append(asyncio.run(run_level(srv.url, srv.model, prompts, c, max(requests, c),
-                                                            max_tokens)))
-                        failed = f", {len(levels[-1].failures)} failed" if levels[-1].failures else ""
-                        again = f" (pass {rep + 1}/{repeats})" if repeats > 1 else ""
-                        typer.echo(f"{srv.label}, concurrency {c}{again}: {levels[-1].tokens_per_s:.1f} tokens/s"
-                                   f"{failed}", err=True)
-                    srv.passes.append(levels)
+                servers += _launch_llama_servers(stack, launched, names[len(urls):], model, llama_server_bin,
+                                                 threads, concurrency, prompts, max_tokens)
+            _measure(servers, prompts, concurrency, requests, max_tokens, repeats)
         except AdaspecError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
-    table = markdown_all(servers)
-    steady = steadiness_line(servers)
-    agree = agreement_lines(servers)
-    typer.echo(table)
-    for line in ([steady] if steady else []) + agree:
-        typer.echo(line)
-    failures = [f for srv in servers for r in srv.levels for f in r.failures]
-    for srv in servers:
-        for r in srv.levels:
-            for f in r.failures:
-                typer.echo(f"FAILED {srv.label}: {f.line()}", err=True)
-    doc = {**_server_json(servers[0]), "suite": suite, "max_tokens": max_tokens, "repeats": repeats,
-           "servers": [_server_json(srv) for srv in servers], "steadiness": steady, "agreement": agree}
-    if json_out:
-        Path(json_out).expanduser().write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    if out:
-        (out / "serve.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
-        plot(servers, out / "serve.png")
-        (out / "report.md").write_text(
-            f"# bench-serve: {suite}, {len(prompts)} prompts, {max_tokens} tokens, {repeats} pass(es)\n\n{table}\n\n"
-            + "".join(f"- {line}\n" for line in ([steady] if steady else []) + agree)
-            + "".join(f"- FAILED {f.line()}\n" for f in failures) + "\n![serve](serve.png)\n", encoding="utf-8")
-        typer.echo(f"written: {out / 'serve.json'}, {out / 'report.md'}, {out / 'serve.png'}", err=True)
+    failures = _report(servers, suite, len(prompts), max_tokens, repeats, json_out, out)
     if failures:
         raise typer.Exit(1)
