@@ -128,6 +128,29 @@ def test_sdist_version_and_safe_extraction(tmp_path):
         extract_llama_cpp(bare, tmp_path / "src2")
 
 
+def test_the_sdist_downloads_on_a_machine_without_its_build_backend(tmp_path, monkeypatch):
+    """pip reads an sdist's metadata to download it; with ``--no-build-isolation`` it needs
+    llama-cpp-python's build backend (scikit-build-core) installed, which a fresh machine lacks
+    (``adaspec fetch llama-server`` failed there with "No module named 'scikit_build_core'")."""
+    calls = []
+
+    def fake_pip(cmd, **kwargs):  # pip on a machine without scikit-build-core
+        calls.append(cmd)
+        if "--no-build-isolation" in cmd:
+            return SimpleNamespace(returncode=1, stdout="", stderr="ModuleNotFoundError: No module named 'scikit_build_core'")
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        (dest / "llama_cpp_python-9.9.9.tar.gz").write_bytes(b"archive")
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(ls.subprocess, "run", fake_pip)
+    got = ls.download_sdist("9.9.9", tmp_path / "sdist")
+    assert got.name == "llama_cpp_python-9.9.9.tar.gz" and "--no-binary" in calls[0]
+    assert ls.download_sdist("9.9.9", tmp_path / "sdist") == got and len(calls) == 1  # reused, not downloaded again
+    monkeypatch.setattr(ls.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=1, stdout="", stderr="no index"))
+    with pytest.raises(LlamaServerError, match="(?s)could not download.*no index.*--sdist FILE"):
+        ls.download_sdist("9.9.8", tmp_path / "other")
+
+
 def test_build_says_what_is_missing(cache, tmp_path):
     archive = _sdist(tmp_path / "llama_cpp_python-9.9.9.tar.gz", {"vendor/llama.cpp/tools/server/x": b""})
     with pytest.raises(LlamaServerError, match="needs cmake, a C compiler, a C\\+\\+ compiler.*apt-get install"):

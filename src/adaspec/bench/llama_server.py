@@ -159,7 +159,7 @@ def download_sdist(version: str, dest: Path, pip_args: Sequence[str] = ()) -> Pa
     found = _find_sdist(dest, version)
     if found is not None:
         return found
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
            "--disable-pip-version-check", "--quiet", "--dest", str(dest), *pip_args,
            f"llama-cpp-python=={version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
