@@ -14,6 +14,7 @@ from conftest import chisquare_gof, flat_cost_curve, make_tiny_model, word_token
 from adaspec import SpeculativeEngine
 from adaspec.backends.transformers import batch_attention_mask
 from adaspec.batch import BatchEngine
+from adaspec.drafters import NoDrafter
 from adaspec.costs import BatchCosts, CostModel, VerifyCostSurface
 from adaspec.feedback import RoundContext
 from adaspec.errors import ConfigError
@@ -124,6 +125,43 @@ def test_rows_join_and_leave(model):
     assert [outs[i] for i in ids] == refs
     assert finished[0] == ids[0]  # the shortest leaves first, and the next one joins its row
     assert order == ids
+
+
+class _Recording(NoDrafter):
+    """Records when requests begin and end on it (forks share the log)."""
+
+    name = "recording"
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def begin_request(self, prompt_ids):
+        self.log.append(("begin", list(prompt_ids)))
+
+    def end_request(self, output):
+        self.log.append(("end",))
+
+    def fork(self):
+        return _Recording(self.log)
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_queued_request_begins_when_it_leaves_the_queue(model, max_batch):
+    """A request's drafters and policies begin when it gets a row, after the requests before it
+    ended: at ``max_batch=1`` the engine's own drafters serve one request at a time, and a request
+    begun at admission would draft on a later request's prompt (its lookups on the wrong text,
+    0.82x the speed) and start ``auto`` before the others taught it anything."""
+    log: list = []
+    engine = SpeculativeEngine(model, [_Recording(log)], k=2)
+    prompts = _prompts(3)
+    engine.generate_batch(prompts, max_new_tokens=4, max_batch=max_batch)
+    begins = [i for i, e in enumerate(log) if e[0] == "begin"]
+    ends = [i for i, e in enumerate(log) if e[0] == "end"]
+    assert [log[i][1] for i in begins] == prompts
+    # the request past the batch's rows begins after one before it ended
+    assert begins[max_batch] > ends[0]
+    if max_batch == 1:
+        assert [e[0] for e in log] == ["begin", "end"] * 3
 
 
 def test_cancel_frees_the_row(model):
@@ -363,7 +401,7 @@ def test_configuration_errors(model):
         BatchEngine(engine, max_batch=0)
     with pytest.raises(ConfigError, match="tree=False"):
         BatchEngine(SpeculativeEngine(model, ["prompt-lookup"], tree=True))
-    from adaspec.drafters import Drafter, NoDrafter
+    from adaspec.drafters import Drafter
 
     class Unforkable(NoDrafter):
         name = "unforkable"

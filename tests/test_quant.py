@@ -340,6 +340,40 @@ def test_fused_decoder_layers_equal_their_modules_one_by_one(tiny_pair):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])
+def test_fused_stack_equals_transformers_forward_bit_for_bit(tiny_pair, tiny_q8, mode):
+    """``FusedStack`` (the decoder stack without transformers' wrappers) gives the bits of
+    transformers' forward over the same fused layers: one token, a verify block (the kernel's
+    causal limit against transformers' mask), a prefix chunk, and the kept rows only."""
+    q = tiny_pair[1] if mode == "gguf" else tiny_q8
+    stack = quant.FusedStack.of(q)
+    assert stack is not None
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    with torch.inference_mode():
+        mine, theirs = quant.spare_capacity_cache(q.config), quant.spare_capacity_cache(q.config)
+        for chunk, keep in ((ids[:6], 1), (ids[6:7], 1), (ids[7:12], 5), (ids[12:], 0)):
+            a = stack(mine, chunk, keep)
+            b = q(input_ids=torch.tensor([chunk]), cache=theirs, use_cache=True, logits_to_keep=keep).logits[0]
+            assert a.shape == b.shape and torch.equal(a, b), (chunk, keep)
+        assert mine.get_seq_length() == theirs.get_seq_length() == len(ids)
+        for x, y in zip(mine.layers, theirs.layers):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+        # where it does not apply, it says so (a cache of another kind, a long prefill)
+        from transformers import DynamicCache
+
+        assert stack(DynamicCache(config=q.config), ids, 1) is None
+        with quant.prefill_scope():
+            assert stack(quant.spare_capacity_cache(q.config), list(range(quant.PREFILL_MIN_ROWS)), 1) is None
+
+
+def test_fused_stack_is_refused_where_a_layer_is_not_fused(tiny_pair):
+    from adaspec.models import as_loaded
+
+    dense, q, _ = tiny_pair
+    assert as_loaded(q).stack is not None
+    assert as_loaded(dense).stack is None and quant.FusedStack.of(dense) is None
+
+
 def test_quantize_model_refuses_a_file_of_another_model(tiny_pair, tmp_path):
     _, _, path = tiny_pair
     other = make_tiny_model(seed=5, vocab=40, init_std=0.3)

@@ -188,11 +188,13 @@ class BatchEngine:
         return self.admit(prompt_ids, cfg, self._request_parts(drafters, selector, length, k))
 
     def admit(self, prompt_ids: Sequence[int], cfg: GenerationConfig, parts: RowParts) -> int:
-        """Queue encoded ``prompt_ids`` with the parts that draft for it (their request begins:
-        a policy that cannot run on them raises here); returns its id."""
+        """Queue encoded ``prompt_ids`` with the parts that draft for it; returns its id. Its
+        policies begin its request now (a configuration they cannot run fails here:
+        ``Round.admit``), its drafters when it leaves the queue (``step``: at ``max_batch=1``
+        they are the engine's own, which the requests before it use until they end)."""
         row = Row.new(self._next_id, parts, prompt_ids, cfg, self.target.device, self.engine._timer())
         row.features = self.engine._features_for(parts.drafters)
-        self.round.begin(row)  # its drafters and policies begin now: a bad configuration fails here
+        self.round.admit(row)
         self._next_id += 1
         self._waiting.append(row)
         return row.id
@@ -257,6 +259,7 @@ class BatchEngine:
                 if not self._waiting or len(self._rows) >= self.max_batch:
                     break
                 self._joining = self._waiting.popleft()
+                self.round.begin(self._joining)  # its drafters begin its request now (``admit``)
                 self._joining.state = self.target.new_state()
                 self._joining.t_start = self.engine._timer()  # stats time it from here (queueing apart)
             fed = self._prefill(self._joining, budget)

@@ -117,7 +117,8 @@ class Row:
     features: FeatureBuffer | None = None
     state: Any = None
     prefilled: int = 0
-    started: bool = False
+    admitted: bool = False  # its policies began its request (``Round.admit``)
+    started: bool = False  # its drafters too (``Round.begin``)
     #: which drafters draft trees, and the first model-free one (``auto``'s plain-step tree)
     trees: list[bool] = field(default_factory=list)
     plain_tree: int | None = None
@@ -373,13 +374,14 @@ class Round:
             self.policy_s += self.stopwatch() - t
 
     # -- a request begins and ends ----------------------------------------------------------
-    def begin(self, row: Row) -> None:
-        """The row's drafters and policies begin its request (once, before its first round)."""
-        if row.started:
+    def admit(self, row: Row) -> None:
+        """The row's policies begin its request (once): a configuration they cannot run on its
+        drafters fails here, when a scheduler queues the request. They are the request's own
+        (copies) or, one request at a time, the engine's; what they estimate from shared state
+        (``auto``'s global counts) they read when they plan."""
+        if row.admitted:
             return
         parts = row.parts
-        for d in parts.drafters:
-            d.begin_request(row.prompt_ids)
 
         def begin() -> None:
             parts.selector.begin_request(parts.names)
@@ -388,6 +390,18 @@ class Round:
             parts.length.begin_request()
 
         self._timed(begin)
+        row.admitted = True
+
+    def begin(self, row: Row) -> None:
+        """The row's request begins (once, before its first round): its policies (``admit``, if
+        not yet) and its drafters, on its prompt. A scheduler calls it when the row leaves the
+        queue, after the requests before it ended: one request at a time, the drafters are the
+        engine's own, and begun earlier they would draft on a later request's prompt."""
+        if row.started:
+            return
+        self.admit(row)
+        for d in row.parts.drafters:
+            d.begin_request(row.prompt_ids)
         self.last_width = 0  # the prefill's shape came last (``CostModel.switch_cost``)
         row.started = True
 

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import GQA_ATTENTION, linear_mode, release_own_openmp_threads, small_rows_mode
-from ..quant import FIXED_ORDER_ATTENTION, prefill_scope, quantized_of, spare_capacity_cache, weights_mode
+from ..quant import FIXED_ORDER_ATTENTION, FusedStack, prefill_scope, quantized_of, spare_capacity_cache, weights_mode
 from ..trees import DraftTree, tree_attention_mask
 from .base import RowStates, TargetBackend
 
@@ -42,6 +42,8 @@ class LoadedModel(TargetBackend):
     name: str
     #: the keyword ``model.forward`` takes the KV cache under (``cache_arg``)
     cache_kw: str = field(init=False, repr=False, default="past_key_values")
+    #: the quantized model's decoder stack without transformers' wrappers (``quant.FusedStack``)
+    stack: FusedStack | None = field(init=False, repr=False, default=None)
 
     backend = "transformers"
     has_hidden_states = True
@@ -50,6 +52,7 @@ class LoadedModel(TargetBackend):
     def __post_init__(self) -> None:
         if self.model is not None:
             self.cache_kw = cache_arg(self.model)
+            self.stack = FusedStack.of(self.model)
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +99,10 @@ class LoadedModel(TargetBackend):
     @torch.inference_mode()
     def forward(self, state: Any, ids: Sequence[int], keep: int = 1,
                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.stack is not None and not hidden:
+            logits = self.stack(state, ids, keep)
+            if logits is not None:
+                return logits, None
         x = torch.tensor([list(ids)], device=self.device)
         out = self.model(input_ids=x, **{self.cache_kw: state}, use_cache=True, logits_to_keep=keep,
                          output_hidden_states=hidden)
