@@ -259,7 +259,7 @@ class BatchEngine:
                 if not self._waiting or len(self._rows) >= self.max_batch:
                     break
                 self._joining = self._waiting.popleft()
-                self.round.begin(self._joining)  # its drafters begin its request now (``admit``)
+                self.round.begin(self._joining)  # its drafters begin now (its policies did at ``admit``)
                 self._joining.state = self.target.new_state()
                 self._joining.t_start = self.engine._timer()  # stats time it from here (queueing apart)
             fed = self._prefill(self._joining, budget)

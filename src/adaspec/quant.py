@@ -576,8 +576,12 @@ class FusedStack:
         x = self.embed(torch.tensor([list(ids)]))
         past = int(cache.get_seq_length())
         cos, sin = self.rotary(x, torch.arange(past, past + t).unsqueeze(0))
+        likes: dict[tuple[int, int], torch.Tensor] = {}  # the shape a layer's KV takes, made once a call
         for (layer, kv_heads, head_dim), state in zip(self.layers, kv):
-            kbuf, vbuf, length = state.reserve(x.new_empty(1, kv_heads, 0, head_dim), t)
+            like = likes.get((kv_heads, head_dim))
+            if like is None:
+                like = likes[(kv_heads, head_dim)] = x.new_empty(1, kv_heads, 0, head_dim)
+            kbuf, vbuf, length = state.reserve(like, t)
             x = layer.forward(x, None, cos, sin, kbuf, vbuf, length)
             state.advance(t)
         if 0 < keep < t:
