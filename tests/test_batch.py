@@ -333,7 +333,7 @@ def test_prefill_is_chunked_while_others_decode(model):
 
 def test_short_prompts_join_together_within_the_prefill_budget(model):
     engine = _engine(model, "none")
-    prompts = _prompts(6)  # 5, 17, 11, 1, 30, 40 tokens: 4 + 16 + 10 + 0 = 30 to prefill, then 29
+    prompts = _prompts(6)  # 5, 17, 11, 1, 30, 40 tokens: 4 + 16 + 10 + 0 = 30 to prefill, then 29, then 39
     batch = BatchEngine(engine, max_batch=8, prefill_chunk=32)
     ids = [batch.add(p, max_new_tokens=5) for p in prompts]
     fed = []
@@ -347,12 +347,38 @@ def test_short_prompts_join_together_within_the_prefill_budget(model):
     engine.target.forward = counting
     try:
         batch.step()
-        assert batch.active == ids[:4] and sum(fed) == 32  # four prompts joined in one step
-        batch.step()  # the 5th: 2 tokens in step 1, 27 now; the 6th starts with the 5 left
-        assert batch.active == ids[:5] and batch.pending == ids[5:] and sum(fed) == 64
-        assert batch._joining.prefilled == 5
+        assert batch.active == ids[:4] and fed == [4, 16, 10]  # four prompts joined in one step
+        batch.step()  # the 5th whole (29 did not fit the 2 left in step 1); the 6th's first piece
+        assert batch.active == ids[:5] and batch.pending == ids[5:] and fed[3:] == [29]  # (32) waits
+        assert batch._joining.prefilled == 0
+        batch.step()
+        assert fed[4:] == [32] and batch._joining.prefilled == 32
+        batch.step()
+        assert fed[5:] == [7] and batch.active == ids
     finally:
         del engine.target.forward
+
+
+def test_a_long_prompt_goes_in_the_same_pieces_at_every_concurrency(model):
+    """A prompt longer than ``prefill_chunk`` is fed in pieces of ``prefill_chunk`` tokens from
+    its start whatever else joins in the same steps: the KV it gets (and on a target whose
+    kernels depend on the row count, its greedy answer) does not depend on the load."""
+    engine = _engine(model, "pld-k6")
+    long_prompt, others = _prompts(6)[5], _prompts(6)[:3]  # 40 tokens; 5, 17, 11 before it
+    ref = engine.generate(long_prompt, max_new_tokens=12).token_ids
+    for before in ([], others):
+        pieces, real = [], engine.target.prefill_piece
+        engine.target.prefill_piece = lambda state, ids: pieces.append(len(ids)) or real(state, ids)
+        try:
+            batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+            for p in before:
+                batch.add(p, max_new_tokens=12)
+            late = batch.add(long_prompt, max_new_tokens=12)
+            out = batch.run()
+        finally:
+            del engine.target.prefill_piece
+        assert pieces == [16, 16, 7], (before, pieces)
+        assert out[late].token_ids == ref
 
 
 def test_kv_after_rollback_equals_a_fresh_cache(model):

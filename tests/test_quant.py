@@ -453,6 +453,54 @@ def test_batched_rows_on_a_quantized_target_equal_one_at_a_time(tiny_pair, tiny_
     assert sum(r.stats.drafted for r in results) > 0
 
 
+def test_a_prompt_piece_takes_the_kernels_of_a_prompt(tiny_pair):
+    """``prefill_piece`` (the batch engine's chunked prefill) computes a prompt's tokens as
+    ``prefill`` does (``quant.prefill_scope``: the dense GEMM from ``PREFILL_MIN_ROWS`` rows),
+    bit for bit; a plain ``forward`` of the same tokens (the verify kernels) gives other bits,
+    the control that shows the check can fail."""
+    from adaspec.models import as_loaded
+
+    target = as_loaded(tiny_pair[1])
+    prompt = torch.randint(0, 40, (2 * quant.PREFILL_MIN_ROWS + 5,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def next_logits(feed):
+        state = target.new_state()
+        feed(state)
+        return target.forward(state, prompt[-1:], keep=1)[0]
+
+    with torch.inference_mode():
+        whole = next_logits(lambda st: target.prefill(st, prompt))
+        piece = next_logits(lambda st: target.prefill_piece(st, prompt[:-1]))
+        plain = next_logits(lambda st: target.forward(st, prompt[:-1], keep=1))
+    assert torch.equal(piece, whole)
+    assert not torch.equal(plain, whole)
+
+
+@pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])
+def test_staggered_long_prompts_on_a_quantized_target_equal_one_at_a_time(tiny_pair, tiny_q8, mode):
+    """Requests joining a running batch one by one, long prompts fed in pieces beside decoding
+    rows (``prefill_chunk`` under the prompt lengths), give each prompt plain decoding's tokens."""
+    from adaspec import SpeculativeEngine
+    from adaspec.batch import BatchEngine
+    from adaspec.models import as_loaded
+
+    target = as_loaded(tiny_pair[1] if mode == "gguf" else tiny_q8)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 40, (n,), generator=g).tolist() for n in (9, 150, 30, 97, 140)]
+    alone = [SpeculativeEngine(target, ["none"], selector="static").generate(p, max_new_tokens=16).token_ids
+             for p in prompts]
+    batch = BatchEngine(SpeculativeEngine(target, ["prompt-lookup", "suffix"], k=4), max_batch=3,
+                        prefill_chunk=quant.PREFILL_MIN_ROWS + 16)
+    ids, out = [], {}
+    for p in prompts:
+        ids.append(batch.add(p, max_new_tokens=16))
+        for ev in batch.step():  # one step between arrivals: each prompt joins a running batch
+            if ev.finished:
+                out[ev.request] = ev.result.token_ids
+    out.update({i: r.token_ids for i, r in batch.run().items()})
+    assert [out[i] for i in ids] == alone
+
+
 @pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])
 def test_draft_trees_on_a_quantized_target_equal_plain_decoding(tiny_pair, tiny_q8, mode):
     """Draft trees (a 4D mask into the fixed-order attention, KV gathered in the spare-capacity

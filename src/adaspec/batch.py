@@ -251,8 +251,8 @@ class BatchEngine:
 
     @torch.inference_mode()
     def step(self) -> list[BatchEvent]:
-        """Admit (at most ``prefill_chunk`` prompt tokens of prefill: one chunk of a long prompt,
-        or several short prompts), then one round for every active row."""
+        """Admit (at most ``prefill_chunk`` prompt tokens of prefill: one piece of a long prompt,
+        or several short prompts, each whole), then one round for every active row."""
         budget = self.prefill_chunk
         while budget is None or budget > 0:
             if self._joining is None:
@@ -264,7 +264,7 @@ class BatchEngine:
                 self._joining.t_start = self.engine._timer()  # stats time it from here (queueing apart)
             fed = self._prefill(self._joining, budget)
             budget = None if budget is None else budget - fed
-            if self._joining is not None:  # the budget ran out inside its prompt
+            if self._joining is not None:  # its next piece waits for the next step's budget
                 break
         return self._round() if self._rows else []
 
@@ -279,26 +279,36 @@ class BatchEngine:
 
     # -- prefill and joining -------------------------------------------------------------------
     def _prefill(self, row: Row, budget: int | None) -> int:
-        """Feed up to ``budget`` more tokens of the prompt (all but its last token; a whole
-        prompt that fits goes through the backend's own ``prefill``, its prefix cache included);
-        the row joins the batch when its prompt is in. Returns the tokens fed."""
+        """Feed the next piece of the prompt (all but its last token) when it fits ``budget``;
+        the row joins the batch when its prompt is in. Returns the tokens fed (0: wait for the
+        next step).
+
+        A prompt of at most ``prefill_chunk`` tokens goes through the backend's own ``prefill``
+        in one piece (its prefix cache included), as ``generate`` feeds it; a longer one goes in
+        pieces of ``prefill_chunk`` tokens from its start (the backend's ``prefill_piece``: the
+        kernels of ``prefill``). The pieces never depend on what else joins in the step, so the
+        KV a prompt gets, and a greedy answer, are the same at every concurrency (a piece that
+        does not fit what is left of the step's budget waits for the next step)."""
         todo = row.prompt_ids[:-1]
         fed = 0
         if row.features is not None:  # every prompt row's hidden state, in one forward
             if todo:
                 row.features.append(self.engine._forward(row.state, todo, keep=1, features=True)[1])
             fed = row.prefilled = len(todo)
-        elif row.prefilled == 0 and (budget is None or len(todo) <= budget or self.target.prefix_cache):
-            # a whole prompt at once when it fits the budget, or when the backend's prefill reuses
-            # an earlier request's KV for its prefix (llama.cpp's prefix cache: a chat's next turn)
+        elif budget is None or (row.prefilled == 0 and (len(todo) <= self.prefill_chunk or self.target.prefix_cache)):
+            # a whole prompt: no chunking, one that fits a piece, or one whose backend's prefill
+            # reuses an earlier request's KV for its prefix (llama.cpp's prefix cache: a chat's next turn)
+            if budget is not None and len(todo) > budget and not self.target.prefix_cache:
+                return 0
             row.stats.cached_prompt_tokens = self.target.prefill(row.state, row.prompt_ids) or 0
             fed = row.prefilled = len(todo)
         else:
-            chunk = todo[row.prefilled: row.prefilled + budget]
-            if chunk:
-                self.target.forward(row.state, chunk, keep=1)
-                row.prefilled += len(chunk)
-            fed = len(chunk)
+            piece = todo[row.prefilled: row.prefilled + self.prefill_chunk]
+            if len(piece) > budget:
+                return 0
+            self.target.prefill_piece(row.state, piece)
+            fed = len(piece)
+            row.prefilled += fed
         if row.prefilled >= len(todo):
             row.stats.prefill_s = self.engine._timer() - row.t_start
             self.states.join(row.state, row.prefilled)

@@ -155,6 +155,12 @@ class TargetBackend(ABC):
             self.forward(state, prompt[:-1], keep=1)
         return 0
 
+    def prefill_piece(self, state: Any, ids: Sequence[int]) -> None:
+        """Feed one piece of a long prompt into ``state``, which holds the pieces before it (the
+        batch engine's chunked prefill), with the kernels ``prefill`` uses for a prompt's tokens:
+        a prompt fed in the same pieces gets the same KV whatever else runs beside it."""
+        self.forward(state, ids, keep=1)
+
     def forward_tree(self, state: Any, last: int, tree: DraftTree,
                      hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over ``[last] + tree.tokens`` with a tree attention mask and tree

@@ -156,6 +156,11 @@ class LoadedModel(TargetBackend):
         with prefill_scope():
             return super().prefill(state, prompt)
 
+    def prefill_piece(self, state: Any, ids: Sequence[int]) -> None:
+        """A piece of a long prompt in ``quant.prefill_scope``, as ``prefill`` computes a prompt."""
+        with prefill_scope():
+            super().prefill_piece(state, ids)
+
     def new_rows(self, compact_fraction: float = DEFAULT_COMPACT_FRACTION) -> RowStates:
         """One padded batch cache for the rows (``PaddedRows``) where the attention takes a
         custom 4D mask, else rows one at a time."""
