@@ -249,6 +249,29 @@ def test_attention_matches_sdpa_and_is_row_invariant(ext):
     assert torch.equal(ext.attention(q, k, v, low, d ** -0.5), out)
 
 
+@pytest.mark.parametrize("pad", [1, 5, 16, 38])
+def test_attention_is_the_same_behind_padding_and_holes(ext, pad):
+    """A row's keys placed behind ``pad`` masked columns of other content, with masked holes
+    between them (a padded batch cache after rejected drafts), give the bits of the row alone on
+    its keys: the softmax's sums must not depend on the columns the keys sit at."""
+    torch.manual_seed(pad)
+    h, hk, n, d, q_len = 6, 2, 45, 32, 3
+    q, k, v = torch.randn(1, h, q_len, d), torch.randn(1, hk, n, d), torch.randn(1, hk, n, d)
+    alone = ext.attention(q, k, v, None, d ** -0.5)
+    holes = [3, 4, 20, 33]  # masked columns inserted after these keys
+    cols, at = [], pad
+    for j in range(n):
+        cols.append(at)
+        at += 2 if j in holes else 1
+    width = at
+    kk, vv = torch.randn(1, hk, width, d) * 3, torch.randn(1, hk, width, d) * 3  # junk where masked
+    kk[:, :, cols], vv[:, :, cols] = k, v
+    allowed = torch.zeros(q_len, width, dtype=torch.bool)
+    allowed[:, cols] = _causal(q_len, n)
+    mask = torch.zeros(1, 1, q_len, width).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    assert torch.equal(ext.attention(q, kk, vv, mask, d ** -0.5), alone)
+
+
 def test_attention_row_with_no_visible_key_is_zero(ext):
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
     out = ext.attention(q, k, v, torch.full((1, 1, 1, 4), float("-inf")), 0.25)
@@ -451,6 +474,43 @@ def test_batched_rows_on_a_quantized_target_equal_one_at_a_time(tiny_pair, tiny_
     assert [r.token_ids for r in results] == alone
     assert max(rows_seen) == 3  # the rows did share forwards
     assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_padded_rows_rounds_equal_each_row_alone_bit_for_bit(tiny_pair):
+    """Rounds of ``PaddedRows`` on the quantized target (rows joining with prompts of other
+    lengths, so left padding; drafts of several widths partly kept, so holes; rows leaving;
+    compactions) give every row's logits bit for bit as its own batch-1 state does: the
+    batch-invariance greedy identity across concurrency rests on."""
+    import random
+
+    from adaspec.models import as_loaded
+
+    target = as_loaded(tiny_pair[1])
+    rng = random.Random(0)
+    rows, alone = target.new_rows(), []
+    checked = 0
+    with torch.inference_mode():
+        for _ in range(40):
+            if not alone or (len(alone) < 4 and rng.random() < 0.3):
+                prompt = [rng.randrange(40) for _ in range(rng.randrange(3, 90))]
+                a, b = target.new_state(), target.new_state()
+                target.prefill(a, prompt + [0])
+                target.prefill(b, prompt + [0])
+                rows.join(a, len(prompt))
+                alone.append(b)
+            inputs = [[rng.randrange(40) for _ in range(rng.randrange(1, 6))] for _ in alone]
+            logits = rows.forward(inputs)
+            for r, (state, ids) in enumerate(zip(alone, inputs)):
+                before = target.state_length(state)
+                assert torch.equal(logits[r, :len(ids)], target.forward(state, ids, keep=len(ids))[0]), r
+                checked += len(alone) > 1
+                kept = rng.randrange(1, len(ids) + 1)
+                rows.keep(r, kept)
+                target.truncate(state, before + kept)
+            leaving = [r for r in range(len(alone)) if rng.random() < 0.05]
+            rows.end_round(leaving)
+            alone = [s for r, s in enumerate(alone) if r not in leaving]
+    assert checked > 40 and rows.compactions > 0
 
 
 def test_a_prompt_piece_takes_the_kernels_of_a_prompt(tiny_pair):

@@ -1151,9 +1151,12 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t K, const
 // ---- attention in a fixed order ---------------------------------------------------------------------
 // out[b, i, h] = sum_j p_j v[b, h / g, j] / sum_j p_j, p_j = exp(s_j - max_j s_j),
 // s_j = scale * (q[b, h, i] . k[b, h / g, j]) + mask[b, i, j] (or causal: keys 0 .. L - Q + i).
-// The dot product is 16 lanes over the head dimension and the fixed tree; the sums over keys run in
-// increasing j, lane j mod 16, so a key a row cannot see (exp(-inf) = 0 exactly) leaves its sums as
-// they are: a row's output is the same alone (L keys) and in a block or batch (more keys, masked).
+// The dot product is 16 lanes over the head dimension and the fixed tree. The weighted sum over values
+// runs in increasing j, so a key a row cannot see (p = exp(-inf) = 0 exactly) leaves it as it is. The
+// softmax denominator sums the nonzero p_j in increasing j, the n-th of them in lane n mod 16, then the
+// fixed tree: its order depends on which keys a row sees, never on the columns they sit at. A row's
+// output is therefore the same alone (L keys), in a block or batch (more keys, masked), and in a padded
+// batch cache, where its keys sit behind left padding and between masked holes.
 
 inline V16 vsub(V16 a, V16 b);
 inline V16 vmax(V16 a, V16 b);
@@ -1257,7 +1260,7 @@ inline void vhsum_rows(const V16* a, float* out) {
 template <int R, int C>
 void attention_rows(const float* const* qr, const float* kb, const float* vb, int64_t ldk, int64_t ldv, int64_t D,
                     const int64_t* last, const float* const* mrow, float scale, float* s, int64_t Lp,
-                    float* const* out) {
+                    float* packed, float* const* out) {
   int64_t lmax = 0;
   for (int r = 0; r < R; ++r) lmax = std::max(lmax, last[r]);
   V16 qv[R][C];
@@ -1287,13 +1290,22 @@ void attention_rows(const float* const* qr, const float* kb, const float* vb, in
     for (int64_t j = 0; j < Lp; j += 16) mx = vmax(mx, vload(sr + j));
     float m = vhmax(mx);
     if (!(m > -INFINITY)) m = 0.f;  // a row that sees no key: zeros
-    V16 sum = vzero();
     const V16 mv = vset1(m);
+    int64_t n = 0;  // the nonzero p_j, packed in increasing j (the denominator's order: see above)
     for (int64_t j = 0; j < Lp; j += 16) {
       const V16 e = vexp(vsub(vload(sr + j), mv));
       vstore(sr + j, e);
-      sum = vadd(sum, e);
+#if defined(ADASPEC_AVX512)
+      const __mmask16 nz = _mm512_cmp_ps_mask(e.v, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+      _mm512_mask_compressstoreu_ps(packed + n, nz, e.v);
+      n += __builtin_popcount(static_cast<unsigned>(nz));
+#else
+      for (int64_t i = j; i < j + 16; ++i)
+        if (sr[i] != 0.f) packed[n++] = sr[i];
+#endif
     }
+    V16 sum = vzero();
+    for (int64_t j = 0; j < n; j += 16) sum = vadd(sum, vload_part(packed + j, n - j));
     const float total = vhsum(sum);
     inv[r] = total > 0.f ? 1.f / total : 0.f;
   }
@@ -1324,7 +1336,7 @@ void attention_rows(const float* const* qr, const float* kb, const float* vb, in
 template <int C>
 void attention_head(const float* qh, int64_t ldq, int64_t Q, const float* kb, const float* vb, int64_t ldk,
                     int64_t ldv, int64_t D, int64_t L, const float* mh, float scale, float* s, int64_t Lp,
-                    float* oh, int64_t ldo) {
+                    float* packed, float* oh, int64_t ldo) {
   constexpr int R = C <= 4 ? 4 : 2;
   int64_t i = 0;
   auto tile = [&](auto rows) {
@@ -1339,7 +1351,7 @@ void attention_head(const float* qh, int64_t ldq, int64_t Q, const float* kb, co
       orow[r] = oh + (i + r) * ldo;
       last[r] = mh != nullptr ? L : L - Q + i + r + 1;  // keys a causal row sees
     }
-    attention_rows<n, C>(qr, kb, vb, ldk, ldv, D, last, mr, scale, s, Lp, orow);
+    attention_rows<n, C>(qr, kb, vb, ldk, ldv, D, last, mr, scale, s, Lp, packed, orow);
     i += n;
   };
   for (; i + R <= Q;) tile(std::integral_constant<int, R>{});
@@ -1381,7 +1393,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const float fscale = float(scale);
   const int64_t C = (D + 15) / 16;
   at::parallel_for(0, B * H, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> s(static_cast<size_t>(4 * Lp));
+    std::vector<float> s(static_cast<size_t>(5 * Lp));  // 4 rows' scores, then the packed p_j of one
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / H, h = u % H, hk = h / group;
       const float* kb = kp + b * k.stride(0) + hk * k.stride(1);
@@ -1391,7 +1403,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
       float* oh = op + (b * Q * H + h) * D;
       const int64_t ldk = k.stride(2), ldv = v.stride(2), ldo = H * D;
       switch (C) {
-#define ADASPEC_HEAD(n) case n: attention_head<n>(qh, D, Q, kb, vb, ldk, ldv, D, L, mh, fscale, s.data(), Lp, oh, ldo); break;
+#define ADASPEC_HEAD(n) case n: attention_head<n>(qh, D, Q, kb, vb, ldk, ldv, D, L, mh, fscale, s.data(), Lp, s.data() + 4 * Lp, oh, ldo); break;
         ADASPEC_HEAD(1) ADASPEC_HEAD(2) ADASPEC_HEAD(3) ADASPEC_HEAD(4) ADASPEC_HEAD(5) ADASPEC_HEAD(6)
         ADASPEC_HEAD(7) ADASPEC_HEAD(8) ADASPEC_HEAD(9) ADASPEC_HEAD(10) ADASPEC_HEAD(11) ADASPEC_HEAD(12)
         ADASPEC_HEAD(13) ADASPEC_HEAD(14) ADASPEC_HEAD(15) ADASPEC_HEAD(16)
