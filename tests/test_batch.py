@@ -750,3 +750,75 @@ def test_model_drafter_sampling_in_batches_follows_the_target(soft_model):
     assert drafted > 100
     stat, p_value, cells = chisquare_gof(counts, probs)
     assert cells >= 3 and p_value > 1e-3, (stat, p_value, counts)
+
+
+# -- the transformers backend's prefix cache ---------------------------------------------------------
+def test_prefix_cache_starts_a_prompt_from_the_longest_kept_prefix(model):
+    """``prefix_cache`` on the transformers backend: a prompt sent again reuses all but its last
+    token, with the next logits a fresh prefill gives bit for bit; one sharing a prefix reuses
+    that prefix; turned off, nothing is reused and the kept prefixes go."""
+    target = SpeculativeEngine(model, ["none"], selector="static").target
+    assert target.supports_prefix_cache and not target.prefix_cache
+    a = _prompts(6)[5]  # 40 tokens
+    b = a[:25] + [(a[25] + 1) % VOCAB, 2, 3, 4, 5]  # shares 25 tokens
+
+    def next_logits(prompt):
+        state = target.new_state()
+        reused = target.prefill(state, prompt)
+        return reused, target.forward(state, prompt[-1:], keep=1)[0]
+
+    _, fresh_a = next_logits(a)
+    _, fresh_b = next_logits(b)
+    target.prefix_cache = True
+    try:
+        assert target.cached_prefix(a) == 0
+        assert next_logits(a)[0] == 0 and target.prefixes == [a[:-1]]
+        assert target.cached_prefix(a) == 39 and target.cached_prefix(b) == 25
+        reused, again = next_logits(a)
+        assert reused == 39 and torch.equal(again, fresh_a)
+        reused, shared = next_logits(b)
+        assert reused == 25 and torch.allclose(shared, fresh_b, atol=1e-5)
+        assert target.prefixes == [a[:-1], b[:-1]]
+    finally:
+        target.prefix_cache = False
+    assert next_logits(a)[0] == 0 and target.prefixes == []
+
+
+def test_prefix_cache_keeps_prefixes_by_lru_within_its_size(model):
+    """Kept prefixes: one a newer prompt extends is dropped, one that holds a newer prompt only
+    moves to the end, and past ``prefix_cache_tokens`` the least recently used go (the newest
+    always stays)."""
+    target = SpeculativeEngine(model, ["none"], selector="static").target
+    target.prefix_cache, target.prefix_cache_tokens = True, 50
+    p = [list(range(i, i + 21)) for i in (0, 1, 2)]  # 20 tokens kept a prompt
+    for prompt in p:
+        target.prefill(target.new_state(), prompt)
+    assert target.prefixes == [p[1][:-1], p[2][:-1]]  # 60 > 50: the oldest went
+    target.prefill(target.new_state(), p[1][:11])  # held by p[1]'s entry: it becomes the newest
+    assert target.prefixes == [p[2][:-1], p[1][:-1]]
+    longer = p[2] + [7] * 10
+    target.prefill(target.new_state(), longer)  # extends p[2]: that entry goes
+    assert target.prefixes == [p[1][:-1], longer[:-1]]
+    target.prefix_cache_tokens = 10
+    target.prefill(target.new_state(), p[0])
+    assert target.prefixes == [p[0][:-1]]  # over the size alone: kept
+    target.prefix_cache = False
+
+
+def test_batched_rows_start_from_the_prefix_cache(model):
+    """In the batch engine a prompt that shares a kept prefix computes only the rest (a long
+    one whose rest fits a piece goes whole), reports the reused tokens, and answers as a fresh
+    run does on this fp32 model."""
+    engine = _engine(model, "pld-k6")
+    system = _prompts(6)[5] + _prompts(6)[4]  # 70 tokens: over prefill_chunk
+    prompts = [system + [3, 4, 5], system + [6, 7], system + [8]]
+    ref = [engine.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    engine.target.prefix_cache = True
+    try:
+        batch = BatchEngine(engine, max_batch=3, prefill_chunk=32)
+        ids = [batch.add(p, max_new_tokens=12) for p in prompts]
+        out = batch.run()
+    finally:
+        engine.target.prefix_cache = False
+    assert [out[i].token_ids for i in ids] == ref
+    assert [out[i].stats.cached_prompt_tokens for i in ids] == [0, 70, 70]

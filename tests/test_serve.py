@@ -76,13 +76,25 @@ def test_chat_greedy_equals_generate_with_usage_and_stats(client, reference):
     assert resp.usage.prompt_tokens == len(want.prompt_ids)
     assert resp.usage.completion_tokens == 24 == len(want.token_ids)
     assert resp.usage.total_tokens == len(want.prompt_ids) + 24
-    assert resp.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache on transformers
     stats = resp.model_extra["adaspec"]
-    assert stats["cached_prompt_tokens"] == 0
+    assert resp.usage.prompt_tokens_details.cached_tokens == stats["cached_prompt_tokens"] < len(want.prompt_ids)
     assert stats["drafters"] == ["prompt-lookup", "suffix"] and stats["rounds"] >= 1
     assert abs(sum(stats["drafter_shares"].values()) - 1) < 1e-9
     assert stats["mat"] == pytest.approx(24 / stats["rounds"])
     assert set(stats["time_split_s"]) >= {"prefill", "target_forward", "drafting"}
+
+
+def test_a_repeated_chat_starts_from_the_prefix_cache(client, reference):
+    """The server's prefix cache (on by default, the transformers backend's ``PrefixStore``): a
+    chat sent again takes every prompt token but the last from the first one's KV, says so in
+    its usage, and answers with the same text as a fresh run."""
+    chat = [{"role": "user", "content": "w05 w06 w07 w05 w06 w07 w05 w06 w07 w05 w06 w09"}]
+    want = expected(reference, chat, 16)
+    first = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    assert first.choices[0].message.content == again.choices[0].message.content == want.text
+    assert again.usage.prompt_tokens_details.cached_tokens == len(want.prompt_ids) - 1
+    assert again.model_extra["adaspec"]["cached_prompt_tokens"] == len(want.prompt_ids) - 1
 
 
 def test_chat_stream_concatenates_to_the_non_streamed_text(client, reference):

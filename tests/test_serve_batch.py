@@ -132,7 +132,7 @@ def test_load_with_max_batch_8_gets_exact_answers(model_dir, expected, tmp_path)
 
 
 def test_serve_batches_by_default_where_the_engine_can(model_dir):
-    """``adaspec serve`` without --max-batch: 8 rows with model-free and model drafters (a model
+    """``adaspec serve`` without --max-batch: 16 rows with model-free and model drafters (a model
     drafter forks a KV state per request); one request at a time with a drafter that cannot fork
     (said, not failed); an explicit N > 1 there is an error."""
     from adaspec.cli import SERVE_BATCH, serve_batch_size
@@ -144,7 +144,7 @@ def test_serve_batches_by_default_where_the_engine_can(model_dir):
         fork = Drafter.fork
 
     target = load_model(model_dir)
-    assert serve_batch_size(SpeculativeEngine(target), None) == SERVE_BATCH == 8
+    assert serve_batch_size(SpeculativeEngine(target), None) == SERVE_BATCH == 16
     assert serve_batch_size(SpeculativeEngine(target), 3) == 3
     assert serve_batch_size(SpeculativeEngine(target, ["self"]), None) == SERVE_BATCH
     unforkable = SpeculativeEngine(target, [Unforkable()])

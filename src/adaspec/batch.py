@@ -283,25 +283,27 @@ class BatchEngine:
         the row joins the batch when its prompt is in. Returns the tokens fed (0: wait for the
         next step).
 
-        A prompt of at most ``prefill_chunk`` tokens goes through the backend's own ``prefill``
-        in one piece (its prefix cache included), as ``generate`` feeds it; a longer one goes in
-        pieces of ``prefill_chunk`` tokens from its start (the backend's ``prefill_piece``: the
-        kernels of ``prefill``). The pieces never depend on what else joins in the step, so the
-        KV a prompt gets, and a greedy answer, are the same at every concurrency (a piece that
-        does not fit what is left of the step's budget waits for the next step)."""
+        A prompt of at most ``prefill_chunk`` tokens to compute (those its backend's prefix
+        cache does not hold: ``cached_prefix``) goes through the backend's own ``prefill`` in
+        one piece, as ``generate`` feeds it; a longer one goes in pieces of ``prefill_chunk``
+        tokens from its start (the backend's ``prefill_piece``: the kernels of ``prefill``).
+        The pieces never depend on what else joins in the step, so the KV a prompt gets, and a
+        greedy answer, are the same at every concurrency (a piece that does not fit what is
+        left of the step's budget waits for the next step)."""
         todo = row.prompt_ids[:-1]
         fed = 0
         if row.features is not None:  # every prompt row's hidden state, in one forward
             if todo:
                 row.features.append(self.engine._forward(row.state, todo, keep=1, features=True)[1])
             fed = row.prefilled = len(todo)
-        elif budget is None or (row.prefilled == 0 and (len(todo) <= self.prefill_chunk or self.target.prefix_cache)):
-            # a whole prompt: no chunking, one that fits a piece, or one whose backend's prefill
-            # reuses an earlier request's KV for its prefix (llama.cpp's prefix cache: a chat's next turn)
-            if budget is not None and len(todo) > budget and not self.target.prefix_cache:
+        elif budget is None or (row.prefilled == 0 and
+                                (rest := len(todo) - self.target.cached_prefix(row.prompt_ids)) <= self.prefill_chunk):
+            # a whole prompt: no chunking, or what it computes (past the prefix cache's share) fits a piece
+            if budget is not None and rest > budget:
                 return 0
             row.stats.cached_prompt_tokens = self.target.prefill(row.state, row.prompt_ids) or 0
-            fed = row.prefilled = len(todo)
+            fed = len(todo) - row.stats.cached_prompt_tokens
+            row.prefilled = len(todo)
         else:
             piece = todo[row.prefilled: row.prefilled + self.prefill_chunk]
             if len(piece) > budget:
@@ -309,6 +311,8 @@ class BatchEngine:
             self.target.prefill_piece(row.state, piece)
             fed = len(piece)
             row.prefilled += fed
+            if row.prefilled >= len(todo):
+                self.target.keep_prompt(row.state, todo)
         if row.prefilled >= len(todo):
             row.stats.prefill_s = self.engine._timer() - row.t_start
             self.states.join(row.state, row.prefilled)

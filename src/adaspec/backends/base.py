@@ -82,10 +82,12 @@ class TargetBackend(ABC):
     #: token, which the exactness tests' negative controls check; ``exactness.NEAR_TIE_NATS``
     #: (float rounding) unless a backend's kernels move margins more (llama.cpp)
     near_tie_nats: float = NEAR_TIE_NATS
-    #: whether the backend can keep a released state's KV for the next prompt that shares its
-    #: prefix (``prefix_cache``, off unless set: llama.cpp; ``adaspec serve`` turns it on)
+    #: whether the backend can keep a prompt's KV for the next prompt that shares its prefix
+    #: (``prefix_cache``, off unless set: llama.cpp, transformers; ``adaspec serve`` turns it on)
     supports_prefix_cache: bool = False
     prefix_cache: bool = False
+    #: most tokens the kept prefixes hold together (least recently used dropped first)
+    prefix_cache_tokens: int = 0
 
     def near_tie_nats_at(self, length: int) -> float:
         """``near_tie_nats`` for a position whose logits were computed on ``length`` tokens."""
@@ -154,6 +156,16 @@ class TargetBackend(ABC):
         if len(prompt) > 1:
             self.forward(state, prompt[:-1], keep=1)
         return 0
+
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        """How many of ``prompt``'s tokens a ``prefill`` into an empty state would take from an
+        earlier request's kept KV (``prefix_cache``) instead of a forward; nothing changes."""
+        return 0
+
+    def keep_prompt(self, state: Any, tokens: Sequence[int]) -> None:
+        """With ``prefix_cache``: keep the KV of ``tokens`` (all ``state`` holds: a prompt fed in
+        ``prefill_piece`` pieces) for later prompts (``prefill`` keeps its own prompt; a backend
+        that keeps a state's KV when it is released does nothing here)."""
 
     def prefill_piece(self, state: Any, ids: Sequence[int]) -> None:
         """Feed one piece of a long prompt into ``state``, which holds the pieces before it (the

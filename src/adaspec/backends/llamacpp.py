@@ -535,6 +535,11 @@ class LlamaCppTarget(TargetBackend):
             state.pending = (prompt[-1], logits[-1:])
         return reused
 
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        if not self.prefix_cache or len(prompt) < 2:
+            return 0
+        return max((_shared_prefix(tokens, prompt, len(prompt) - 1) for tokens in self._prefixes.values()), default=0)
+
     @property
     def prefixes(self) -> list[list[int]]:
         """The kept prefixes' tokens, least recently used first (``prefix_cache``)."""

@@ -30,16 +30,91 @@ from .base import RowStates, TargetBackend
 
 #: compact the batch cache when its hole columns exceed this fraction of the longest row
 DEFAULT_COMPACT_FRACTION = 0.25
+#: the prefix cache's size in tokens (``LoadedModel.prefix_cache_tokens``): SmolLM2-135M keeps
+#: 46 KB of float32 KV a token (190 MB for 4096), Qwen2.5-1.5B 57 KB
+DEFAULT_PREFIX_CACHE_TOKENS = 4096
+
+
+class PrefixStore:
+    """Prompts' KV kept for later prompts that start the same way (a chat's next turn, a shared
+    system prompt): entries of (tokens, per-layer keys and values ``[1, heads, n, dim]``), least
+    recently used first. ``keep`` adds a prompt's KV as the most recent entry, drops the entries
+    it extends, then the least recently used while the entries hold more than ``tokens`` tokens
+    together (the newest is always kept); a prompt that an entry already holds only makes that
+    entry the most recent. The rule of the llama.cpp backend's kept prefixes."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self._entries: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def held(self) -> int:
+        """Tokens the entries hold together."""
+        return sum(len(t) for t, _ in self._entries)
+
+    def longest(self, prompt: Sequence[int], limit: int) -> tuple[int, int]:
+        """(tokens shared with the entry sharing the most with ``prompt``, at most ``limit``;
+        that entry's index), (0, -1) where none shares a token."""
+        best, at = 0, -1
+        for i, (tokens, _) in enumerate(self._entries):
+            n = shared_prefix(tokens, prompt, limit)
+            if n > best:
+                best, at = n, i
+        return best, at
+
+    def take(self, at: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``n`` tokens' KV of entry ``at``, which becomes the most recent."""
+        entry = self._entries.pop(at)
+        self._entries.append(entry)
+        return [(k[..., :n, :], v[..., :n, :]) for k, v in entry[1]]
+
+    def keep(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for i, (held, _) in enumerate(self._entries):
+            if len(held) >= len(tokens) and held[:len(tokens)] == tokens:  # already held
+                self._entries.append(self._entries.pop(i))
+                return
+        self._entries = [e for e in self._entries if not (len(e[0]) <= len(tokens) and tokens[:len(e[0])] == e[0])]
+        self._entries.append((list(tokens), kv))
+        total = self.held
+        while len(self._entries) > 1 and total > self.tokens:
+            total -= len(self._entries.pop(0)[0])
+
+    def clear(self) -> None:
+        self._entries = []
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n = 0
+    for x, y in zip(a, b):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
 class LoadedModel(TargetBackend):
     """A Hugging Face causal LM with its tokenizer and the name it was loaded from: the
-    ``transformers`` backend (KV states are ``DynamicCache`` objects)."""
+    ``transformers`` backend (KV states are ``DynamicCache`` objects).
+
+    ``prefix_cache`` (off unless set; ``adaspec serve`` turns it on): ``prefill`` keeps each
+    prompt's KV (``PrefixStore``, at most ``prefix_cache_tokens`` tokens, least recently used
+    dropped first) and starts a later prompt from the longest prefix it shares with a kept one,
+    feeding only the rest. Where the whole prompt was kept the KV is the one a fresh prefill
+    computes; where only a prefix was, the rest is computed on top of it, in other shapes than
+    a fresh prefill of the whole prompt, so outputs may differ from a fresh run's at numeric
+    near-ties (benchmarks and exactness checks leave it off). Models whose cache has sliding-window
+    or other non-full-attention layers do not support it (``supports_prefix_cache``)."""
 
     model: Any
     tokenizer: Any | None
     name: str
+    #: most tokens the prefix cache keeps (``PrefixStore``)
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
     #: the keyword ``model.forward`` takes the KV cache under (``cache_arg``)
     cache_kw: str = field(init=False, repr=False, default="past_key_values")
     #: the quantized model's decoder stack without transformers' wrappers (``quant.FusedStack``)
@@ -50,9 +125,11 @@ class LoadedModel(TargetBackend):
     supports_trees = True
 
     def __post_init__(self) -> None:
+        self._prefixes = PrefixStore(self.prefix_cache_tokens)
         if self.model is not None:
             self.cache_kw = cache_arg(self.model)
             self.stack = FusedStack.of(self.model)
+            self.supports_prefix_cache = _full_attention(self.new_state())
 
     @property
     def device(self) -> torch.device:
@@ -152,9 +229,42 @@ class LoadedModel(TargetBackend):
 
     def prefill(self, state: Any, prompt: Sequence[int]) -> int:
         """A prompt's prefill; on a quantized target in ``quant.prefill_scope`` (long prompts may
-        take a dense GEMM: plain and speculative decoding share it)."""
-        with prefill_scope():
-            return super().prefill(state, prompt)
+        take a dense GEMM: plain and speculative decoding share it). With ``prefix_cache`` an
+        empty state first takes the longest kept prefix the prompt shares (all but its last
+        token at most), and the prompt's KV is kept afterwards. Returns the tokens reused."""
+        prompt = list(prompt)
+        todo = prompt[:-1]
+        if not self.prefix_cache:
+            if len(self._prefixes):  # turned off: nothing kept is used again
+                self._prefixes.clear()
+            with prefill_scope():
+                return super().prefill(state, prompt)
+        reused, at = self._prefixes.longest(todo, len(todo)) if self.state_length(state) == 0 else (0, -1)
+        if reused:
+            for i, (k, v) in enumerate(self._prefixes.take(at, reused)):
+                state.update(k, v, i)
+        if len(todo) > reused:
+            with prefill_scope():
+                self.forward(state, todo[reused:], keep=1)
+        self.keep_prompt(state, todo)
+        return reused
+
+    def keep_prompt(self, state: Any, tokens: Sequence[int]) -> None:
+        if self.prefix_cache and tokens:
+            n = len(tokens)
+            self._prefixes.tokens = self.prefix_cache_tokens
+            self._prefixes.keep(list(tokens), [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone())
+                                               for layer in state.layers])
+
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        if not self.prefix_cache or len(prompt) < 2:
+            return 0
+        return self._prefixes.longest(list(prompt[:-1]), len(prompt) - 1)[0]
+
+    @property
+    def prefixes(self) -> list[list[int]]:
+        """The kept prefixes' tokens, least recently used first (``prefix_cache``)."""
+        return [list(t) for t, _ in self._prefixes._entries]
 
     def prefill_piece(self, state: Any, ids: Sequence[int]) -> None:
         """A piece of a long prompt in ``quant.prefill_scope``, as ``prefill`` computes a prompt."""
@@ -210,6 +320,16 @@ def cache_arg(module: Any) -> str:
             if name in params:
                 return name
     return "past_key_values"
+
+
+def _full_attention(state: Any) -> bool:
+    """Whether every layer of a fresh cache is a full-attention dynamic layer (its keys and
+    values can be copied into another state: the prefix cache)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(state, "layers", None)
+    return bool(layers) and all(isinstance(layer, DynamicLayer) and not getattr(layer, "is_sliding", False)
+                                for layer in layers)
 
 
 def _check_tree_cache(state: Any) -> None:

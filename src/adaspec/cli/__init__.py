@@ -146,8 +146,11 @@ def serve(
     linear: str = typer.Option("auto", "--linear", help=LINEAR_HELP),
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     flash_attn: bool | None = typer.Option(None, "--flash-attn/--no-flash-attn", help=FLASH_HELP),
-    prefix_cache: bool = typer.Option(True, help="start a prompt from the KV of the last request's "
-                                      "shared prefix (a chat's next turn; llama.cpp backend)"),
+    prefix_cache: bool = typer.Option(True, help="start a prompt from the KV an earlier request's prompt "
+                                      "left for their shared prefix (a chat's next turn, a shared system prompt)"),
+    prefix_cache_tokens: int | None = typer.Option(None, help="most tokens the prefix cache keeps, least "
+                                                   "recently used dropped first [default: 4096 on "
+                                                   "transformers, an eighth of the context on llama.cpp]"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
@@ -180,6 +183,8 @@ def serve(
         check_number("--timeout", timeout, low=0.0, low_open=True)
         check_number("--max-tokens", max_tokens, low=1, integer=True)
         check_number("--save-every", save_every, low=1, integer=True)
+        if prefix_cache_tokens is not None:
+            check_number("--prefix-cache-tokens", prefix_cache_tokens, low=0, integer=True)
         check_number("--grace", grace, low=0.0)
         if threads is not None:
             check_number("--threads", threads, low=1, integer=True)
@@ -209,7 +214,7 @@ def serve(
         config = ServeConfig(model_id=served_name or model, selector=selector, length=length, k=k,
                              max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, state_file=state_file,
                              save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace,
-                             prefix_cache=prefix_cache)
+                             prefix_cache=prefix_cache, prefix_cache_tokens=prefix_cache_tokens)
     except AdaspecError as exc:
         fail(exc)
     cached = prefix_cache and engine.target.supports_prefix_cache
@@ -241,7 +246,7 @@ def measure_batch_grid(engine: SpeculativeEngine, max_batch: int) -> None:
 
 #: requests ``adaspec serve`` decodes together when --max-batch is not given and the engine can
 #: batch (docs/results.md, "Continuous batching")
-SERVE_BATCH = 8
+SERVE_BATCH = 16
 
 
 def check_serve_rows(backend: str, max_batch: int) -> None:

@@ -66,6 +66,7 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0
     max_batch: int = 1  # requests decoded together (continuous batching; 1: one at a time)
     prefix_cache: bool = True  # a request starts from the last one's shared prefix, where the backend can
+    prefix_cache_tokens: int | None = None  # the prefix cache's size (None: the backend's default)
 
 
 class Server:
@@ -79,6 +80,8 @@ class Server:
                         "of each name (give drafters a name=... parameter)", names)
         # served chats resend their history: reusing its KV makes a long chat's next turn cheap
         engine.target.prefix_cache = config.prefix_cache and engine.target.supports_prefix_cache
+        if config.prefix_cache_tokens is not None:
+            engine.target.prefix_cache_tokens = config.prefix_cache_tokens
         self.metrics = ServerMetrics()
         self.state = LearntState(shared=engine.cost_model, fingerprint={
             "model": target_fingerprint(engine.target), "drafters": names})
