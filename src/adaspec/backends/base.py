@@ -57,6 +57,14 @@ def backend_loader(name: str) -> Callable[..., TargetBackend] | None:
                                                       gguf=gguf, **options)
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit`` (the prefix caches)."""
+    n, limit = 0, min(limit, len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class TargetBackend(ABC):
     """A causal LM the engine can run: forwards over new tokens on a per-sequence KV state.
 

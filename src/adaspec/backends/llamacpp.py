@@ -52,7 +52,7 @@ import torch
 from ..errors import ConfigError, ModelLoadError
 from ..exactness import NEAR_TIE_NATS, NEAR_TIE_NATS_LLAMACPP
 from ..kernels import release_own_openmp_threads
-from .base import SequentialRows, TargetBackend
+from .base import SequentialRows, TargetBackend, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -522,7 +522,7 @@ class LlamaCppTarget(TargetBackend):
         if self._prefixes and state.length == 0 and state.pending is None and len(prompt) > 1:
             limit, best_id = len(prompt) - 1, None
             for seq_id, tokens in self._prefixes.items():
-                n = _shared_prefix(tokens, prompt, limit)
+                n = shared_prefix(tokens, prompt, limit)
                 if n > reused:
                     reused, best_id = n, seq_id
             if best_id is not None:
@@ -538,7 +538,7 @@ class LlamaCppTarget(TargetBackend):
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         if not self.prefix_cache or len(prompt) < 2:
             return 0
-        return max((_shared_prefix(tokens, prompt, len(prompt) - 1) for tokens in self._prefixes.values()), default=0)
+        return max((shared_prefix(tokens, prompt, len(prompt) - 1) for tokens in self._prefixes.values()), default=0)
 
     @property
     def prefixes(self) -> list[list[int]]:
@@ -849,14 +849,6 @@ class LlamaCppRows(SequentialRows):
             self._before = None
         if leaving:
             self.leave(leaving)
-
-
-def _shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
-    n, limit = 0, min(limit, len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _free(L: Any, model: Any, ctx: Any, batch: Any) -> None:

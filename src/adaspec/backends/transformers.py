@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..kernels import GQA_ATTENTION, linear_mode, release_own_openmp_threads, small_rows_mode
 from ..quant import FIXED_ORDER_ATTENTION, FusedStack, prefill_scope, quantized_of, spare_capacity_cache, weights_mode
 from ..trees import DraftTree, tree_attention_mask
-from .base import RowStates, TargetBackend
+from .base import RowStates, TargetBackend, shared_prefix
 
 #: compact the batch cache when its hole columns exceed this fraction of the longest row
 DEFAULT_COMPACT_FRACTION = 0.25
@@ -84,16 +84,6 @@ class PrefixStore:
 
     def clear(self) -> None:
         self._entries = []
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
-    n = 0
-    for x, y in zip(a, b):
-        if n >= limit or x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
