@@ -385,8 +385,12 @@ def test_fused_stack_equals_transformers_forward_bit_for_bit(tiny_pair, tiny_q8,
         from transformers import DynamicCache
 
         assert stack(DynamicCache(config=q.config), ids, 1) is None
-        with quant.prefill_scope():
-            assert stack(quant.spare_capacity_cache(q.config), list(range(quant.PREFILL_MIN_ROWS)), 1) is None
+        quant.PREFILL_GEMM = "gemm"
+        try:
+            with quant.prefill_scope():
+                assert stack(quant.spare_capacity_cache(q.config), list(range(quant.PREFILL_MIN_ROWS)), 1) is None
+        finally:
+            quant.PREFILL_GEMM = "kernel"
 
 
 def test_fused_stack_is_refused_where_a_layer_is_not_fused(tiny_pair):
@@ -513,11 +517,13 @@ def test_padded_rows_rounds_equal_each_row_alone_bit_for_bit(tiny_pair):
     assert checked > 40 and rows.compactions > 0
 
 
-def test_a_prompt_piece_takes_the_kernels_of_a_prompt(tiny_pair):
-    """``prefill_piece`` (the batch engine's chunked prefill) computes a prompt's tokens as
-    ``prefill`` does (``quant.prefill_scope``: the dense GEMM from ``PREFILL_MIN_ROWS`` rows),
-    bit for bit; a plain ``forward`` of the same tokens (the verify kernels) gives other bits,
-    the control that shows the check can fail."""
+def test_a_prompt_gets_the_same_kv_however_it_is_fed(tiny_pair, monkeypatch):
+    """With the default prefill (``PREFILL_GEMM = "kernel"``: the decoding kernels), a prompt
+    prefilled whole, in the batch engine's pieces (``prefill_piece``) at any split, or after a
+    prefix cache's kept prefix gives the same next logits bit for bit. Under ``"gemm"`` a
+    piece still takes the kernels of ``prefill`` (the dense GEMM from ``PREFILL_MIN_ROWS``
+    rows), while a plain ``forward`` of the same tokens gives other bits: the control that
+    shows these checks can fail."""
     from adaspec.models import as_loaded
 
     target = as_loaded(tiny_pair[1])
@@ -528,12 +534,31 @@ def test_a_prompt_piece_takes_the_kernels_of_a_prompt(tiny_pair):
         feed(state)
         return target.forward(state, prompt[-1:], keep=1)[0]
 
+    def pieces(*cuts):
+        def feed(state):
+            for a, b in zip((0, *cuts), (*cuts, len(prompt) - 1)):
+                target.prefill_piece(state, prompt[a:b])
+        return feed
+
     with torch.inference_mode():
         whole = next_logits(lambda st: target.prefill(st, prompt))
+        assert torch.equal(next_logits(pieces(60)), whole)
+        assert torch.equal(next_logits(pieces(17, 80, 81)), whole)
+        target.prefix_cache = True
+        try:
+            target.prefill(target.new_state(), prompt[:40])  # keeps 39 tokens
+            state = target.new_state()
+            assert target.prefill(state, prompt) == 39
+            assert torch.equal(target.forward(state, prompt[-1:], keep=1)[0], whole)
+        finally:
+            target.prefix_cache = False
+            target.prefill(target.new_state(), [1, 2])  # (off: the kept prefixes go)
+        monkeypatch.setattr(quant, "PREFILL_GEMM", "gemm")
+        dense = next_logits(lambda st: target.prefill(st, prompt))
         piece = next_logits(lambda st: target.prefill_piece(st, prompt[:-1]))
         plain = next_logits(lambda st: target.forward(st, prompt[:-1], keep=1))
-    assert torch.equal(piece, whole)
-    assert not torch.equal(plain, whole)
+    assert torch.equal(piece, dense)
+    assert not torch.equal(plain, dense)
 
 
 @pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])

@@ -21,10 +21,11 @@ in a batch, and greedy speculative output equals plain decoding on this target t
 Compared with ``F.linear`` on the dequantized weights the products differ by float rounding only
 (another summation order).
 
-Prefill: inside ``prefill_scope()`` (the transformers backend's ``prefill``), a forward of at least
-``PREFILL_MIN_ROWS`` rows runs each layer as a float32 GEMM on its weights dequantized for that
-call (``PREFILL_GEMM``); plain and speculative decoding share the prompt's prefill, so this does
-not touch exactness. Verify blocks and batches never take it, whatever their row count.
+Prefill takes the same kernels by default (``PREFILL_GEMM = "kernel"``), so a prompt's KV is the
+same whole, in the batch engine's pieces and after a prefix cache's kept prefix. With
+``PREFILL_GEMM = "gemm"``, inside ``prefill_scope()`` (the transformers backend's ``prefill``) a
+forward of at least ``PREFILL_MIN_ROWS`` rows runs each layer as a float32 GEMM on its weights
+dequantized for that call; verify blocks and batches never take it, whatever their row count.
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 WEIGHT_MODES = ("auto", "gguf", "gguf-q8", "dense")
 #: the quantized modes
 GGUF_MODES = ("gguf", "gguf-q8")
-#: with ``prefill_scope`` active, forwards of at least this many rows take ``PREFILL_GEMM``
+#: with ``prefill_scope`` active and ``PREFILL_GEMM == "gemm"``, forwards of at least this many
+#: rows take the dense path
 PREFILL_MIN_ROWS = 64
-#: the prefill path's product: ``"gemm"`` (dequantize the layer, ``F.linear``) or ``"kernel"``
-PREFILL_GEMM = "gemm"
+#: the prefill path: ``"kernel"`` (the default: a prompt takes the batch-invariant kernels of
+#: decoding, so its KV does not depend on how it was fed: whole, in pieces, or after a kept
+#: prefix) or ``"gemm"`` (from ``PREFILL_MIN_ROWS`` rows each layer dequantized for the call,
+#: ``F.linear``, and SDPA attention: a prompt's KV then depends on the pieces it was fed in)
+PREFILL_GEMM = "kernel"
 #: environment variable: where compiled kernels are built (default ``$ADASPEC_CACHE/kernels``);
 #: the test suite points it at one folder per machine, reused across sessions
 BUILD_ENV = "ADASPEC_KERNELS_BUILD"
@@ -224,7 +229,9 @@ def prefill_scope() -> Iterator[None]:
 
 
 def in_prefill() -> bool:
-    return bool(getattr(_prefill, "on", False))
+    """Whether a prefill takes the dense path now: inside ``prefill_scope`` with ``PREFILL_GEMM``
+    ``"gemm"``."""
+    return PREFILL_GEMM == "gemm" and bool(getattr(_prefill, "on", False))
 
 
 # -- layers -----------------------------------------------------------------------------------------
@@ -268,7 +275,7 @@ class QuantLinear(nn.Module):
         if (x.dtype != torch.float32 or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return F.linear(x, self.weight.to(x.device, x.dtype), self.bias)
-        if rows >= PREFILL_MIN_ROWS and PREFILL_GEMM == "gemm" and in_prefill():
+        if rows >= PREFILL_MIN_ROWS and in_prefill():
             return F.linear(x, self.weight, self.bias)
         return self._mats.forward(x)[0]
 

@@ -94,11 +94,12 @@ class LoadedModel(TargetBackend):
     ``prefix_cache`` (off unless set; ``adaspec serve`` turns it on): ``prefill`` keeps each
     prompt's KV (``PrefixStore``, at most ``prefix_cache_tokens`` tokens, least recently used
     dropped first) and starts a later prompt from the longest prefix it shares with a kept one,
-    feeding only the rest. Where the whole prompt was kept the KV is the one a fresh prefill
-    computes; where only a prefix was, the rest is computed on top of it, in other shapes than
-    a fresh prefill of the whole prompt, so outputs may differ from a fresh run's at numeric
-    near-ties (benchmarks and exactness checks leave it off). Models whose cache has sliding-window
-    or other non-full-attention layers do not support it (``supports_prefix_cache``)."""
+    feeding only the rest. On the quantized target (``quant.PREFILL_GEMM = "kernel"``, the
+    default) a prompt's KV does not depend on how it is fed, so the reused KV is the bits a fresh
+    prefill computes; on dense weights the rest is computed in other shapes than a fresh prefill
+    of the whole prompt, so outputs may differ from a fresh run's at numeric near-ties
+    (benchmarks and exactness checks leave it off). Models whose cache has sliding-window or
+    other non-full-attention layers do not support it (``supports_prefix_cache``)."""
 
     model: Any
     tokenizer: Any | None
@@ -119,7 +120,7 @@ class LoadedModel(TargetBackend):
         if self.model is not None:
             self.cache_kw = cache_arg(self.model)
             self.stack = FusedStack.of(self.model)
-            self.supports_prefix_cache = _full_attention(self.new_state())
+            self.supports_prefix_cache = _full_attention(self.model.config)
 
     @property
     def device(self) -> torch.device:
@@ -312,12 +313,13 @@ def cache_arg(module: Any) -> str:
     return "past_key_values"
 
 
-def _full_attention(state: Any) -> bool:
-    """Whether every layer of a fresh cache is a full-attention dynamic layer (its keys and
-    values can be copied into another state: the prefix cache)."""
+def _full_attention(config: Any) -> bool:
+    """Whether every layer of a fresh cache for ``config`` is a full-attention dynamic layer (its
+    keys and values can be copied into another state: the prefix cache)."""
+    from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    layers = getattr(state, "layers", None)
+    layers = getattr(DynamicCache(config=config), "layers", None)
     return bool(layers) and all(isinstance(layer, DynamicLayer) and not getattr(layer, "is_sliding", False)
                                 for layer in layers)
 
