@@ -84,6 +84,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "--max-batch", "300", "--backend", "llama.cpp"], r"--max-batch 300: a llama.cpp context holds at most 256"),
         (["serve", "--flash-attn"], r"--flash-attn/--no-flash-attn is for --backend llama.cpp"),
         (["serve", "--timeout", "0"], r"--timeout 0.0: must be"),
+        (["serve", "--prefix-cache-tokens", "-1"], r"--prefix-cache-tokens -1: must be an integer >= 0"),
         (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),
         # bench-serve
         (["bench-serve", "--url", "127.0.0.1:8000"], r"give the server's OpenAI base URL"),
