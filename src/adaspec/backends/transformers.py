@@ -349,10 +349,11 @@ class PaddedRows(RowStates):
         self._before = 0  # columns before the round's forward
         self._kept = 0  # the most columns a row kept of it
         self._lent = False  # the lone row's cache was handed out (``state``): ``valid`` follows it
+        self._pending: list[tuple[Any, int]] = []  # joined rows not merged yet (``_merge``)
         self.compactions = 0
 
     def __len__(self) -> int:
-        return int(self._valid.shape[0])
+        return int(self._valid.shape[0]) + len(self._pending)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -369,40 +370,61 @@ class PaddedRows(RowStates):
         caller runs the backend's per-sequence operations on it (draft trees, features)."""
         if len(self) != 1:
             raise RuntimeError(f"PaddedRows.state: {len(self)} rows share one cache; only a lone row has its own")
+        self._merge()
         if not self._lent and not bool(self._valid.all()):
             self.compact()
         self._lent = True
         return self._cache
 
     def _sync(self) -> None:
+        """Before the cache is read: the lone row's own cache followed, the joined rows merged."""
+        self._sync_lent()
+        self._merge()
+
+    def _sync_lent(self) -> None:
         """After the lone row ran on its own cache: every column it holds is valid."""
         if self._lent:
             self._valid = torch.ones(1, int(self._cache.get_seq_length()), dtype=torch.bool)
             self._lent = False
 
     def join(self, state: Any, length: int) -> None:
-        """Append a batch-1 cache of ``length`` tokens as a new row (left-padded with holes)."""
-        self._sync()
-        b = len(self)
-        t = self._valid.shape[1] if b else 0
-        width = max(t, length)
-        row_valid = torch.zeros(1, width, dtype=torch.bool)
-        row_valid[0, width - length:] = True
-        if b == 0:
-            self._cache, self._valid = state, row_valid
+        """Append a batch-1 cache of ``length`` tokens as a new row (left-padded with holes). The
+        rows that join before the next forward are merged in one copy (``_merge``): sixteen
+        requests joining one by one would otherwise copy the batch cache sixteen times."""
+        self._sync_lent()
+        self._pending.append((state, length))
+
+    def _merge(self) -> None:
+        """Merge the joined rows' caches into the batch cache, left-padded to one width."""
+        if not self._pending:
             return
-        for mine, theirs in zip(self._cache.layers, state.layers):
-            if theirs.get_seq_length() == 0 and mine.get_seq_length() == 0:
+        pending, self._pending = self._pending, []
+        if not len(self._valid):
+            state, length = pending.pop(0)
+            self._cache, self._valid = state, torch.ones(1, length, dtype=torch.bool)
+            if not pending:
+                return
+        b, t = int(self._valid.shape[0]), int(self._valid.shape[1])
+        width = max([t] + [length for _, length in pending])
+        for i, mine in enumerate(self._cache.layers):
+            theirs = [state.layers[i] for state, _ in pending]
+            filled = [layer for layer in (mine, *theirs) if layer.get_seq_length()]
+            if not filled:
                 continue
-            ref = mine if mine.get_seq_length() else theirs
-            mk, mv = _kv(mine, b, t, ref)
-            tk, tv = _kv(theirs, 1, length, ref)
+            ref = filled[0]
+            parts = [_kv(mine, b, t, ref)] + [_kv(layer, 1, length, ref) for layer, (_, length) in zip(theirs, pending)]
             if not mine.is_initialized:
                 mine.lazy_initialization(ref.keys, ref.values)
-            mine.keys = torch.cat([_left_pad(mk, width), _left_pad(tk, width)], 0)
-            mine.values = torch.cat([_left_pad(mv, width), _left_pad(tv, width)], 0)
-        self._valid = torch.cat([_left_pad(self._valid, width), row_valid], 0)
-        self.target.release(state)
+            mine.keys = torch.cat([_left_pad(k, width) for k, _ in parts], 0)
+            mine.values = torch.cat([_left_pad(v, width) for _, v in parts], 0)
+        rows = [_left_pad(self._valid, width)]
+        for _, length in pending:
+            row_valid = torch.zeros(1, width, dtype=torch.bool)
+            row_valid[0, width - length:] = True
+            rows.append(row_valid)
+        self._valid = torch.cat(rows, 0)
+        for state, _ in pending:
+            self.target.release(state)
 
     def leave(self, rows: Sequence[int]) -> None:
         self._sync()
