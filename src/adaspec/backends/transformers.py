@@ -7,7 +7,7 @@ masks out of later rounds (a 4D mask), and positions come from each row's true l
 cost attention width but never a copy. Trailing columns that are holes in every row are cropped
 after each round; the cache is compacted (valid columns gathered per row, left-padded) when holes
 grow past ``compact_fraction`` of the longest row. A joining request's batch-1 cache is merged
-left-padded with holes; a row that leaves is dropped by ``index_select``. Per-request caches
+left-padded with holes (the requests joining before a forward in one copy); a row that leaves is dropped by ``index_select``. Per-request caches
 stacked into a batch every round would copy every cache every round (the alternative measured:
 docs/architecture.md, "Continuous batching").
 """
