@@ -520,11 +520,7 @@ class LlamaCppTarget(TargetBackend):
         if self._prefixes and not self.prefix_cache:  # turned off: nothing kept is used again
             self.drop_prefixes()
         if self._prefixes and state.length == 0 and state.pending is None and len(prompt) > 1:
-            limit, best_id = len(prompt) - 1, None
-            for seq_id, tokens in self._prefixes.items():
-                n = shared_prefix(tokens, prompt, limit)
-                if n > reused:
-                    reused, best_id = n, seq_id
+            reused, best_id = self._longest_prefix(prompt)
             if best_id is not None:
                 self._L.llama_memory_seq_cp(self._mem, best_id, state.seq_id, 0, reused)
                 state.length, state.tokens = reused, prompt[:reused]
@@ -538,7 +534,17 @@ class LlamaCppTarget(TargetBackend):
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         if not self.prefix_cache or len(prompt) < 2:
             return 0
-        return max((shared_prefix(tokens, prompt, len(prompt) - 1) for tokens in self._prefixes.values()), default=0)
+        return self._longest_prefix(prompt)[0]
+
+    def _longest_prefix(self, prompt: Sequence[int]) -> tuple[int, int | None]:
+        """(tokens ``prompt`` shares with the kept prefix sharing the most, all but its last token
+        at most; that prefix's sequence id, None where none shares a token)."""
+        reused, best_id = 0, None
+        for seq_id, tokens in self._prefixes.items():
+            n = shared_prefix(tokens, prompt, len(prompt) - 1)
+            if n > reused:
+                reused, best_id = n, seq_id
+        return reused, best_id
 
     @property
     def prefixes(self) -> list[list[int]]:

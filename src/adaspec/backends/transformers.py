@@ -7,9 +7,9 @@ masks out of later rounds (a 4D mask), and positions come from each row's true l
 cost attention width but never a copy. Trailing columns that are holes in every row are cropped
 after each round; the cache is compacted (valid columns gathered per row, left-padded) when holes
 grow past ``compact_fraction`` of the longest row. A joining request's batch-1 cache is merged
-left-padded with holes (the requests joining before a forward in one copy); a row that leaves is dropped by ``index_select``. Per-request caches
-stacked into a batch every round would copy every cache every round (the alternative measured:
-docs/architecture.md, "Continuous batching").
+left-padded with holes (the requests joining before a forward in one copy); a row that leaves is
+dropped by ``index_select``. Per-request caches stacked into a batch every round would copy
+every cache every round (the alternative measured: docs/architecture.md, "Continuous batching").
 """
 
 from __future__ import annotations
@@ -39,21 +39,17 @@ class PrefixStore:
     """Prompts' KV kept for later prompts that start the same way (a chat's next turn, a shared
     system prompt): entries of (tokens, per-layer keys and values ``[1, heads, n, dim]``), least
     recently used first. ``keep`` adds a prompt's KV as the most recent entry, drops the entries
-    it extends, then the least recently used while the entries hold more than ``tokens`` tokens
+    it extends, then the least recently used while the entries hold more than ``limit`` tokens
     together (the newest is always kept); a prompt that an entry already holds only makes that
     entry the most recent. The rule of the llama.cpp backend's kept prefixes."""
 
-    def __init__(self, tokens: int):
-        self.tokens = tokens
+    def __init__(self) -> None:
         self._entries: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     @property
-    def held(self) -> int:
-        """Tokens the entries hold together."""
-        return sum(len(t) for t, _ in self._entries)
+    def prompts(self) -> list[list[int]]:
+        """The kept prompts' tokens, least recently used first."""
+        return [list(t) for t, _ in self._entries]
 
     def longest(self, prompt: Sequence[int], limit: int) -> tuple[int, int]:
         """(tokens shared with the entry sharing the most with ``prompt``, at most ``limit``;
@@ -71,15 +67,15 @@ class PrefixStore:
         self._entries.append(entry)
         return [(k[..., :n, :], v[..., :n, :]) for k, v in entry[1]]
 
-    def keep(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def keep(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> None:
         for i, (held, _) in enumerate(self._entries):
             if len(held) >= len(tokens) and held[:len(tokens)] == tokens:  # already held
                 self._entries.append(self._entries.pop(i))
                 return
         self._entries = [e for e in self._entries if not (len(e[0]) <= len(tokens) and tokens[:len(e[0])] == e[0])]
         self._entries.append((list(tokens), kv))
-        total = self.held
-        while len(self._entries) > 1 and total > self.tokens:
+        total = sum(len(t) for t, _ in self._entries)
+        while len(self._entries) > 1 and total > limit:
             total -= len(self._entries.pop(0)[0])
 
     def clear(self) -> None:
@@ -116,7 +112,7 @@ class LoadedModel(TargetBackend):
     supports_trees = True
 
     def __post_init__(self) -> None:
-        self._prefixes = PrefixStore(self.prefix_cache_tokens)
+        self._prefixes = PrefixStore()
         if self.model is not None:
             self.cache_kw = cache_arg(self.model)
             self.stack = FusedStack.of(self.model)
@@ -219,18 +215,15 @@ class LoadedModel(TargetBackend):
         return int(state.get_seq_length())
 
     def prefill(self, state: Any, prompt: Sequence[int]) -> int:
-        """A prompt's prefill; on a quantized target in ``quant.prefill_scope`` (long prompts may
-        take a dense GEMM: plain and speculative decoding share it). With ``prefix_cache`` an
+        """A prompt's prefill; on a quantized target in ``quant.prefill_scope`` (with
+        ``quant.PREFILL_GEMM = "gemm"`` long prompts take a dense GEMM). With ``prefix_cache`` an
         empty state first takes the longest kept prefix the prompt shares (all but its last
         token at most), and the prompt's KV is kept afterwards. Returns the tokens reused."""
-        prompt = list(prompt)
-        todo = prompt[:-1]
-        if not self.prefix_cache:
-            if len(self._prefixes):  # turned off: nothing kept is used again
-                self._prefixes.clear()
-            with prefill_scope():
-                return super().prefill(state, prompt)
-        reused, at = self._prefixes.longest(todo, len(todo)) if self.state_length(state) == 0 else (0, -1)
+        todo = list(prompt)[:-1]
+        if not self.prefix_cache:  # turned off: nothing kept is used again
+            self._prefixes.clear()
+        reused, at = (self._prefixes.longest(todo, len(todo)) if self.prefix_cache and self.state_length(state) == 0
+                      else (0, -1))
         if reused:
             for i, (k, v) in enumerate(self._prefixes.take(at, reused)):
                 state.update(k, v, i)
@@ -243,9 +236,8 @@ class LoadedModel(TargetBackend):
     def keep_prompt(self, state: Any, tokens: Sequence[int]) -> None:
         if self.prefix_cache and tokens:
             n = len(tokens)
-            self._prefixes.tokens = self.prefix_cache_tokens
             self._prefixes.keep(list(tokens), [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone())
-                                               for layer in state.layers])
+                                               for layer in state.layers], self.prefix_cache_tokens)
 
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         if not self.prefix_cache or len(prompt) < 2:
@@ -255,7 +247,7 @@ class LoadedModel(TargetBackend):
     @property
     def prefixes(self) -> list[list[int]]:
         """The kept prefixes' tokens, least recently used first (``prefix_cache``)."""
-        return [list(t) for t, _ in self._prefixes._entries]
+        return self._prefixes.prompts
 
     def prefill_piece(self, state: Any, ids: Sequence[int]) -> None:
         """A piece of a long prompt in ``quant.prefill_scope``, as ``prefill`` computes a prompt."""
