@@ -842,6 +842,7 @@ void int8_tile(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m0,
                int64_t n0, int64_t ncols, const float* bias) {
   const int64_t NB = nb;
   __m512 acc[MT];
+#pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   const uint8_t* p = tile;
@@ -908,28 +909,35 @@ void int8_tile(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m0,
         break;
       }
     }
+    // the rows unrolled (their accumulators stay in registers); each row's integer sum in two
+    // independent chains of four products, then added (integer sums: the same value in any order)
+#pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* xb = xq.q.data() + (m0 + m) * K + 32 * b;
       const size_t at = size_t((m0 + m) * NB + b);
       __m512 tv;
       if (t == T_Q6_K) {
-        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-        for (int j = 0; j < 4; ++j) i0 = dot4(i0, g[j], xb + 4 * j);
-        for (int j = 4; j < 8; ++j) i1 = dot4(i1, g[j], xb + 4 * j);
+        __m512i i0 = dot4(_mm512_setzero_si512(), g[0], xb), i0b = dot4(_mm512_setzero_si512(), g[1], xb + 4);
+        __m512i i1 = dot4(_mm512_setzero_si512(), g[4], xb + 16), i1b = dot4(_mm512_setzero_si512(), g[5], xb + 20);
+        i0 = dot4(i0, g[2], xb + 8), i0b = dot4(i0b, g[3], xb + 12);
+        i1 = dot4(i1, g[6], xb + 24), i1b = dot4(i1b, g[7], xb + 28);
+        i0 = _mm512_add_epi32(i0, i0b), i1 = _mm512_add_epi32(i1, i1b);
         tv = _mm512_mul_ps(A, _mm512_cvtepi32_ps(i0));
         tv = _mm512_fmadd_ps(A1, _mm512_cvtepi32_ps(i1), tv);
         tv = _mm512_fmadd_ps(B, _mm512_set1_ps(xq.s0[at]), tv);
         tv = _mm512_fmadd_ps(B1, _mm512_set1_ps(xq.s1[at]), tv);
       } else {
-        __m512i iv = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) iv = dot4(iv, g[j], xb + 4 * j);
-        tv = _mm512_mul_ps(A, _mm512_cvtepi32_ps(iv));
+        __m512i iv = dot4(_mm512_setzero_si512(), g[0], xb), iw = dot4(_mm512_setzero_si512(), g[1], xb + 4);
+#pragma GCC unroll 4
+        for (int j = 2; j < 8; j += 2) iv = dot4(iv, g[j], xb + 4 * j), iw = dot4(iw, g[j + 1], xb + 4 * j + 4);
+        tv = _mm512_mul_ps(A, _mm512_cvtepi32_ps(_mm512_add_epi32(iv, iw)));
         tv = _mm512_fmadd_ps(B, _mm512_set1_ps(xq.s[at]), tv);
       }
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xq.d[at]), tv, acc[m]);
     }
     p += rec_bytes(t);
   }
+#pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     __m512 v = acc[m];
     if (bias != nullptr) {
@@ -984,13 +992,16 @@ void int8_tile_generic(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int
       y[(m0 + m) * ldy + n0 + l] = acc[size_t(m * 16 + l)] + (bias != nullptr ? bias[n0 + l] : 0.f);
 }
 
-// one tile (16 outputs) against all M rows, in row tiles of up to 8
-void int8_columns(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t M, int64_t K, float* y, int64_t ldy,
-                  int64_t n0, int64_t ncols, const float* bias) {
 #if defined(ADASPEC_VNNI)
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) int8_tile<8>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias);
-  switch (M - m) {
+// rows m .. m + rows - 1 (1 to 12) against one tile
+void int8_rows(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m, int64_t rows, int64_t K, float* y,
+               int64_t ldy, int64_t n0, int64_t ncols, const float* bias) {
+  switch (rows) {
+    case 12: int8_tile<12>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 11: int8_tile<11>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 10: int8_tile<10>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 9: int8_tile<9>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
+    case 8: int8_tile<8>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
     case 7: int8_tile<7>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
     case 6: int8_tile<6>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
     case 5: int8_tile<5>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
@@ -999,6 +1010,21 @@ void int8_columns(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t 
     case 2: int8_tile<2>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
     case 1: int8_tile<1>(t, tile, nb, xq, m, K, y, ldy, n0, ncols, bias); break;
     default: break;
+  }
+}
+#endif
+
+// one tile (16 outputs) against all M rows, in row tiles of up to 12
+void int8_columns(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t M, int64_t K, float* y, int64_t ldy,
+                  int64_t n0, int64_t ncols, const float* bias) {
+#if defined(ADASPEC_VNNI)
+  // tiles of near-equal size, at most 12 rows (12 accumulators and the 8 weight groups in registers)
+  int64_t m = 0;
+  const int64_t tiles = (M + 11) / 12;
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t rows = (M - m) / (tiles - i);
+    int8_rows(t, tile, nb, xq, m, rows, K, y, ldy, n0, ncols, bias);
+    m += rows;
   }
 #else
   int8_tile_generic(t, tile, nb, xq, 0, M, K, y, ldy, n0, ncols, bias);
@@ -1254,6 +1280,82 @@ inline void vhsum_rows(const V16* a, float* out) {
   for (int r = 0; r < R; ++r) out[r] = vhsum(a[r]);
 }
 
+#if defined(ADASPEC_AVX512)
+// chunk c of a key row: 16 floats, those past D zero (as vload_part)
+inline __m512 kchunk(const float* k, int c, int64_t D) {
+  const int64_t n = D - 16 * c;
+  if (n >= 16) return _mm512_loadu_ps(k + 16 * c);
+  return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), k + 16 * c);
+}
+
+// The dot products of one query row (C chunks qv) with 16 keys (rows of ldk floats from k): per key the
+// lane products in chunk order (vmul, then vfma), then its 16 lanes summed with vhsum's pairings ((l,
+// l+8), (l, l+4), (l, l+2), (0, 1)) by a transposing tree that sums the 16 keys at once: the same
+// additions of the same values as vhsum per key, so the same bits as the key-by-key path.
+template <int C>
+inline __m512 dots16(const V16* qv, const float* k, int64_t ldk, int64_t D) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const float* kj = k + j * ldk;
+    __m512 acc = _mm512_mul_ps(qv[0].v, kchunk(kj, 0, D));
+#pragma GCC unroll 16
+    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c].v, kchunk(kj, c, D), acc);
+    a[j] = acc;
+  }
+  // (l, l+8): b[j] = [t8(a[j]) | t8(a[j+8])] in 128-bit quarters [a_j 0-3, a_j 4-7, a_j+8 0-3, a_j+8 4-7]
+  __m512 b[8];
+#pragma GCC unroll 16
+  for (int j = 0; j < 8; ++j)
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 8], 0x44), _mm512_shuffle_f32x4(a[j], a[j + 8], 0xee));
+  // (l, l+4): c[j] = quarters [t4(a_j), t4(a_j+8), t4(a_j+4), t4(a_j+12)]
+  __m512 c4[4];
+#pragma GCC unroll 16
+  for (int j = 0; j < 4; ++j)
+    c4[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[j], b[j + 4], 0x88), _mm512_shuffle_f32x4(b[j], b[j + 4], 0xdd));
+  // (l, l+2) within each quarter: d[j] quarter q = [t2(X), t2(Y)], X of c[j], Y of c[j+2]
+  __m512 d2[2];
+#pragma GCC unroll 16
+  for (int j = 0; j < 2; ++j)
+    d2[j] = _mm512_add_ps(_mm512_shuffle_ps(c4[j], c4[j + 2], 0x44), _mm512_shuffle_ps(c4[j], c4[j + 2], 0xee));
+  // (0, 1): quarter q (keys offset o = 0, 8, 4, 12) holds keys o, o+2, o+1, o+3
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d2[0], d2[1], 0x88), _mm512_shuffle_ps(d2[0], d2[1], 0xdd));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), e);
+}
+#endif
+
+#if defined(ADASPEC_AVX512)
+// out[r] = inv[r] * sum_j p[r][j] v[j] for R rows (p in s, rows Lp apart), keys j in increasing order per
+// lane: the same steps as the generic loop below, its accumulators held in registers
+template <int R, int C>
+inline void weigh_values(const float* s, int64_t Lp, const float* vb, int64_t ldv, int64_t D, int64_t lmax,
+                         const float* inv, float* const* out) {
+  __m512 acc[R * C];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < lmax; ++j) {
+    const float* vj = vb + j * ldv;
+    __m512 vc[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) vc[c] = kchunk(vj, c, D);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(s[r * Lp + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_fmadd_ps(p, vc[c], acc[r * C + c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const __m512 o = _mm512_mul_ps(acc[r * C + c], _mm512_set1_ps(inv[r]));
+      const int64_t n = D - 16 * c;
+      _mm512_mask_storeu_ps(out[r] + 16 * c, n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), o);
+    }
+}
+#endif
+
 // R query rows of one head against its keys and values (rows' causal limits `last`, in keys), C = the
 // head size in 16-lane chunks. Per row and key the dot product is lanes d mod 16, chunks in order,
 // then the fixed tree; per row and output lane the weighted sum runs over keys in increasing order.
@@ -1266,7 +1368,21 @@ void attention_rows(const float* const* qr, const float* kb, const float* vb, in
   V16 qv[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) qv[r][c] = vload_part(qr[r] + 16 * c, D - 16 * c);
-  for (int64_t j = 0; j < lmax; ++j) {
+  int64_t j0 = 0;
+#if defined(ADASPEC_AVX512)
+  // whole blocks of 16 keys, one row at a time (the block stays in L1 across the rows)
+  for (; j0 + 16 <= lmax; j0 += 16) {
+    const __m512 keys = _mm512_add_ps(_mm512_set1_ps(float(j0)), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                                 12, 13, 14, 15));
+    for (int r = 0; r < R; ++r) {
+      __m512 x = _mm512_mul_ps(_mm512_set1_ps(scale), dots16<C>(qv[r], kb + j0 * ldk, ldk, D));
+      if (mrow[r] != nullptr) x = _mm512_add_ps(x, _mm512_loadu_ps(mrow[r] + j0));
+      const __mmask16 seen = _mm512_cmp_ps_mask(keys, _mm512_set1_ps(float(last[r])), _CMP_LT_OQ);
+      _mm512_storeu_ps(s + r * Lp + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, x));
+    }
+  }
+#endif
+  for (int64_t j = j0; j < lmax; ++j) {
     V16 kc[C];
     for (int c = 0; c < C; ++c) kc[c] = vload_part(kb + j * ldk + 16 * c, D - 16 * c);
     V16 acc[R];
@@ -1297,7 +1413,9 @@ void attention_rows(const float* const* qr, const float* kb, const float* vb, in
       vstore(sr + j, e);
 #if defined(ADASPEC_AVX512)
       const __mmask16 nz = _mm512_cmp_ps_mask(e.v, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-      _mm512_mask_compressstoreu_ps(packed + n, nz, e.v);
+      // compressed in a register, then stored whole (the buffer has 16 floats to spare): a compressing
+      // store to memory is microcoded on some cores (Zen 4: most of the attention's time)
+      _mm512_storeu_ps(packed + n, _mm512_maskz_compress_ps(nz, e.v));
       n += __builtin_popcount(static_cast<unsigned>(nz));
 #else
       for (int64_t i = j; i < j + 16; ++i)
@@ -1309,6 +1427,12 @@ void attention_rows(const float* const* qr, const float* kb, const float* vb, in
     const float total = vhsum(sum);
     inv[r] = total > 0.f ? 1.f / total : 0.f;
   }
+#if defined(ADASPEC_AVX512)
+  if constexpr (R * C <= 24) {
+    weigh_values<R, C>(s, Lp, vb, ldv, D, lmax, inv, out);
+    return;
+  }
+#endif
   V16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
@@ -1393,7 +1517,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const float fscale = float(scale);
   const int64_t C = (D + 15) / 16;
   at::parallel_for(0, B * H, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> s(static_cast<size_t>(5 * Lp));  // 4 rows' scores, then the packed p_j of one
+    std::vector<float> s(static_cast<size_t>(5 * Lp + 16));  // 4 rows' scores, then the packed p_j of one
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / H, h = u % H, hk = h / group;
       const float* kb = kp + b * k.stride(0) + hk * k.stride(1);
