@@ -767,15 +767,24 @@ def test_smollm2_quantized_against_llama_cpp(smol_q, smol_plain):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
-def test_portable_builds_give_the_same_bits(ext, arch):
+def test_portable_builds_give_the_same_bits(ext, arch, tmp_path, monkeypatch):
     """The AVX2 build (x86-64-v3, what an AVX2-only EPYC compiles with -march=native) and the plain
     C++ build (x86-64) compute every type's dequantization, product and attention bit for bit as
-    this machine's native build: one reduction order in all of them."""
+    this machine's native build: one reduction order in all of them.
+
+    Each is compiled afresh (an empty cache) in a process that cannot import
+    ``torch.utils.cpp_extension`` itself: the build runs in a child interpreter (in this suite's
+    workers, importing it in process once failed in setuptools' distutils shim)."""
     import platform
+    import sys
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 builds")
-    other = quant.extension(arch)
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(quant.BUILD_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # an import here raises
+    other = quant.extension.__wrapped__(arch)
+    assert (tmp_path / "kernels" / f"adaspec_quant_{quant.kernel_key(arch)}").is_dir()
     assert other.isa() == ("avx2" if arch == "x86-64-v3" else "generic")
     x = torch.randn(9, 512)
     for qtype in ALL_TYPES:

@@ -131,6 +131,23 @@ def _import_built(name: str, so: Path) -> Any:
 
 _build_lock = threading.Lock()
 
+#: ``torch.utils.cpp_extension.load`` in a fresh interpreter (argv: name, source, build folder, flags)
+_COMPILE = ("import sys; from torch.utils import cpp_extension; "
+            "cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3], "
+            "extra_cflags=sys.argv[4:], verbose=False)")
+
+
+def _compile(name: str, build: Path, flags: list[str], cxx: str) -> None:
+    """Compile the kernel into ``build`` in a child interpreter, not this process: importing
+    ``cpp_extension`` imports setuptools, whose distutils shim fails with an AssertionError in
+    a process where something imported the standard library's distutils first (seen in the test
+    suite), and a failed build must not leave half-imported modules behind."""
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, name, str(KERNEL_SOURCE), str(build), *flags],
+                          capture_output=True, text=True, cwd=build)  # (a pybuilddir.txt in the cwd breaks it too)
+    if proc.returncode != 0 or not (build / f"{name}.so").is_file():
+        raise ConfigError(f"compiling the quantized GGUF kernels failed ({(proc.stderr or proc.stdout).strip()[-600:]}): "
+                          f"check the C++ compiler ({cxx}), or use --weights dense")
+
 
 @functools.cache
 def extension(arch: str = "native") -> Any:
@@ -150,25 +167,17 @@ def extension(arch: str = "native") -> Any:
         raise ConfigError(f"the quantized GGUF kernels need a C++ compiler ({cxx!r} not found): install one "
                           "(Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install), or load the "
                           "model with dense weights (--weights dense, load_model(..., weights='dense'))")
-    from torch.utils import cpp_extension
-
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
+    if shutil.which("ninja") is None:
         raise ConfigError("the quantized GGUF kernels are compiled with ninja, which is not installed: "
-                          "pip install ninja, or use --weights dense") from None
+                          "pip install ninja, or use --weights dense")
     build = _build_roots()[0] / name
     with _build_lock:
         build.mkdir(parents=True, exist_ok=True)
         log.warning("compiling adaspec's quantized kernels once for this machine (~1 min on 2 cores) "
                     "into %s", build)
         t0 = time.perf_counter()
-        try:
-            module = cpp_extension.load(name=name, sources=[str(KERNEL_SOURCE)], build_directory=str(build),
-                                        extra_cflags=[*BASE_FLAGS, *arch_flags(arch)], verbose=False)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            raise ConfigError(f"compiling the quantized GGUF kernels failed ({str(exc).strip()[-600:]}): check the "
-                              f"C++ compiler ({cxx}), or use --weights dense") from exc
+        _compile(name, build, [*BASE_FLAGS, *arch_flags(arch)], cxx)
+        module = _import_built(name, build / f"{name}.so")
         log.warning("compiled the quantized kernels in %.0f s (%s)", time.perf_counter() - t0, module.isa())
     return module
 
