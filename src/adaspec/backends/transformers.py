@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import GQA_ATTENTION, linear_mode, release_own_openmp_threads, small_rows_mode
-from ..quant import (FIXED_ORDER_ATTENTION, FusedStack, kernel_key, prefill_scope, quantized_of, spare_capacity_cache,
+from ..quant import (FIXED_ORDER_ATTENTION, FusedStack, extension, prefill_scope, quantized_of, spare_capacity_cache,
                      weights_mode)
 from ..trees import DraftTree, tree_attention_mask
 from .base import RowStates, TargetBackend, shared_prefix
@@ -279,12 +279,12 @@ class LoadedModel(TargetBackend):
 
     def _weights_key(self) -> str:
         """The quantized target's weight format and kernel ISA (``quant.weights_mode``) and the
-        compiled kernel's key (``quant.kernel_key``: its source among the rest, so a grid measured
-        on an earlier kernel is measured again); nothing for a dense model, whose cached grids keep
-        their keys."""
+        loaded kernel build's key (the name of ``quant.extension()``, keyed by its source among the
+        rest: a grid measured on an earlier kernel is measured again); nothing for a dense model,
+        whose cached grids keep their keys."""
         if quantized_of(self.model) is None:
             return ""
-        return f"|weights={weights_mode(self.model)}|kernel={kernel_key()}"
+        return f"|weights={weights_mode(self.model)}|kernel={extension().__name__.removeprefix('adaspec_quant_')}"
 
 
 #: attention implementations that add a custom 4D float mask to the scores (draft trees)
