@@ -176,6 +176,29 @@ def test_int8_rows_are_batch_invariant(ext, qtype, threads):
     check_rows_invariant(ext.QuantMatrices([blocks], [int(qtype)], [None], 512, True), torch.randn(40, 512), threads)
 
 
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_bits(ext, qtype):
+    """Where the CPU has AMX, inputs of many rows take the tile unit (TDPBSUD: the same integer
+    sums as vpdpbusd, then the same float steps): every output bit equals the VNNI code's, for
+    every type and row count, whichever unit a row group takes."""
+    if not ext.has_amx():
+        pytest.skip("no AMX tile unit on this CPU (or the kernel build has none)")
+    blocks = torch.from_numpy(make_blocks(qtype, 50, 768, seed=4).copy())
+    mats = ext.QuantMatrices([blocks], [int(qtype)], [torch.randn(50)], 768, True)
+    x = torch.randn(40, 768)
+    default = ext.amx_min_rows()
+    try:
+        ext.set_amx_min_rows(0)
+        vnni = {m: mats.forward(x[:m])[0] for m in (1, 2, 5, 9, 12, 16, 17, 33, 40)}
+        for threshold in (1, default):
+            ext.set_amx_min_rows(threshold)
+            assert ext.isa() == "avx512-amx"
+            for m, want in vnni.items():
+                assert torch.equal(mats.forward(x[:m])[0], want), (threshold, m)
+    finally:
+        ext.set_amx_min_rows(default)
+
+
 def test_batch_invariance_check_has_power(ext):
     """Negative control: PyTorch's own F.linear is not row-invariant on these shapes, so the
     check above can fail (if this ever passes, the control no longer shows anything)."""
