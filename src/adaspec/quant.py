@@ -60,6 +60,15 @@ log = logging.getLogger(__name__)
 KERNEL_SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
 #: compiler flags: the CPU's own vector ISA; no implicit contraction (every FMA in the source is explicit)
 BASE_FLAGS = ("-O3", "-ffp-contract=off")
+
+
+def openmp_flags() -> tuple[str, ...]:
+    """``-fopenmp`` where the compiler is GCC or Clang on Linux: ATen's ``parallel_for`` is a
+    header template whose threads exist only when the extension itself is compiled with OpenMP
+    (without it every product and attention call ran on one thread, whatever
+    ``torch.get_num_threads()`` said). The library is torch's own ``libgomp.so.1``, already
+    loaded, so the extension shares torch's thread pool and thread count."""
+    return ("-fopenmp",) if platform.system() == "Linux" else ()
 #: GGML tensor types the kernel computes (``gguf.GGMLQuantizationType`` values)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 #: ``load_model(weights=...)`` / ``--weights`` values: ``gguf`` float32 activations (the dequantized
@@ -107,7 +116,7 @@ def kernel_key(arch: str = "native") -> str:
     machine (``-march=native`` code is this CPU's; ``kernels.machine_identity``)."""
     from .kernels import machine_identity
 
-    flags = (*BASE_FLAGS, *arch_flags(arch))
+    flags = (*BASE_FLAGS, *openmp_flags(), *arch_flags(arch))
     ident = "|".join([hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest(), " ".join(flags),
                       _compiler_version(_compiler()), torch.__version__, sys.version.split()[0],
                       machine_identity(torch.device("cpu"))])
@@ -134,7 +143,7 @@ _build_lock = threading.Lock()
 #: ``torch.utils.cpp_extension.load`` in a fresh interpreter (argv: name, source, build folder, flags)
 _COMPILE = ("import sys; from torch.utils import cpp_extension; "
             "cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3], "
-            "extra_cflags=sys.argv[4:], verbose=False)")
+            "extra_cflags=sys.argv[4:], extra_ldflags=[f for f in sys.argv[4:] if f == '-fopenmp'], verbose=False)")
 
 
 def _compile(name: str, build: Path, flags: list[str], cxx: str) -> None:
@@ -176,7 +185,7 @@ def extension(arch: str = "native") -> Any:
         log.warning("compiling adaspec's quantized kernels once for this machine (~1 min on 2 cores) "
                     "into %s", build)
         t0 = time.perf_counter()
-        _compile(name, build, [*BASE_FLAGS, *arch_flags(arch)], cxx)
+        _compile(name, build, [*BASE_FLAGS, *openmp_flags(), *arch_flags(arch)], cxx)
         module = _import_built(name, build / f"{name}.so")
         log.warning("compiled the quantized kernels in %.0f s (%s)", time.perf_counter() - t0, module.isa())
     return module

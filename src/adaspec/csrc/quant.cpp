@@ -843,7 +843,7 @@ inline __m512i dot4(__m512i acc, __m512i u, const int8_t* x4) {
 
 // the 8 groups of 64 bytes of record p (lane l, value i of group j at byte 4 l + i: the 4-byte groups
 // of 16 outputs one vpdpbusd takes), unpacked from the tile's nibbles and high-bit planes
-inline void vnni_groups(int t, const uint8_t* p, __m512i g[8]) {
+__attribute__((always_inline)) inline void vnni_groups(int t, const uint8_t* p, __m512i g[8]) {
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   if (t == T_Q8_0) {
     for (int j = 0; j < 8; ++j) g[j] = _mm512_loadu_si512(p + 64 * j);
@@ -874,7 +874,7 @@ inline void vnni_groups(int t, const uint8_t* p, __m512i g[8]) {
 }
 
 // the 16 lanes' scale A and offset coefficient B of record p (and A1, B1: a Q6_K block's second half)
-inline void vnni_scales(int t, const uint8_t* p, const uint8_t* head, __m512& A, __m512& B, __m512& A1, __m512& B1) {
+__attribute__((always_inline)) inline void vnni_scales(int t, const uint8_t* p, const uint8_t* head, __m512& A, __m512& B, __m512& A1, __m512& B1) {
   const uint8_t* sc = p + (t == T_Q8_0 ? 512 : 256) + (has_qh(t) ? 64 : t == T_Q6_K ? 128 : 0);
   A1 = _mm512_setzero_ps(), B1 = _mm512_setzero_ps();
   switch (t) {
@@ -908,7 +908,7 @@ inline void vnni_scales(int t, const uint8_t* p, const uint8_t* head, __m512& A,
 
 // one row's float steps over one block from its integer sums (i0: the block's, or a Q6_K block's first
 // half, i1 its second half): t = A I (+ A1 I1), t = fma(B, S, t) (+ fma(B1, S1, t)), acc = fma(dx, t, acc)
-inline __m512 int8_step(int t, __m512 A, __m512 B, __m512 A1, __m512 B1, __m512i i0, __m512i i1, const XQ& xq,
+__attribute__((always_inline)) inline __m512 int8_step(int t, __m512 A, __m512 B, __m512 A1, __m512 B1, __m512i i0, __m512i i1, const XQ& xq,
                         size_t at, __m512 acc) {
   __m512 tv = _mm512_mul_ps(A, _mm512_cvtepi32_ps(i0));
   if (t == T_Q6_K) {
