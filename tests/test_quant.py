@@ -199,6 +199,19 @@ def test_amx_tiles_give_the_vnni_bits(ext, qtype):
         ext.set_amx_min_rows(default)
 
 
+def test_the_kernels_run_on_torchs_threads(ext):
+    """The products and attention split their outputs over torch's threads: the kernel is built
+    with OpenMP (without it ATen's header-only ``parallel_for`` runs on the calling thread, and
+    a build without ``-fopenmp`` gives 1 here)."""
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert ext.threads_used(64) == n
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_batch_invariance_check_has_power(ext):
     """Negative control: PyTorch's own F.linear is not row-invariant on these shapes, so the
     check above can fail (if this ever passes, the control no longer shows anything)."""
@@ -349,6 +362,23 @@ def tiny_pair(tmp_path_factory):
     assert quant.fuse_layers(q) > 0
     quant.use_fixed_order_attention(q)
     return dense, q, path
+
+
+@pytest.mark.slow
+def test_export_hf_writes_the_dense_weights(tmp_path):
+    """``export_hf`` (the vLLM path's Hugging Face directory) holds every weight of the dense
+    model: exporting the default (quantized) target once wrote a directory whose layers vLLM
+    filled with nothing, and served empty answers."""
+    from transformers import AutoModelForCausalLM
+
+    from adaspec.integrations.vllm import export_hf
+    from adaspec.models import load_model
+
+    out = export_hf("smollm2", tmp_path / "hf")
+    saved = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).state_dict()
+    dense = load_model("smollm2", weights="dense", linear="stock").model.state_dict()
+    assert set(saved) == set(dense)
+    assert all(torch.equal(saved[k], dense[k]) for k in dense)
 
 
 def test_quantize_model_replaces_every_linear_and_the_embedding(tiny_pair):

@@ -1840,6 +1840,15 @@ class DecoderLayer {
   double scale_;
 };
 
+// how many of torch's threads one parallel_for over n units runs on (1 where the build has no OpenMP)
+int64_t threads_used(int64_t n) {
+  std::vector<int> seen(size_t(std::max(1, at::get_num_threads())), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[size_t(at::get_thread_num()) % seen.size()] = 1; });
+  int64_t k = 0;
+  for (int v : seen) k += v;
+  return k;
+}
+
 std::string isa() {
 #if defined(ADASPEC_AVX512)
   return g_amx_min_rows > 0 && has_amx() ? "avx512-amx" : "avx512";
@@ -1877,6 +1886,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_elems", &block_elems);
   m.def("block_bytes", &block_bytes);
   m.def("isa", &isa);
+  m.def("threads_used", &threads_used, "how many threads one parallel_for over n units runs on");
   m.def("has_vnni", &has_vnni, "whether the int8 products run AVX-512 VNNI (else plain C++)");
   m.def("has_amx", &has_amx, "whether this build and process can run the int8 products on AMX tiles");
   m.def("amx_min_rows", [] { return g_amx_min_rows; }, "inputs of at least this many rows run on AMX (0: never)");

@@ -69,13 +69,15 @@ def shell_line(args: Sequence[str]) -> str:
 
 def export_hf(model: str, out_dir: str | Path) -> Path:
     """Write ``model`` (anything ``load_model`` takes, e.g. ``smollm2`` from its GGUF) as a
-    Hugging Face directory that ``vllm serve`` loads (fp32 weights, tokenizer, chat template)."""
+    Hugging Face directory that ``vllm serve`` loads (fp32 weights, tokenizer, chat template).
+    The dense model is written (``weights="dense"``): the quantized GGUF target's layers keep
+    their weights in the file's blocks, not in the state dict ``save_pretrained`` writes."""
     from ..models import load_model
 
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    loaded = load_model(model, dtype="float32")
+    loaded = load_model(model, dtype="float32", weights="dense", linear="stock")
     out.mkdir(parents=True, exist_ok=True)
     loaded.model.save_pretrained(out)
     if loaded.tokenizer is not None:
