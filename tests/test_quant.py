@@ -180,9 +180,8 @@ def test_int8_rows_are_batch_invariant(ext, qtype, threads):
 def test_amx_tiles_give_the_vnni_bits(ext, qtype):
     """Where the CPU has AMX, inputs of many rows take the tile unit (TDPBSUD: the same integer
     sums as vpdpbusd, then the same float steps): every output bit equals the VNNI code's, for
-    every type and row count, whichever unit a row group takes."""
-    if not ext.has_amx():
-        pytest.skip("no AMX tile unit on this CPU (or the kernel build has none)")
+    every type and row count, whichever unit a row group takes. Without AMX (this CPU or this
+    build) the threshold changes nothing, which the same comparisons check."""
     blocks = torch.from_numpy(make_blocks(qtype, 50, 768, seed=4).copy())
     mats = ext.QuantMatrices([blocks], [int(qtype)], [torch.randn(50)], 768, True)
     x = torch.randn(40, 768)
@@ -192,7 +191,7 @@ def test_amx_tiles_give_the_vnni_bits(ext, qtype):
         vnni = {m: mats.forward(x[:m])[0] for m in (1, 2, 5, 9, 12, 16, 17, 33, 40)}
         for threshold in (1, default):
             ext.set_amx_min_rows(threshold)
-            assert ext.isa() == "avx512-amx"
+            assert ext.isa().endswith("-amx") == ext.has_amx()
             for m, want in vnni.items():
                 assert torch.equal(mats.forward(x[:m])[0], want), (threshold, m)
     finally:
