@@ -52,6 +52,9 @@ enum QType : int {
   T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
 
+// how far ahead (bytes) the int8 products prefetch their weights (prefetch_ahead; 0: not)
+int64_t g_prefetch_bytes = 3072;
+
 // ---- scalar helpers -------------------------------------------------------------------------
 inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -835,6 +838,15 @@ inline void tile_groups(int t, const uint8_t* rec, uint8_t g[8][64]) {
 
 #if defined(ADASPEC_AVX512) && defined(__AVX512VNNI__)
 #define ADASPEC_VNNI 1
+// the weight bytes a tile's product asks the cache for ahead of the record it computes
+// (_mm_prefetch): the hardware's own prefetchers stop at each 4 KiB page, and a one-token step
+// reads every weight once, from memory. Measured on a 2-core Xeon (SmolLM2 Q4_1, one token at 128
+// cached tokens): 6.3 ms with none, 5.0 at 2 KiB, 4.6 at 3-8 KiB. It changes no value.
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t rb) {
+  const int64_t pf = g_prefetch_bytes;
+  if (pf > 0)
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + pf + o), _MM_HINT_T0);
+}
 inline __m512i dot4(__m512i acc, __m512i u, const int8_t* x4) {
   int32_t v;
   std::memcpy(&v, x4, 4);
@@ -947,6 +959,7 @@ void int8_tile(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m0,
       head = p;
       p += head_bytes(t);
     }
+    prefetch_ahead(p, rec_bytes(t));
     __m512i g[8];
     vnni_groups(t, p, g);
     __m512 A, B, A1, B1;
@@ -1045,6 +1058,7 @@ void int8_tile_amx(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t
         p += head_bytes(t);
       }
       recs[i] = p, heads[i] = head;
+      prefetch_ahead(p, rec_bytes(t));
       __m512i g[8];
       vnni_groups(t, p, g);
       for (int j = 0; j < 8; ++j) _mm512_store_si512(wb[i] + 64 * j, g[j]);
@@ -1889,6 +1903,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("threads_used", &threads_used, "how many threads one parallel_for over n units runs on");
   m.def("has_vnni", &has_vnni, "whether the int8 products run AVX-512 VNNI (else plain C++)");
   m.def("has_amx", &has_amx, "whether this build and process can run the int8 products on AMX tiles");
+  m.def("prefetch_bytes", [] { return g_prefetch_bytes; }, "how far ahead (bytes) the int8 products prefetch their weights (0: not)");
+  m.def("set_prefetch_bytes", [](int64_t n) { g_prefetch_bytes = n; }, "prefetch the int8 products' weights n bytes ahead (0: not)");
   m.def("amx_min_rows", [] { return g_amx_min_rows; }, "inputs of at least this many rows run on AMX (0: never)");
   m.def("set_amx_min_rows", [](int64_t n) { g_amx_min_rows = n; }, "inputs of at least n rows run on AMX (0: never)");
 }
