@@ -756,7 +756,8 @@ def test_model_drafter_sampling_in_batches_follows_the_target(soft_model):
 def test_prefix_cache_starts_a_prompt_from_the_longest_kept_prefix(model):
     """``prefix_cache`` on the transformers backend: a prompt sent again reuses all but its last
     token, with the next logits a fresh prefill gives bit for bit; one sharing a prefix reuses
-    that prefix; turned off, nothing is reused and the kept prefixes go."""
+    that prefix, and a prompt it holds is not copied into it again; turned off, nothing is
+    reused and the kept prefixes go."""
     target = SpeculativeEngine(model, ["none"], selector="static").target
     assert target.supports_prefix_cache and not target.prefix_cache
     a = _prompts(6)[5]  # 40 tokens
@@ -774,8 +775,13 @@ def test_prefix_cache_starts_a_prompt_from_the_longest_kept_prefix(model):
         assert target.cached_prefix(a) == 0
         assert next_logits(a)[0] == 0 and target.prefixes == [a[:-1]]
         assert target.cached_prefix(a) == 39 and target.cached_prefix(b) == 25
+        store, copies = target._prefixes, []
+        keep = store.keep
+        store.keep = lambda *args: copies.append(args[0]) or keep(*args)
         reused, again = next_logits(a)
         assert reused == 39 and torch.equal(again, fresh_a)
+        assert copies == []  # a prompt the store holds is not copied into it again
+        del store.keep
         reused, shared = next_logits(b)
         assert reused == 25 and torch.allclose(shared, fresh_b, atol=1e-5)
         assert target.prefixes == [a[:-1], b[:-1]]

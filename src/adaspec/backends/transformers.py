@@ -68,11 +68,18 @@ class PrefixStore:
         self._entries.append(entry)
         return [(k[..., :n, :], v[..., :n, :]) for k, v in entry[1]]
 
-    def keep(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> None:
+    def touch(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry holds all of ``tokens``; that entry becomes the most recent."""
+        tokens = list(tokens)
         for i, (held, _) in enumerate(self._entries):
-            if len(held) >= len(tokens) and held[:len(tokens)] == tokens:  # already held
+            if len(held) >= len(tokens) and held[:len(tokens)] == tokens:
                 self._entries.append(self._entries.pop(i))
-                return
+                return True
+        return False
+
+    def keep(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> None:
+        if self.touch(tokens):  # already held
+            return
         self._entries = [e for e in self._entries if not (len(e[0]) <= len(tokens) and tokens[:len(e[0])] == e[0])]
         self._entries.append((list(tokens), kv))
         total = sum(len(t) for t, _ in self._entries)
@@ -235,7 +242,7 @@ class LoadedModel(TargetBackend):
         return reused
 
     def keep_prompt(self, state: Any, tokens: Sequence[int]) -> None:
-        if self.prefix_cache and tokens:
+        if self.prefix_cache and tokens and not self._prefixes.touch(tokens):  # held: no copy
             n = len(tokens)
             self._prefixes.keep(list(tokens), [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone())
                                                for layer in state.layers], self.prefix_cache_tokens)

@@ -52,8 +52,20 @@ enum QType : int {
   T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
 
-// how far ahead (bytes) the int8 products prefetch their weights (prefetch_ahead; 0: not)
+// how far ahead (bytes) the int8 products prefetch their weights (prefetch_ahead; 0: not, and the
+// float32 products do not prefetch their next panel either)
 int64_t g_prefetch_bytes = 3072;
+
+// the weight bytes a tile's product asks the cache for ahead of the record it computes: the
+// hardware's own prefetchers stop at each 4 KiB page, and a one-token step reads every weight
+// once, from memory. Measured on a 2-core Xeon (SmolLM2 Q4_1, one token at 128 cached tokens):
+// 6.3 ms with none, 5.0 at 2 KiB, 4.6 at 3-8 KiB (Qwen2.5-Coder-1.5B: 62.6, 49.3 at 2 KiB, 51.1 at
+// 3 KiB). A prefetch changes no value, and one past the weights' end faults nowhere.
+inline void prefetch_ahead(const uint8_t* p, int64_t rb) {
+  const int64_t pf = g_prefetch_bytes;
+  if (pf > 0)
+    for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + pf + o, 0, 3);
+}
 
 // ---- scalar helpers -------------------------------------------------------------------------
 inline float f16_to_f32(uint16_t h) {
@@ -434,7 +446,12 @@ void small_rows(const float* x, int64_t ldx, int64_t nblk, const uint8_t* w, int
     for (int c = 0; c < NC; ++c) acc[m][c] = vzero();
   const uint8_t* rows[NC];
   for (int c = 0; c < NC; ++c) rows[c] = w + (n0 + c) * row_bytes;
+  // the next NC rows (contiguous) asked for across this panel's blocks (as prefetch_ahead)
+  const uint8_t* next = w + (n0 + NC) * row_bytes;
+  const int64_t span = g_prefetch_bytes > 0 ? NC * row_bytes : 0;
+  int64_t asked = 0;
   for (int64_t b = 0; b < nblk; ++b) {
+    for (const int64_t upto = span * (b + 1) / nblk; asked < upto; asked += 64) __builtin_prefetch(next + asked, 0, 3);
     V16 w0[NC], w1[NC];
     for (int c = 0; c < NC; ++c) T::decode(rows[c], b, w0[c], w1[c]);
     const float* xb = x + 32 * b;
@@ -838,15 +855,6 @@ inline void tile_groups(int t, const uint8_t* rec, uint8_t g[8][64]) {
 
 #if defined(ADASPEC_AVX512) && defined(__AVX512VNNI__)
 #define ADASPEC_VNNI 1
-// the weight bytes a tile's product asks the cache for ahead of the record it computes
-// (_mm_prefetch): the hardware's own prefetchers stop at each 4 KiB page, and a one-token step
-// reads every weight once, from memory. Measured on a 2-core Xeon (SmolLM2 Q4_1, one token at 128
-// cached tokens): 6.3 ms with none, 5.0 at 2 KiB, 4.6 at 3-8 KiB. It changes no value.
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t rb) {
-  const int64_t pf = g_prefetch_bytes;
-  if (pf > 0)
-    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + pf + o), _MM_HINT_T0);
-}
 inline __m512i dot4(__m512i acc, __m512i u, const int8_t* x4) {
   int32_t v;
   std::memcpy(&v, x4, 4);
