@@ -39,10 +39,11 @@ DEFAULT_PREFIX_CACHE_TOKENS = 4096
 class PrefixStore:
     """Prompts' KV kept for later prompts that start the same way (a chat's next turn, a shared
     system prompt): entries of (tokens, per-layer keys and values ``[1, heads, n, dim]``), least
-    recently used first. ``keep`` adds a prompt's KV as the most recent entry, drops the entries
-    it extends, then the least recently used while the entries hold more than ``limit`` tokens
-    together (the newest is always kept); a prompt that an entry already holds only makes that
-    entry the most recent. The rule of the llama.cpp backend's kept prefixes."""
+    recently used first. A prompt that an entry already holds only makes that entry the most
+    recent (``touch``); ``keep`` adds another prompt's KV as the most recent entry, drops the
+    entries it extends, then the least recently used while the entries hold more than ``limit``
+    tokens together (the newest is always kept). The rule of the llama.cpp backend's kept
+    prefixes."""
 
     def __init__(self) -> None:
         self._entries: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -78,8 +79,7 @@ class PrefixStore:
         return False
 
     def keep(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> None:
-        if self.touch(tokens):  # already held
-            return
+        """Add ``tokens`` (which no entry holds: ``touch`` first) with their KV."""
         self._entries = [e for e in self._entries if not (len(e[0]) <= len(tokens) and tokens[:len(e[0])] == e[0])]
         self._entries.append((list(tokens), kv))
         total = sum(len(t) for t, _ in self._entries)

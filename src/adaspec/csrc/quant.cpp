@@ -56,13 +56,12 @@ enum QType : int {
 // float32 products do not prefetch their next panel either)
 int64_t g_prefetch_bytes = 3072;
 
-// the weight bytes a tile's product asks the cache for ahead of the record it computes: the
+// the rb weight bytes pf ahead of the record p that a tile's product computes, asked of the cache: the
 // hardware's own prefetchers stop at each 4 KiB page, and a one-token step reads every weight
 // once, from memory. Measured on a 2-core Xeon (SmolLM2 Q4_1, one token at 128 cached tokens):
 // 6.3 ms with none, 5.0 at 2 KiB, 4.6 at 3-8 KiB (Qwen2.5-Coder-1.5B: 62.6, 49.3 at 2 KiB, 51.1 at
 // 3 KiB). A prefetch changes no value, and one past the weights' end faults nowhere.
-inline void prefetch_ahead(const uint8_t* p, int64_t rb) {
-  const int64_t pf = g_prefetch_bytes;
+inline void prefetch_ahead(const uint8_t* p, int64_t rb, int64_t pf) {
   if (pf > 0)
     for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + pf + o, 0, 3);
 }
@@ -962,12 +961,13 @@ void int8_tile(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t m0,
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* p = tile;
   const uint8_t* head = nullptr;
+  const int64_t pf = g_prefetch_bytes;
   for (int64_t b = 0; b < NB; ++b) {
     if (k_type(t) && (b & 7) == 0) {
       head = p;
       p += head_bytes(t);
     }
-    prefetch_ahead(p, rec_bytes(t));
+    prefetch_ahead(p, rec_bytes(t), pf);
     __m512i g[8];
     vnni_groups(t, p, g);
     __m512 A, B, A1, B1;
@@ -1058,6 +1058,7 @@ void int8_tile_amx(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t
   const int8_t* x0 = xq.q.data() + m0 * K;
   const uint8_t* p = tile;
   const uint8_t* head = nullptr;
+  const int64_t pf = g_prefetch_bytes;
   for (int64_t c0 = 0; c0 < nb; c0 += AMX_CHUNK) {
     const int n = int(std::min<int64_t>(AMX_CHUNK, nb - c0));
     for (int i = 0; i < n; ++i) {
@@ -1066,7 +1067,7 @@ void int8_tile_amx(int t, const uint8_t* tile, int64_t nb, const XQ& xq, int64_t
         p += head_bytes(t);
       }
       recs[i] = p, heads[i] = head;
-      prefetch_ahead(p, rec_bytes(t));
+      prefetch_ahead(p, rec_bytes(t), pf);
       __m512i g[8];
       vnni_groups(t, p, g);
       for (int j = 0; j < 8; ++j) _mm512_store_si512(wb[i] + 64 * j, g[j]);
@@ -1911,8 +1912,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("threads_used", &threads_used, "how many threads one parallel_for over n units runs on");
   m.def("has_vnni", &has_vnni, "whether the int8 products run AVX-512 VNNI (else plain C++)");
   m.def("has_amx", &has_amx, "whether this build and process can run the int8 products on AMX tiles");
-  m.def("prefetch_bytes", [] { return g_prefetch_bytes; }, "how far ahead (bytes) the int8 products prefetch their weights (0: not)");
-  m.def("set_prefetch_bytes", [](int64_t n) { g_prefetch_bytes = n; }, "prefetch the int8 products' weights n bytes ahead (0: not)");
+  m.def("prefetch_bytes", [] { return g_prefetch_bytes; }, "how far ahead (bytes) the int8 products prefetch their weights (0: not, nor the float32 products their next panel)");
+  m.def("set_prefetch_bytes", [](int64_t n) { g_prefetch_bytes = n; }, "prefetch the int8 products' weights n bytes ahead (0: not, nor the float32 products their next panel)");
   m.def("amx_min_rows", [] { return g_amx_min_rows; }, "inputs of at least this many rows run on AMX (0: never)");
   m.def("set_amx_min_rows", [](int64_t n) { g_amx_min_rows = n; }, "inputs of at least n rows run on AMX (0: never)");
 }
