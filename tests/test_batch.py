@@ -625,6 +625,49 @@ def test_batched_auto_rows_draft_together_where_each_alone_would_not(model, monk
     assert any(len(w) == 4 and w[-1] > 1 for w in widths)
 
 
+@pytest.mark.parametrize("margin", [100.0, 1.0])
+def test_a_batch_no_row_alone_can_draft_in_probes_the_joint_width(model, monkeypatch, margin):
+    """Where no row's block pays at its row price (a plain step's 1/R share, 2.5 ms here, plus
+    the whole widening, 3 ms a token) but blocks pay together (every row drafting), the batch
+    takes plain steps without asking the rows' policies and plans jointly every
+    ``JOINT_PROBE_EVERY``-th round (a probe). A probe drafts only where its width's expected
+    rate is ``JOINT_MARGIN`` times the plain batch's (never at 100: probes only, spaced
+    evenly); one that drafts (at 1) takes every row to the one width, and the next round is
+    planned jointly too. Outputs stay the target's either way."""
+    import adaspec.round as round_mod
+
+    for observer in ("observe", "observe_overhead", "observe_look", "observe_round", "observe_eval"):
+        monkeypatch.setattr(CostModel, observer, lambda self, *a, **kw: None)
+    monkeypatch.setattr(round_mod, "JOINT_MARGIN", margin)
+    engine = _engine(model, "auto")
+    engine.cost_model.curve = flat_cost_curve([0.0025 * (1 + 0.05 * (k - 1)) for k in range(1, 17)])
+    engine.cost_model.round_overhead_s = 0.0
+    prompts = [_prompts(3)[2]] * 4  # copy-friendly: every row has a block
+    ref = SpeculativeEngine(model, []).generate(prompts[0], max_new_tokens=20).token_ids
+    steep = BatchCosts([100, 500], [1, 2, 4, 8], [1, 2, 4, 8],
+                       [[[0.010 + 0.003 * (w - 1) for w in (1, 2, 4, 8)] for _ in range(4)] for _ in range(2)])
+    batch = BatchEngine(engine, max_batch=4, batch_costs=steep)
+    assert not drafting_can_pay(batch.cost_model, 4) and drafting_can_pay(batch.cost_model, 4, joint=True)
+    joint_rounds, widths = [], []
+    real_joint, real_forward = batch.round._joint_plans, batch.states.forward
+    monkeypatch.setattr(batch.round, "_joint_plans", lambda rows, cm, ctxs, margin=None: joint_rounds.append(
+        len(widths)) or real_joint(rows, cm, ctxs, margin))
+    monkeypatch.setattr(batch.states, "forward", lambda inputs: widths.append(sorted(len(x) for x in inputs))
+                        or real_forward(inputs))
+    ids = [batch.add(p, max_new_tokens=20) for p in prompts]
+    out = batch.run()
+    assert all(out[i].token_ids == ref for i in ids)
+    drafted = [i for i, w in enumerate(widths) if w[-1] > 1]
+    assert set(drafted) <= set(joint_rounds)  # plain rounds between probes draft nothing
+    assert all(widths[i] == [widths[i][-1]] * 4 for i in drafted)  # every row to the one width
+    if margin > 10:
+        assert not drafted and len(joint_rounds) >= 2
+        assert joint_rounds[0] == round_mod.JOINT_PROBE_EVERY - 1
+        assert all(b - a == round_mod.JOINT_PROBE_EVERY for a, b in zip(joint_rounds, joint_rounds[1:]))
+    else:
+        assert drafted and all(i + 1 in joint_rounds for i in drafted if i + 1 < len(widths))
+
+
 def test_joint_width_sampling_first_tokens_follow_the_target(soft_model):
     """Chi-square (alpha = 0.001, fixed seeds): sampled ``auto`` rows whose blocks the batch's
     joint width decides (a shared widening, so the rows draft together) emit first tokens

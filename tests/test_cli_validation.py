@@ -85,6 +85,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "--flash-attn"], r"--flash-attn/--no-flash-attn is for --backend llama.cpp"),
         (["serve", "--timeout", "0"], r"--timeout 0.0: must be"),
         (["serve", "--prefix-cache-tokens", "-1"], r"--prefix-cache-tokens -1: must be an integer >= 0"),
+        (["serve", "--prefill-chunk", "0"], r"--prefill-chunk 0: must be an integer >= 1"),
+        (["serve", "--suffix-store-tokens", "-1"], r"--suffix-store-tokens must be >= 0 \(0: off\), got -1"),
+        (["serve", "-d", "suffix", "--suffix-store-tokens", "5"], r"with -d, give -d suffix:learn=true,max_tokens=N"),
         (["serve", "--state-file", f"{missing}/s.json"], r"--state-file .*: the folder .* does not exist"),
         # bench-serve
         (["bench-serve", "--url", "127.0.0.1:8000"], r"give the server's OpenAI base URL"),

@@ -483,6 +483,17 @@ def test_suffix_learn_adds_outputs_via_end_request():
     assert _propose(d, [9, 2, 3]) == 4
 
 
+def test_suffix_learn_keeps_the_tail_of_an_answer_longer_than_the_store():
+    """A learning store never fails the request that ends: an answer longer than the whole store
+    keeps its last ``max_tokens`` tokens (a plain ``add`` of it is an error)."""
+    store = SuffixDatastore(min_match=2, max_tokens=4)
+    d = SuffixDrafter(min_match=2, datastore=store, learn=True)
+    d.end_request([1, 2, 3, 4, 5, 6])
+    assert store.docs == [[3, 4, 5, 6]]
+    with pytest.raises(AdaspecError, match="does not fit a datastore of max_tokens=4"):
+        store.add([1, 2, 3, 4, 5, 6])
+
+
 def test_suffix_learn_through_the_engine(target):
     engine = SpeculativeEngine(target, ["suffix:learn=true"], k=3)
     drafter = engine.drafters[0]

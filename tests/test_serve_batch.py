@@ -268,3 +268,47 @@ def test_served_sampling_follows_the_target_over_three_tokens(max_batch, bug, mo
         exact = exact_distribution(model, prompt, SamplingConfig(**SERVED_SAMPLING), 3)
         assert (exact == 0).any()  # top-p removes tokens: the support is checked too
         check_exact(r, exact, f"served prompt {i}, max_batch {max_batch}", bug)
+
+
+def test_the_default_suffix_drafter_learns_across_batched_requests(model_dir, reference):
+    """``serve_drafters``: every request's suffix drafter (a fork) drafts from one store of the
+    earlier answers, so a repeated request drafts its answer from the first one's (a rounds
+    count a store-less server does not reach), and every answer stays greedy's; 0 tokens: the
+    engine's default drafters, no store."""
+    from adaspec.drafters.suffix import SuffixDrafter
+    from adaspec.engine import default_drafters
+    from adaspec.errors import AdaspecError
+    from adaspec.serve import serve_drafters
+
+    assert serve_drafters("transformers", 0) == list(default_drafters("transformers"))
+    assert "suffix:learn=true,max_tokens=1000" in serve_drafters("transformers", 1000)
+    with pytest.raises(AdaspecError, match="--suffix-store-tokens must be >= 0"):
+        serve_drafters("transformers", -1)
+    prompt, n = "w03 w17 w09 w21 w30 w05", 24
+    want = reference.generate(prompt, GenerationConfig(max_new_tokens=n, chat_template=False)).text
+
+    def serve(store_tokens):
+        specs = [d for d in serve_drafters("transformers", store_tokens) if d.startswith("suffix")]
+        engine = SpeculativeEngine(load_model(model_dir), specs, selector="static", length=4)
+        app = create_app(engine, ServeConfig(model_id=MODEL, selector="static", length=4, k=4, max_batch=4,
+                                             prefill_chunk=3))  # the prompt in pieces
+        assert app.state.server.scheduler._batch.batch.prefill_chunk == 3
+
+        async def main(base):
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                async def ask():
+                    return await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                                    "max_tokens": n, "temperature": 0})
+                first = await asyncio.gather(ask(), ask())  # batched together: neither has learnt yet
+                return [*first, await ask()]
+
+        with serve_in_thread(app) as base:
+            out = [r.json() for r in asyncio.run(main(base))]
+        assert all(o["choices"][0]["text"] == want for o in out)
+        return engine.drafters[0], [o["adaspec"]["rounds"] for o in out]
+
+    drafter, rounds = serve(1000)
+    assert isinstance(drafter, SuffixDrafter) and drafter.learn and len(drafter.datastore.docs) == 3
+    plain, plain_rounds = serve(0)
+    assert plain.datastore is None and plain_rounds[2] == plain_rounds[0]
+    assert rounds[:2] == plain_rounds[:2] and rounds[2] <= n // 5 + 2 < plain_rounds[2]

@@ -59,6 +59,14 @@ from .trees import (DraftTree, PrefixCut, TreeVerdict, calibrated_scores, node_t
 PLAIN = -1
 #: widest block ``drafting_can_pay`` considers (auto's longest draft, 16, plus the last token)
 MAX_WIDTH = 17
+#: plain rounds a batch takes, where no row's block pays at its row price, between two rounds it
+#: plans jointly to see whether the rows' blocks pay together (``Round.plan``)
+JOINT_PROBE_EVERY = 8
+#: such a probe drafts, and the next round is planned jointly too, only where its expected rate
+#: beats the plain batch's by this factor: a drafting batch pays for what the rate leaves out
+#: (its rows' looks and policies, the holes rejected tokens leave in the padded cache: on
+#: SmolLM2, 16 rows of distinct prompts, widths the rate priced at 1.0-1.1x ran at 0.6x)
+JOINT_MARGIN = 1.25
 
 
 class Clock:
@@ -337,11 +345,17 @@ def joint_width(curves: Sequence[Sequence[float]], rows: int, least: int, overhe
     top = max((len(c) for c in curves), default=1)
     best_w, best_rate = least, -1.0
     for w in range(least, max(least, top) + 1):
-        tokens = sum(c[min(w - 1, len(c) - 1)] for c in curves) + (rows - len(curves))
-        rate = tokens / max(rows * overhead + cost(w), 1e-12)
+        rate = joint_rate(curves, rows, w, overhead, cost)
         if rate > best_rate:
             best_w, best_rate = w, rate
     return best_w
+
+
+def joint_rate(curves: Sequence[Sequence[float]], rows: int, width: int, overhead: float,
+               cost: Callable[[int], float]) -> float:
+    """The batch's expected tokens per second at ``width`` (``joint_width``)."""
+    tokens = sum(c[min(width - 1, len(c) - 1)] for c in curves) + (rows - len(curves))
+    return tokens / max(rows * overhead + cost(width), 1e-12)
 
 
 class Round:
@@ -362,6 +376,8 @@ class Round:
         self.tick = time.perf_counter if tick is None else tick
         self.stopwatch, self.policy_s = stopwatch, 0.0
         self.last_width = 0
+        self._joint_open = False  # the last joint probe drafted: plan the next round jointly too
+        self._plain_rounds = 0  # plain rounds since the last joint probe
 
     def _timed(self, call: Callable[[], Any]) -> Any:
         """``call()``, its real seconds added to ``policy_s`` when a stopwatch is set."""
@@ -424,21 +440,34 @@ class Round:
         cost model of rows that share one forward and price their rounds on its batch surface
         (``CostModel.batch``): cost-aware rows then take plain steps without planning where no
         block could pay (``drafting_can_pay``), and ``auto`` rows with free blocks choose the
-        batch's width together (``joint_width``)."""
+        batch's width together (``joint_width``).
+
+        Where no block pays at a row's price but blocks could pay together (every row drafting,
+        ``drafting_can_pay(joint=True)``: a batch of rows that all draft well, such as requests
+        repeating answers a shared suffix store holds), every ``JOINT_PROBE_EVERY``-th round is
+        planned jointly (a probe); it drafts only where its width's expected rate is
+        ``JOINT_MARGIN`` times the plain batch's, and then the next round is planned jointly
+        too, until one is not worth that margin."""
         ctxs = [self.context(row, shared, columns) for row in rows]
         if len(rows) == 1 or batch is None:
             return [self.plan_row(row, ctx=ctx) for row, ctx in zip(rows, ctxs)]
-        if not drafting_can_pay(batch, shared, columns):
-            return [self.plain(row, ctx) if row.parts.prices_rounds else self.plan_row(row, ctx=ctx)
-                    for row, ctx in zip(rows, ctxs)]
-        return self._joint_plans(rows, batch, ctxs)
+        if drafting_can_pay(batch, shared, columns):
+            return self._joint_plans(rows, batch, ctxs)
+        if ((self._joint_open or self._plain_rounds + 1 >= JOINT_PROBE_EVERY)
+                and drafting_can_pay(batch, shared, columns, joint=True)):
+            self._plain_rounds = 0
+            return self._joint_plans(rows, batch, ctxs, margin=JOINT_MARGIN)
+        self._joint_open, self._plain_rounds = False, self._plain_rounds + 1
+        return [self.plain(row, ctx) if row.parts.prices_rounds else self.plan_row(row, ctx=ctx)
+                for row, ctx in zip(rows, ctxs)]
 
     def plain(self, row: Row, ctx: RoundContext = NO_CONTEXT) -> RowPlan:
         """A plain step without asking the row's policies (drafting cannot pay in this batch)."""
         self.begin(row)
         return RowPlan(PLAIN, 0, 0, Draft(), None, 0, PhaseTimes.at(self.clock()), ctx=ctx)
 
-    def _joint_plans(self, rows: Sequence[Row], cm: CostModel, ctxs: Sequence[RoundContext]) -> list[RowPlan]:
+    def _joint_plans(self, rows: Sequence[Row], cm: CostModel, ctxs: Sequence[RoundContext],
+                     margin: float | None = None) -> list[RowPlan]:
         """Every row's plan, the batch's width chosen jointly for the rows that can (``auto``
         with free blocks: ``AutoController.block_curve``).
 
@@ -452,7 +481,9 @@ class Round:
         surface (``BatchCosts.cost``), o the per-row round overhead; W is at least the other
         rows' widest block, and every joint row then drafts up to W - 1 tokens (free: the forward
         is that wide anyway). Joint rows are those whose selector plans jointly and whose length
-        policy follows it (``SelectorCaps.plans_jointly``, ``LengthCaps.follows_selector``)."""
+        policy follows it (``SelectorCaps.plans_jointly``, ``LengthCaps.follows_selector``).
+        ``margin`` (a probe, ``plan``): W stays the least unless its rate is ``margin`` times
+        the rate at the least width; whether it was is kept for the next round's plan."""
         looks: dict[int, tuple[tuple[dict[int, Peek], bool, float, float], list]] = {}
         for r, row in enumerate(rows):
             sel, length = row.parts.selector, row.parts.length
@@ -468,8 +499,14 @@ class Round:
         if curves:
             least = max((p.width for p in plans.values()), default=1)
             columns = ctxs[0].batch_columns
-            width = joint_width([[e for e, _, _ in c] for c in curves.values()], len(rows), least,
-                                cm.round_overhead_s, lambda w: cm.batch.cost(len(rows), w, columns))
+            expected = [[e for e, _, _ in c] for c in curves.values()]
+            cost = lambda w: cm.batch.cost(len(rows), w, columns)  # noqa: E731
+            width = joint_width(expected, len(rows), least, cm.round_overhead_s, cost)
+            if margin is not None:
+                self._joint_open = width > least and (
+                    joint_rate(expected, len(rows), width, cm.round_overhead_s, cost)
+                    >= margin * joint_rate(expected, len(rows), least, cm.round_overhead_s, cost))
+                width = width if self._joint_open else least
             for r in curves:
                 rows[r].parts.selector.commit(width - 1)
                 plans[r] = self.plan_row(rows[r], looks[r][0], ctxs[r])
@@ -829,7 +866,7 @@ class Round:
         return out, ingest
 
 
-def drafting_can_pay(cm: CostModel, rows: int, columns: int = 0) -> bool:
+def drafting_can_pay(cm: CostModel, rows: int, columns: int = 0, joint: bool = False) -> bool:
     """Could any block pay in this batch if every drafted token were accepted: w tokens for
     o + price(w) against one for o + price(1), w up to ``MAX_WIDTH``, on the batch price of a
     row of ``rows`` over ``columns`` cache columns (``CostModel.verify_cost``) with the round
@@ -839,10 +876,14 @@ def drafting_can_pay(cm: CostModel, rows: int, columns: int = 0) -> bool:
 
     This is one row's best case at its row price, stricter than the joint width's (every row
     drafting and accepted: R w tokens for R o + V(R, w)), with which the rows looked and
-    planned where the width seldom paid, and the batch ran slower."""
+    planned where the width seldom paid, and the batch ran slower. ``joint``: that joint best
+    case instead (``Round.plan``'s probes)."""
     if cm.batch is None or rows <= 1:
         return True
-    ctx = RoundContext(rows=rows, batch_columns=columns)
     o = cm.round_overhead_s
+    if joint:
+        together = rows * o + cm.batch.cost(rows, 1, columns)
+        return any(w * together > rows * o + cm.batch.cost(rows, w, columns) for w in range(2, MAX_WIDTH + 1))
+    ctx = RoundContext(rows=rows, batch_columns=columns)
     plain = o + cm.verify_cost(1, ctx)
     return any(w * plain > o + cm.verify_cost(w, ctx) for w in range(2, MAX_WIDTH + 1))

@@ -117,7 +117,8 @@ def generate(
 def serve(
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
     drafter: list[str] = typer.Option([], "--drafter", "-d",
-                                      help=DRAFTER_HELP + " (default: prompt-lookup, suffix, none)"),
+                                      help=DRAFTER_HELP + " (default: prompt-lookup, suffix learning across "
+                                      "requests (--suffix-store-tokens), none)"),
     selector: str | None = typer.Option(None, "--selector", "-s", help="drafter policy (default: "
                                         "auto, which keeps learning across requests)"),
     length: str | None = typer.Option(None, "--length", "-l", help="length policy, or 'static' for a "
@@ -151,6 +152,14 @@ def serve(
     prefix_cache_tokens: int | None = typer.Option(None, help="most tokens the prefix cache keeps, least "
                                                    "recently used dropped first [default: 4096 on "
                                                    "transformers, an eighth of the context on llama.cpp]"),
+    prefill_chunk: int | None = typer.Option(None, help="most prompt tokens prefilled between two rounds of the "
+                                             "running requests: more gives joining requests their first token "
+                                             "sooner, fewer stalls the running ones less; a longer prompt goes "
+                                             "in pieces [default: 256]"),
+    suffix_store_tokens: int | None = typer.Option(
+        None, help="the default suffix drafter drafts from the answers of earlier requests too: the last N answer "
+        "tokens, kept in memory, oldest answers evicted first; 0: each request drafts from its own text "
+        "[default: 131072]; with -d, give suffix:learn=true,max_tokens=N instead"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
@@ -162,11 +171,15 @@ def serve(
     from ..models import load_model
 
     try:
-        from ..serve import DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, default_drafters, run_server
+        from ..serve import DEFAULT_LENGTH, DEFAULT_SELECTOR, SUFFIX_STORE_TOKENS, ServeConfig, run_server, serve_drafters
     except ImportError as exc:
         fail(AdaspecError(f"{exc}: install the server's dependencies with pip install 'adaspec[serve]'"))
     try:
-        drafter = drafter or list(default_drafters(check_backend(backend)))
+        if drafter and suffix_store_tokens is not None:
+            raise AdaspecError("--suffix-store-tokens sets the default drafters' suffix store: with -d, give "
+                               "-d suffix:learn=true,max_tokens=N instead")
+        drafter = drafter or serve_drafters(check_backend(backend), SUFFIX_STORE_TOKENS if suffix_store_tokens is None
+                                            else suffix_store_tokens)
     except AdaspecError as exc:
         fail(exc)
     selector = selector or DEFAULT_SELECTOR
@@ -183,6 +196,8 @@ def serve(
         check_number("--timeout", timeout, low=0.0, low_open=True)
         check_number("--max-tokens", max_tokens, low=1, integer=True)
         check_number("--save-every", save_every, low=1, integer=True)
+        if prefill_chunk is not None:
+            check_number("--prefill-chunk", prefill_chunk, low=1, integer=True)
         if prefix_cache_tokens is not None:
             check_number("--prefix-cache-tokens", prefix_cache_tokens, low=0, integer=True)
         check_number("--grace", grace, low=0.0)
@@ -214,7 +229,8 @@ def serve(
         config = ServeConfig(model_id=served_name or model, selector=selector, length=length, k=k,
                              max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, state_file=state_file,
                              save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace,
-                             prefix_cache=prefix_cache, prefix_cache_tokens=prefix_cache_tokens)
+                             prefix_cache=prefix_cache, prefix_cache_tokens=prefix_cache_tokens,
+                             **({} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}))
     except AdaspecError as exc:
         fail(exc)
     cached = prefix_cache and engine.target.supports_prefix_cache

@@ -374,8 +374,17 @@ class SuffixDrafter(IndexedDrafter):
         return level_candidates(self._top(levels[0][1]) if first is None else first, levels, limit)
 
     def end_request(self, output_ids: Sequence[int]) -> None:
+        """With ``learn``, the answer joins the datastore for later requests (shared by every
+        fork: ``adaspec serve``'s store across requests). An answer longer than the whole
+        store keeps its last ``max_tokens`` tokens, logged: a request never fails for what its
+        drafter learns."""
         if self.learn and self.datastore is not None:
-            self.datastore.add(output_ids)
+            store = self.datastore
+            if len(output_ids) > store.max_tokens:
+                log.info("suffix datastore: an answer of %d tokens keeps its last %d (max_tokens)",
+                         len(output_ids), store.max_tokens)
+                output_ids = output_ids[-store.max_tokens:]
+            store.add(output_ids)
 
     def describe(self) -> str:
         ds = f", datastore={len(self.datastore)} tokens" if self.datastore is not None else ""

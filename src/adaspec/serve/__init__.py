@@ -5,8 +5,8 @@ OpenAI error JSON), scheduler.py (bounded queue and the engine worker), state.py
 and its file), metrics.py (Prometheus), output.py (stop strings and streamed text).
 """
 
-from .app import (DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, ServeConfig, create_app, default_drafters,
-                  run_server)
+from .app import (DEFAULT_DRAFTERS, DEFAULT_LENGTH, DEFAULT_SELECTOR, SUFFIX_STORE_TOKENS, ServeConfig, create_app,
+                  default_drafters, run_server, serve_drafters)
 
-__all__ = ["DEFAULT_DRAFTERS", "DEFAULT_LENGTH", "DEFAULT_SELECTOR", "ServeConfig", "create_app", "default_drafters",
-           "run_server"]
+__all__ = ["DEFAULT_DRAFTERS", "DEFAULT_LENGTH", "DEFAULT_SELECTOR", "SUFFIX_STORE_TOKENS", "ServeConfig", "create_app",
+           "default_drafters", "run_server", "serve_drafters"]

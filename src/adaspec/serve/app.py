@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..batch import DEFAULT_PREFILL_CHUNK
 from ..config import GenerationConfig, SamplingConfig
-from ..engine import DEFAULT_DRAFTERS as ENGINE_DEFAULT_DRAFTERS
 from ..engine import SpeculativeEngine, default_drafters  # noqa: F401 (re-exported by adaspec.serve)
 from ..errors import AdaspecError
 from ..length import build_length
@@ -40,10 +40,30 @@ from .state import LearntState
 
 log = logging.getLogger(__name__)
 
-#: the server's default configuration (``adaspec serve`` without -d/-s/-l) is the engine's:
-#: ``auto`` (global scope: it keeps learning across requests) picks the drafter among the
-#: model-free ones and ``none``, and the length (``None`` length = auto's own)
-DEFAULT_DRAFTERS = ENGINE_DEFAULT_DRAFTERS
+#: tokens of earlier answers the default suffix drafter keeps for later requests
+#: (``adaspec serve --suffix-store-tokens``; ~28 MB of index at this size)
+SUFFIX_STORE_TOKENS = 131_072
+
+
+def serve_drafters(backend: str, store_tokens: int = SUFFIX_STORE_TOKENS) -> list[str]:
+    """The server's default drafters: the engine's (``default_drafters``), its ``suffix``
+    drafter learning from every answer into one datastore all requests share (SuffixDecoding's
+    global tree, Oliaro et al. 2024, as llama-server's n-gram pool across slots): a bounded
+    store of the last ``store_tokens`` answer tokens, oldest answers evicted first
+    (``SuffixDatastore``), in memory only (answers are never written to disk). ``store_tokens``
+    0: each request drafts from its own text alone. Drafting never changes an answer (every
+    draft is verified), so the store only changes speed."""
+    if store_tokens < 0:
+        raise AdaspecError(f"--suffix-store-tokens must be >= 0 (0: off), got {store_tokens}")
+    return [f"suffix:learn=true,max_tokens={store_tokens}" if d == "suffix" and store_tokens else d
+            for d in default_drafters(backend)]
+
+
+#: the server's default configuration (``adaspec serve`` without -d/-s/-l) is the engine's
+#: with the suffix drafter learning across requests (``serve_drafters``): ``auto`` (global
+#: scope: it keeps learning across requests) picks the drafter among the model-free ones and
+#: ``none``, and the length (``None`` length = auto's own)
+DEFAULT_DRAFTERS = tuple(serve_drafters("transformers"))
 DEFAULT_SELECTOR = SELECTION_DEFAULT
 DEFAULT_LENGTH: str | None = None
 
@@ -67,6 +87,7 @@ class ServeConfig:
     max_batch: int = 1  # requests decoded together (continuous batching; 1: one at a time)
     prefix_cache: bool = True  # a request starts from the last one's shared prefix, where the backend can
     prefix_cache_tokens: int | None = None  # the prefix cache's size (None: the backend's default)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens prefilled between two rounds (``BatchEngine``)
 
 
 class Server:
@@ -86,7 +107,7 @@ class Server:
         self.state = LearntState(shared=engine.cost_model, fingerprint={
             "model": target_fingerprint(engine.target), "drafters": names})
         self.executor = BatchExecutor(engine, self.state, self.metrics, config.timeout_s, config.max_batch,
-                                      on_commit=self._maybe_save)
+                                      on_commit=self._maybe_save, prefill_chunk=config.prefill_chunk)
         self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics)
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batch import BatchEngine, BatchEvent
+from ..batch import DEFAULT_PREFILL_CHUNK, BatchEngine, BatchEvent
 from ..config import GenerationConfig
 from ..engine import SpeculativeEngine
 from ..errors import AdaspecError
@@ -149,10 +149,11 @@ class BatchExecutor:
     A cancelled or late job is dropped by its request id before the next round."""
 
     def __init__(self, engine: SpeculativeEngine, state: LearntState, metrics: ServerMetrics,
-                 timeout_s: float, max_batch: int = 1, on_commit: Callable[[], None] | None = None):
+                 timeout_s: float, max_batch: int = 1, on_commit: Callable[[], None] | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.engine, self.state, self.metrics = engine, state, metrics
         self.timeout_s, self.on_commit = timeout_s, on_commit
-        self.batch = BatchEngine(engine, max_batch=max_batch)
+        self.batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.live: dict[int, _Live] = {}
 
     @property
@@ -244,7 +245,7 @@ class BatchExecutor:
             self._commit(live.job.plan, live.learners, None)
             live.job.emit(Failed(error))
         self.live.clear()
-        self.batch = BatchEngine(self.engine, max_batch=self.batch.max_batch)
+        self.batch = BatchEngine(self.engine, max_batch=self.batch.max_batch, prefill_chunk=self.batch.prefill_chunk)
         return jobs
 
     def run(self, job: Job) -> str:
