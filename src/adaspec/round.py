@@ -484,6 +484,8 @@ class Round:
         policy follows it (``SelectorCaps.plans_jointly``, ``LengthCaps.follows_selector``).
         ``margin`` (a probe, ``plan``): W stays the least unless its rate is ``margin`` times
         the rate at the least width; whether it was is kept for the next round's plan."""
+        if margin is not None:
+            self._joint_open = False  # kept open only by a width worth the margin (below)
         looks: dict[int, tuple[tuple[dict[int, Peek], bool, float, float], list]] = {}
         for r, row in enumerate(rows):
             sel, length = row.parts.selector, row.parts.length
