@@ -453,11 +453,13 @@ class Round:
             return [self.plan_row(row, ctx=ctx) for row, ctx in zip(rows, ctxs)]
         if drafting_can_pay(batch, shared, columns):
             return self._joint_plans(rows, batch, ctxs)
-        if ((self._joint_open or self._plain_rounds + 1 >= JOINT_PROBE_EVERY)
-                and drafting_can_pay(batch, shared, columns, joint=True)):
+        if self._joint_open or self._plain_rounds + 1 >= JOINT_PROBE_EVERY:  # a probe is due
             self._plain_rounds = 0
-            return self._joint_plans(rows, batch, ctxs, margin=JOINT_MARGIN)
-        self._joint_open, self._plain_rounds = False, self._plain_rounds + 1
+            if drafting_can_pay(batch, shared, columns, joint=True):
+                return self._joint_plans(rows, batch, ctxs, margin=JOINT_MARGIN)
+        else:
+            self._plain_rounds += 1
+        self._joint_open = False
         return [self.plain(row, ctx) if row.parts.prices_rounds else self.plan_row(row, ctx=ctx)
                 for row, ctx in zip(rows, ctxs)]
 

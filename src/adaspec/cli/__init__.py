@@ -167,6 +167,7 @@ def serve(
 
     from ..artifacts import cache_dir
     from ..backends import check_backend
+    from ..batch import DEFAULT_PREFILL_CHUNK
     from ..engine import SpeculativeEngine
     from ..models import load_model
 
@@ -178,8 +179,8 @@ def serve(
         if drafter and suffix_store_tokens is not None:
             raise AdaspecError("--suffix-store-tokens sets the default drafters' suffix store: with -d, give "
                                "-d suffix:learn=true,max_tokens=N instead")
-        drafter = drafter or serve_drafters(check_backend(backend), SUFFIX_STORE_TOKENS if suffix_store_tokens is None
-                                            else suffix_store_tokens)
+        store = SUFFIX_STORE_TOKENS if suffix_store_tokens is None else suffix_store_tokens
+        drafter = drafter or serve_drafters(check_backend(backend), store)
     except AdaspecError as exc:
         fail(exc)
     selector = selector or DEFAULT_SELECTOR
@@ -230,7 +231,7 @@ def serve(
                              max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, state_file=state_file,
                              save_every=save_every, default_max_tokens=max_tokens, shutdown_grace_s=grace,
                              prefix_cache=prefix_cache, prefix_cache_tokens=prefix_cache_tokens,
-                             **({} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}))
+                             prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK)
     except AdaspecError as exc:
         fail(exc)
     cached = prefix_cache and engine.target.supports_prefix_cache
