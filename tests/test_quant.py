@@ -573,6 +573,51 @@ def test_padded_rows_rounds_equal_each_row_alone_bit_for_bit(tiny_pair):
     assert checked > 40 and rows.compactions > 0
 
 
+def test_padded_rows_keep_their_buffers_and_never_write_the_prefix_cache(tiny_pair):
+    """On the quantized target's spare-capacity cache: a prompt restored from the prefix cache
+    reads the kept KV in place (no copy) and never writes it; joining rows are stacked into
+    buffers with room, so the next forwards write in place (no copy of the batch cache); a row
+    leaving moves the others down within the same buffers; and every row's KV stays what it
+    holds alone."""
+    from adaspec.models import as_loaded
+
+    target = as_loaded(tiny_pair[1])
+    prompts = [list(range(3, 20)), list(range(5, 30)), list(range(4, 12))]
+    alone = []
+    for p in prompts:  # each prompt's own state, prefilled without the prefix cache
+        alone.append(target.new_state())
+        target.prefill(alone[-1], p + [0])
+    target.prefix_cache = True
+    try:
+        for p in prompts:
+            target.prefill(target.new_state(), p + [0])
+        store = {tuple(t): kv for t, kv in target._prefixes._entries}
+        before = {t: [x.clone() for pair in kv for x in pair] for t, kv in store.items()}
+        rows = target.new_rows()
+        with torch.inference_mode():
+            for p in prompts:
+                state = target.new_state()
+                assert target.prefill(state, p + [0]) == len(p)
+                assert state.layers[0].keys.data_ptr() == store[tuple(p)][0][0].data_ptr()  # lent
+                rows.join(state, len(p))
+            buffers = None
+            for step, leaving in enumerate([[], [], [1], []]):
+                inputs = [[7 + r] for r in range(len(alone))]
+                logits = rows.forward(inputs)
+                for r, (state, ids) in enumerate(zip(alone, inputs)):
+                    assert torch.equal(logits[r, :1], target.forward(state, ids, keep=1)[0]), (step, r)
+                    rows.keep(r, 1)
+                ptrs = [layer.keys.data_ptr() for layer in rows._cache.layers]
+                assert buffers is None or ptrs == buffers, step  # written in place, a leave included
+                buffers = ptrs
+                rows.end_round(leaving)
+                alone = [s for r, s in enumerate(alone) if r not in leaving]
+        for t, kv in store.items():
+            assert all(torch.equal(a, b) for a, b in zip(before[t], [x for pair in kv for x in pair])), t
+    finally:
+        target.prefix_cache = False
+
+
 def test_a_prompt_gets_the_same_kv_however_it_is_fed(tiny_pair, monkeypatch):
     """With the default prefill (``PREFILL_GEMM = "kernel"``: the decoding kernels), a prompt
     prefilled whole, in the batch engine's pieces (``prefill_piece``) at any split, or after a

@@ -31,6 +31,7 @@ dequantized for that call; verify blocks and batches never take it, whatever the
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -426,6 +427,39 @@ def spare_capacity_layer_class() -> type:
             vb[..., length:length + n, :].copy_(value_states)
             return self.advance(n)
 
+        def hold(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
+            """Take buffers ``[B, heads, capacity, D]`` whose first ``length`` positions are the
+            cache (the batch engine's merged rows): the next forwards write into their room."""
+            if not self.is_initialized:
+                self.lazy_initialization(kbuf, vbuf)
+            self._kbuf, self._vbuf = kbuf, vbuf
+            self.keys, self.values = kbuf[..., :length, :], vbuf[..., :length, :]
+
+        def lend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Read ``keys`` / ``values`` (another owner's, e.g. the prefix cache's) without a copy:
+            they are never written, since the next update copies them into a buffer of its own."""
+            if not self.is_initialized:
+                self.lazy_initialization(keys, values)
+            self._kbuf = self._vbuf = None
+            self.keys, self.values = keys, values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the rows ``indices`` (increasing), moved down within the buffers: a copy of
+            the rows behind the first dropped one, and the room kept (transformers' own selects
+            into new tensors, which the next forward copies again)."""
+            keep = indices.tolist()
+            if not self._in_buffer(0) or keep != sorted(keep):
+                self._kbuf = self._vbuf = None
+                super().batch_select_indices(indices)
+                return
+            length = self.keys.shape[-2]
+            for i, j in enumerate(keep):  # j >= i: a source row is read before it is overwritten
+                if i != j:
+                    self._kbuf[i].copy_(self._kbuf[j])
+                    self._vbuf[i].copy_(self._vbuf[j])
+            self._kbuf, self._vbuf = self._kbuf[:len(keep)], self._vbuf[:len(keep)]
+            self.keys, self.values = self._kbuf[..., :length, :], self._vbuf[..., :length, :]
+
         def reset(self) -> None:
             self._kbuf = self._vbuf = None
             super().reset()
@@ -445,9 +479,24 @@ def spare_capacity_cache(config: Any) -> Any:
 
     if _layer_class is None:
         _layer_class = spare_capacity_layer_class()
-    cache = DynamicCache(config=config)
-    cache.layers = [_layer_class() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    plan = _cache_plans.get(id(config))
+    if plan is None or plan[0] is not config:  # reading the config's layer types costs ~1 ms a cache
+        template = DynamicCache(config=config)
+        plan = (config, [None if type(layer) is DynamicLayer else layer for layer in template.layers])
+        _cache_plans[id(config)] = plan
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None  # as DynamicCache(config=...) leaves it: every layer is there
+    cache.layers = [_layer_class() if layer is None else copy.deepcopy(layer) for layer in plan[1]]
     return cache
+
+
+#: per model config (by id, the config kept to check it): its cache's layers, None for a full-attention one
+_cache_plans: dict[int, tuple[Any, list[Any]]] = {}
+
+
+def is_spare_capacity(layer: Any) -> bool:
+    """Whether ``layer`` is a ``SpareCapacityLayer`` (``hold``, ``lend``)."""
+    return _layer_class is not None and type(layer) is _layer_class
 
 
 # -- fused decoder steps ---------------------------------------------------------------------------------

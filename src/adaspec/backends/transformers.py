@@ -24,8 +24,8 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import GQA_ATTENTION, linear_mode, release_own_openmp_threads, small_rows_mode
-from ..quant import (FIXED_ORDER_ATTENTION, FusedStack, extension, prefill_scope, quantized_of, spare_capacity_cache,
-                     weights_mode)
+from ..quant import (FIXED_ORDER_ATTENTION, KV_GROWTH, FusedStack, extension, is_spare_capacity, prefill_scope,
+                     quantized_of, spare_capacity_cache, weights_mode)
 from ..trees import DraftTree, tree_attention_mask
 from .base import RowStates, TargetBackend, shared_prefix
 
@@ -233,8 +233,11 @@ class LoadedModel(TargetBackend):
         reused, at = (self._prefixes.longest(todo, len(todo)) if self.prefix_cache and self.state_length(state) == 0
                       else (0, -1))
         if reused:
-            for i, (k, v) in enumerate(self._prefixes.take(at, reused)):
-                state.update(k, v, i)
+            for layer, (k, v) in zip(state.layers, self._prefixes.take(at, reused)):
+                if is_spare_capacity(layer):  # read in place until the next forward copies it
+                    layer.lend(k, v)
+                else:
+                    layer.update(k, v)
         if len(todo) > reused:
             with prefill_scope():
                 self.forward(state, todo[reused:], keep=1)
@@ -419,8 +422,13 @@ class PaddedRows(RowStates):
             parts = [_kv(mine, b, t, ref)] + [_kv(layer, 1, length, ref) for layer, (_, length) in zip(theirs, pending)]
             if not mine.is_initialized:
                 mine.lazy_initialization(ref.keys, ref.values)
-            mine.keys = _stack_left_padded([k for k, _ in parts], width)
-            mine.values = _stack_left_padded([v for _, v in parts], width)
+            if is_spare_capacity(mine):  # stacked into buffers with room: the next forward writes in place
+                cap = width + max(KV_GROWTH, width // 2)
+                mine.hold(_stack_left_padded([k for k, _ in parts], width, cap),
+                          _stack_left_padded([v for _, v in parts], width, cap), width)
+            else:
+                mine.keys = _stack_left_padded([k for k, _ in parts], width)
+                mine.values = _stack_left_padded([v for _, v in parts], width)
         rows = [_left_pad(self._valid, width)]
         for _, length in pending:
             row_valid = torch.zeros(1, width, dtype=torch.bool)
@@ -561,17 +569,18 @@ def _kv(layer: Any, rows: int, length: int, ref: Any) -> tuple[torch.Tensor, tor
     return z, z.clone()
 
 
-def _stack_left_padded(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+def _stack_left_padded(parts: Sequence[torch.Tensor], width: int, capacity: int | None = None) -> torch.Tensor:
     """KV parts [rows_i, heads, L_i, D] stacked along rows, each left-padded with zeros to
-    ``width`` columns, in one allocation and one copy of each part."""
+    ``width`` columns, in one allocation (of ``capacity`` columns, ``width`` by default, those past
+    ``width`` left as they are) and one copy of each part."""
     first = parts[0]
-    out = first.new_empty((sum(p.shape[0] for p in parts), first.shape[1], width, first.shape[3]))
+    out = first.new_empty((sum(p.shape[0] for p in parts), first.shape[1], capacity or width, first.shape[3]))
     r = 0
     for part in parts:
         n, length = part.shape[0], part.shape[2]
         if length < width:
             out[r:r + n, :, :width - length].zero_()
-        out[r:r + n, :, width - length:].copy_(part)
+        out[r:r + n, :, width - length:width].copy_(part)
         r += n
     return out
 
