@@ -391,6 +391,48 @@ def test_cached_surface_reads_without_measuring(tmp_path, monkeypatch):
     assert found is not None and found.seconds == measured.seconds and found.key == measured.key
 
 
+def test_a_measurement_another_process_holds_is_waited_for_and_read(tmp_path, caplog):
+    """While another process holds a measurement's lock (two servers started together), a
+    second caller waits, says so, and reads what the first wrote instead of timing forwards on
+    the cores the first is timing on; with no lock held it measures at once (the control)."""
+    import json
+    import threading
+
+    from filelock import FileLock
+
+    from adaspec.artifacts import cached_measurement
+
+    @dataclasses.dataclass
+    class Found:
+        value: int
+        key: str = ""
+
+        def to_dict(self):
+            return {"value": self.value}
+
+    parse = lambda d: Found(d["value"])  # noqa: E731
+    measured = []
+    path = tmp_path / "costs" / "grid.json"
+    path.parent.mkdir()
+    held = FileLock(f"{path}.lock")
+    held.acquire()  # the first process, measuring
+    out = []
+    waiter = threading.Thread(target=lambda: out.append(cached_measurement(
+        path, "k", parse, lambda: measured.append(1) or Found(2), "grid", shown=True)))
+    with caplog.at_level("WARNING", logger="adaspec.artifacts"):
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not measured  # waiting, not timing
+        path.write_text(json.dumps({"value": 1}))
+        held.release()
+        waiter.join(10)
+    assert out[0].value == 1 and out[0].key == "k" and not measured
+    assert "waiting for another process" in caplog.text
+    other = tmp_path / "costs" / "other.json"  # control: nobody holds its lock
+    assert cached_measurement(other, "k", parse, lambda: Found(3), "grid", shown=True).value == 3
+    assert json.loads(other.read_text()) == {"value": 3}
+
+
 def test_surface_row_equals_cost_at_every_width_and_context():
     """``row`` (every width at once, for the policies' per-round pricing) is ``cost`` exactly."""
     s = VerifyCostSurface([32, 256, 1024], [1, 2, 4, 8], [[1.0, 1.5, 1.3, 2.0], [1.2, 1.9, 1.6, 2.4],

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from .errors import ConfigError, ModelLoadError, UnknownNameError
 
 log = logging.getLogger(__name__)
@@ -31,27 +33,58 @@ def cache_dir() -> Path:
 def cached_measurement(path: Path, key: str, parse: Callable[[dict], Any], measure: Callable[[], Any], what: str,
             refresh: bool = False, shown: bool = False) -> Any:
     """A measurement (with a ``key`` attribute: cost grids, kernel plans) read from ``path``, or
-    measured and written there when the file is missing, unreadable or ``refresh``; an unwritable cache is not fatal. A
-    measurement no progress display shows (``shown``) is announced in the log: a library call
-    that times forwards for a minute or two must say why it is slow."""
-    if path.is_file() and not refresh:
-        try:
-            found = parse(json.loads(path.read_text()))
-            found.key = key
-            return found
-        except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
-            log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
-    if not shown:
-        log.warning("measuring the %s of this model on this machine%s (seconds to a few minutes); "
-                    "cached in %s for later runs", what, " again" if refresh else ", once", path)
-    fresh = measure()
-    fresh.key = key
+    measured and written there when the file is missing, unreadable or ``refresh``; an unwritable
+    cache is not fatal. A measurement no progress display shows (``shown``) is announced in the
+    log: a library call that times forwards for a minute or two must say why it is slow.
+
+    Measuring holds a lock file beside ``path`` (``filelock``): two processes started together
+    (two servers on one machine) would otherwise time their forwards on shared cores and both
+    cache prices up to twice the machine's; the second waits, says so, and reads the first's
+    result. The file is replaced whole (a temporary file renamed), so no reader sees half of it."""
+    found = None if refresh else _read_measurement(path, key, parse, what)
+    if found is not None:
+        return found
+    lock = FileLock(f"{path}.lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fresh.to_dict()))
-    except OSError as exc:
-        log.warning("could not cache the %s in %s: %s", what, path, exc)
-    return fresh
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.warning("waiting for another process measuring the %s into %s", what, path)
+            lock.acquire()
+    except OSError as exc:  # an unwritable cache: measure unlocked, as before
+        log.warning("could not lock the %s cache %s: %s", what, path, exc)
+    try:
+        if not refresh and (found := _read_measurement(path, key, parse, what)) is not None:
+            return found  # measured by another process since the first read
+        if not shown:
+            log.warning("measuring the %s of this model on this machine%s (seconds to a few minutes); "
+                        "cached in %s for later runs", what, " again" if refresh else ", once", path)
+        fresh = measure()
+        fresh.key = key
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(fresh.to_dict()))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not cache the %s in %s: %s", what, path, exc)
+        return fresh
+    finally:
+        if lock.is_locked:
+            lock.release()
+
+
+def _read_measurement(path: Path, key: str, parse: Callable[[dict], Any], what: str) -> Any:
+    """The measurement cached at ``path``, or None when there is none or it is unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        found = parse(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+        log.warning("ignoring unreadable %s cache %s: %s", what, path, exc)
+        return None
+    found.key = key
+    return found
 
 
 @dataclass(frozen=True)
