@@ -62,11 +62,12 @@ def cached_measurement(path: Path, key: str, parse: Callable[[dict], Any], measu
                         "cached in %s for later runs", what, " again" if refresh else ", once", path)
         fresh = measure()
         fresh.key = key
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(fresh.to_dict()))
             os.replace(tmp, path)
         except OSError as exc:
+            tmp.unlink(missing_ok=True)
             log.warning("could not cache the %s in %s: %s", what, path, exc)
         return fresh
     finally:

@@ -453,8 +453,9 @@ class Round:
         joined together) is planned plain for those cost-aware rows: a joint width pays for the
         batch's tokens per second, but every joining row would wait for its wide forward for
         its first token (SmolLM2, 16 requests at once with the suffix store's answers: the
-        first token at 465-607 ms after a joint forward, 184-297 ms after a plain one). The
-        next round drafts. A request joining a running batch alone is planned as usual."""
+        first token at 465-607 ms after a joint forward, 184-297 ms after a plain one). It
+        counts as a plain round for the probes; the next round plans as below. A request
+        joining a running batch alone is planned as usual."""
         ctxs = [self.context(row, shared, columns) for row in rows]
         if len(rows) == 1 or batch is None:
             return [self.plan_row(row, ctx=ctx) for row, ctx in zip(rows, ctxs)]
