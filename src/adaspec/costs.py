@@ -228,8 +228,13 @@ class VerifyCostSurface:
     def denoised(self, tol: float = NOISE_DIP) -> VerifyCostSurface:
         """The surface with each context's row fitted by ``monotone_within_noise``: what the
         engine's policies price (``SpeculativeEngine._attach_costs``); reports and
-        ``adaspec costs`` show the measured one."""
-        return replace(self, seconds=[monotone_within_noise(r, tol) for r in self.seconds])
+        ``adaspec costs`` show the measured one. Computed once per ``tol`` (a server prices each
+        request's policies on it; the surface, like its interpolation tables, is not changed
+        after it is made)."""
+        memo = self.__dict__.setdefault("_denoised", {})
+        if tol not in memo:
+            memo[tol] = replace(self, seconds=[monotone_within_noise(r, tol) for r in self.seconds])
+        return memo[tol]
 
     def cliffs(self, context: int) -> list[int]:
         """Widths in a cost cliff at this context (``VerifyCostCurve.cliffs``)."""

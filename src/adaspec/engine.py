@@ -236,9 +236,10 @@ class SpeculativeEngine:
             return list(tok(text, add_special_tokens=False)["input_ids"])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise PromptError("a token-id prompt must be a list of ints")
-        bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+        vocab = self.target.vocab_size  # once: a backend may look it up on the model
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return prompt
 
     def _need_tokenizer(self) -> Any:

@@ -7,6 +7,7 @@ and metrics registry (no module-level state); ``run_server`` serves it with uvic
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -391,13 +392,30 @@ def create_app(engine: SpeculativeEngine, config: ServeConfig) -> FastAPI:
     return app
 
 
+def freeze_startup_heap() -> int:
+    """Move every object alive now (after the model loaded) out of the cyclic garbage
+    collector's generations (``gc.freeze``), after one last collection; returns how many are
+    frozen. Why: a loaded model leaves ~450,000 long-lived Python objects (torch, transformers,
+    the tokenizer), and each full collection walked them all: 226-247 ms on an EPYC (Zen 4),
+    on whichever thread allocated at that moment (the event loop or the engine), about twice in
+    30 s of a 16-client burst load (the suffix store's answers keep adding survivors). Every
+    stream stalled that long; a burst's first tokens then came after 360-400 ms instead of
+    ~120. Frozen, a full collection takes 5-9 ms and only walks what serving made. The frozen
+    objects are never freed, which is what a model's lifetime objects are anyway."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def run_server(engine: SpeculativeEngine, config: ServeConfig, host: str = "127.0.0.1",
                port: int = 8000, log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM: stop accepting, let in-flight requests finish (up to the
-    grace period), save the learnt state, return (exit code 0)."""
+    grace period), save the learnt state, return (exit code 0). The process's startup heap is
+    frozen first (``freeze_startup_heap``)."""
     import uvicorn
 
     app = create_app(engine, config)
+    freeze_startup_heap()
     uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                        timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5))
     # uvicorn re-raises the signal it handled once it has shut down cleanly; with the default
