@@ -312,3 +312,51 @@ def test_the_default_suffix_drafter_learns_across_batched_requests(model_dir, re
     plain, plain_rounds = serve(0)
     assert plain.datastore is None and plain_rounds[2] == plain_rounds[0]
     assert rounds[:2] == plain_rounds[:2] and rounds[2] <= n // 5 + 2 < plain_rounds[2]
+
+
+@pytest.mark.parametrize("gather_s", [5.0, 0.0])
+def test_a_starting_batch_waits_for_requests_being_read(model_dir, gather_s):
+    """A batch with no first token yet waits (up to ``gather_s``) for a request a handler is still
+    reading: the two start in one round. The control, ``gather_s=0``: the first request steps
+    alone while the second is read."""
+    import time
+
+    from adaspec.serve.scheduler import Scheduler
+
+    engine = SpeculativeEngine(load_model(model_dir), ["prompt-lookup"])
+    executor = BatchExecutor(engine, LearntState(engine.cost_model), ServerMetrics(), timeout_s=60, max_batch=4)
+    first_rounds: list[int] = []
+    step = executor.step
+
+    def spy():
+        if not first_rounds:
+            first_rounds.append(len(executor.live))
+        return step()
+
+    executor.step = spy
+    scheduler = Scheduler(executor, max_queue=8, metrics=ServerMetrics(), gather_s=gather_s)
+    loop = asyncio.new_event_loop()
+    ids = engine.encode_prompt(TEXT, chat_template=False)
+
+    def job():
+        return Job(Plan(ids, GenerationConfig(max_new_tokens=6), [0], "round-robin", 2, 2, "text"), loop,
+                   deadline=1e18)
+
+    a, b = job(), job()
+    scheduler.start()
+    try:
+        with scheduler.incoming():  # b is being read while a is queued
+            scheduler.submit(a)
+            time.sleep(0.3)
+            assert first_rounds == ([] if gather_s else [1])
+            scheduler.submit(b)
+        for j in (a, b):
+            got = []
+            while not any(isinstance(e, Finished) for e in got):
+                loop.run_until_complete(asyncio.sleep(0.01))
+                while not j.events.empty():
+                    got.append(j.events.get_nowait())
+    finally:
+        scheduler.stop(10)
+        loop.close()
+    assert first_rounds == ([2] if gather_s else [1])

@@ -35,7 +35,7 @@ from ..selection import build_selector
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (MAX_STOP_STRINGS, MAX_TEMPERATURE, APIError, ChatRequest, CompletionRequest, AdaspecOptions,
                        bad_request, chunk_body, completion_body, new_id, parse_body, usage)
-from .scheduler import (BatchExecutor, Delta, Event, Failed, Finished, Job, Plan, QueueFull,
+from .scheduler import (GATHER_S, BatchExecutor, Delta, Event, Failed, Finished, Job, Plan, QueueFull,
                         Scheduler, timeout_error)
 from .state import LearntState
 
@@ -89,6 +89,7 @@ class ServeConfig:
     prefix_cache: bool = True  # a request starts from the last one's shared prefix, where the backend can
     prefix_cache_tokens: int | None = None  # the prefix cache's size (None: the backend's default)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens prefilled between two rounds (``BatchEngine``)
+    gather_s: float = GATHER_S  # how long a starting batch waits for requests still being read (``Scheduler``)
 
 
 class Server:
@@ -109,7 +110,7 @@ class Server:
             "model": target_fingerprint(engine.target), "drafters": names})
         self.executor = BatchExecutor(engine, self.state, self.metrics, config.timeout_s, config.max_batch,
                                       on_commit=self._maybe_save, prefill_chunk=config.prefill_chunk)
-        self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics)
+        self.scheduler = Scheduler(self.executor, config.max_queue, self.metrics, config.gather_s)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @asynccontextmanager
@@ -225,11 +226,16 @@ class Server:
                                 sampling=SamplingConfig(temperature, 0, top_p, req.seed))
 
     # -- serving ------------------------------------------------------------------------------
-    async def complete(self, request: Request, req: ChatRequest | CompletionRequest, kind: Kind) -> Response:
+    async def complete(self, request: Request, body: type[ChatRequest] | type[CompletionRequest],
+                       kind: Kind) -> Response:
+        """Read, check and queue the request (inside ``Scheduler.incoming``: a batch that is
+        starting waits for it), then answer it from its job's events."""
         try:
-            plan = self.plan(req, kind)
-            job = Job(plan, asyncio.get_running_loop(), deadline=time.monotonic() + self.config.timeout_s)
-            self.scheduler.submit(job)
+            with self.scheduler.incoming():
+                req = parse_body(await request.body(), body)
+                plan = self.plan(req, kind)
+                job = Job(plan, asyncio.get_running_loop(), deadline=time.monotonic() + self.config.timeout_s)
+                self.scheduler.submit(job)
         except QueueFull as full:
             self.metrics.requests.labels(kind, "rejected").inc()
             raise APIError(429, f"{full}: the server queues at most {self.config.max_queue} requests",
@@ -370,11 +376,11 @@ def create_app(engine: SpeculativeEngine, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await server.complete(request, parse_body(await request.body(), ChatRequest), "chat")
+        return await server.complete(request, ChatRequest, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await server.complete(request, parse_body(await request.body(), CompletionRequest), "text")
+        return await server.complete(request, CompletionRequest, "text")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -7,6 +7,9 @@ decode together on a ``BatchEngine`` (continuous batching: a job joins when a ro
 leaves when it ends), which sends ``Delta`` / ``Finished`` / ``Failed`` events back to each job's
 asyncio queue. Cancellation (client gone) and the deadline are checked before every round and
 act by request id, so a cancelled job stops within one round and a queued one is skipped.
+A batch that is starting (no row has its first token yet) waits, up to ``GATHER_S``, for the
+requests the handlers are still reading (``Scheduler.incoming``): a burst then starts in one
+round instead of its first request's round followed by everyone else's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +36,9 @@ from .protocol import FINISH_REASONS, APIError
 from .state import ConfigKey, LearntState
 
 log = logging.getLogger(__name__)
+
+#: the longest a starting batch waits for requests still being read (``Scheduler.incoming``)
+GATHER_S = 0.03
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,11 @@ class BatchExecutor:
         """Jobs that can be admitted now."""
         return self.batch.max_batch - len(self.batch)
 
+    @property
+    def starting(self) -> bool:
+        """Whether no live job has its first token yet (a batch forming, not one running)."""
+        return all(live.first is None for live in self.live.values())
+
     def admit(self, job: Job) -> str | None:
         plan = job.plan
         queue_s = time.monotonic() - job.arrived
@@ -264,8 +276,11 @@ class Scheduler:
     """A bounded FIFO of jobs in front of one worker thread that runs ``execute``. A job whose
     client leaves while it waits is taken out of the queue at once (its place is free)."""
 
-    def __init__(self, executor: BatchExecutor, max_queue: int, metrics: ServerMetrics):
+    def __init__(self, executor: BatchExecutor, max_queue: int, metrics: ServerMetrics,
+                 gather_s: float = GATHER_S):
         self._batch = executor
+        self._gather_s = gather_s
+        self._incoming = 0  # requests the handlers are reading (``incoming``)
         self._max = max_queue
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -287,6 +302,19 @@ class Scheduler:
         release_openmp_threads()
         self._thread = threading.Thread(target=self._work, name="adaspec-engine", daemon=True)
         self._thread.start()
+
+    @contextmanager
+    def incoming(self) -> Iterator[None]:
+        """Around a handler's reading, checking and ``submit`` of one request: while any is
+        inside, a starting batch waits for it (up to ``gather_s``) before its first round."""
+        with self._cond:
+            self._incoming += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._incoming -= 1
+                self._cond.notify_all()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; raises ``QueueFull`` when the bound is reached."""
@@ -333,9 +361,15 @@ class Scheduler:
                     self._cond.wait()
                 if not self._jobs and not ex.live:
                     return
-                admitted = []
-                while self._jobs and ex.room > 0:
-                    admitted.append(self._jobs.popleft())
+                admitted = self._take(ex)
+                if self._incoming and ex.room > len(admitted) and ex.starting:
+                    end = time.monotonic() + self._gather_s
+                    while self._incoming and ex.room > len(admitted) and not self._stop:
+                        left = end - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                        admitted += self._take(ex, len(admitted))
                 self._metrics.queue_length.set(len(self._jobs))
             ended: list[tuple[Job, str]] = []
             try:
@@ -357,6 +391,13 @@ class Scheduler:
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.arrived)
             self.running = len(ex.live)
             self._metrics.running.set(self.running)
+
+    def _take(self, ex: BatchExecutor, taken: int = 0) -> list[Job]:
+        """Queued jobs for the rows free beyond the ``taken`` ones (the lock held)."""
+        jobs = []
+        while self._jobs and ex.room > taken + len(jobs):
+            jobs.append(self._jobs.popleft())
+        return jobs
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new jobs, end queued ones with 503, let the running one finish, join."""
