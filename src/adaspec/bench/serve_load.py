@@ -17,7 +17,8 @@ and the command exits with code 1; it never stops on a traceback.
 Several servers in one run (``--url`` and ``--llama-server`` are repeatable; every launched
 server is started first and stopped at the end): ``--repeats R`` passes, each running every
 server through every level in turn, so a slow minute of the machine hits all of them; a level's
-tokens/s is its median over passes and its latency percentiles pool every pass's requests, and
+tokens/s is its median over passes and its latency percentiles pool every pass's requests (after
+an unmeasured warm-up burst at the highest concurrency, ``warm_up``), and
 a steadiness line gives the spread of the passes' tokens/s around their medians. Every request's
 text is kept (``--json`` / ``--out``), and the greedy texts are compared per server against its
 own texts at the lowest concurrency (batching must not change a greedy answer), and between
@@ -262,11 +263,22 @@ def server_model(url: str) -> str:
                           "pass its --url, or let bench-serve start llama-server (--llama-server)") from None
 
 
-def warm_up(url: str, model: str, prompt: BenchPrompt) -> None:
-    """One short request; ``ConfigError`` with the server's message when it fails."""
-    warm = asyncio.run(run_level(url, model, [prompt], 1, 1, 8))
+def warm_up(url: str, model: str, prompts: Sequence[BenchPrompt], concurrency: int = 1) -> None:
+    """One short request (``ConfigError`` with the server's message when it fails), then, where
+    ``concurrency`` > 1, one unmeasured burst of that many short requests over ``prompts``: a
+    server's first batch that wide pays one-time costs (buffers made, code run the first time)
+    that are not its steady speed. Without it the first measured pass's 16-client burst got its
+    first tokens after 350 ms on adaspec (173-195 ms in the later passes) and 2.0-2.1 s on
+    llama-server (133-178 ms later; SmolLM2, EPYC Zen 4). A failed request of the burst is
+    reported, not fatal: the measured levels report their own."""
+    warm = asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))
     if warm.failures:
         raise ConfigError(f"the warm-up request to {url} failed: {warm.failures[0].message}")
+    if concurrency > 1:
+        burst = asyncio.run(run_level(url, model, prompts, concurrency, concurrency, 8))
+        if burst.failures:
+            typer.echo(f"warm-up burst at {url}: {len(burst.failures)} of {concurrency} requests failed (not "
+                       f"measured): {burst.failures[0].message}", err=True)
 
 
 @dataclass
@@ -436,9 +448,10 @@ def _launch_llama_servers(stack: Any, launched: Sequence[str], names: Sequence[s
 
 def _measure(servers: Sequence[ServerRuns], prompts: Sequence[Any], concurrency: Sequence[int], requests: int,
              max_tokens: int, repeats: int) -> None:
-    """Warm every server, then ``repeats`` passes: every server through every level, in turn."""
+    """Warm every server (``warm_up``: a request, then a burst at the highest concurrency), then
+    ``repeats`` passes: every server through every level, in turn."""
     for srv in servers:
-        warm_up(srv.url, srv.model, prompts[0])
+        warm_up(srv.url, srv.model, prompts, max(concurrency))
     for rep in range(repeats):
         for srv in servers:
             levels = []
