@@ -687,6 +687,9 @@ def test_engine_policies_price_the_denoised_surface(tmp_path, monkeypatch):
     assert fitted[0] == pytest.approx([0.975, 0.975, 1.2, 0.6]) and fitted[1] == pytest.approx([1.0, 1.015, 1.015, 1.1])
     assert eng.cost_model.surface.cliffs(32) == [1, 2, 3]  # the 50% drop to 4 tokens stays a cliff
     assert fitted[1] == sorted(fitted[1])  # the 7% dip at 256 is pooled as noise
+    view = eng.with_policies([0], length="cost-model")  # a server's request: the same fit, not made again
+    assert view.cost_model.surface is eng.cost_model.surface
+    assert noisy.denoised() is noisy.denoised() and noisy.denoised(0.5) is not noisy.denoised()
 
 
 @pytest.mark.parametrize("repeats", [2, 3])

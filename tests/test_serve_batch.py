@@ -21,7 +21,7 @@ from adaspec.engine import SpeculativeEngine
 from adaspec.models import load_model
 from adaspec.serve import ServeConfig, create_app
 from adaspec.serve.metrics import ServerMetrics
-from adaspec.serve.scheduler import BatchExecutor, Delta, Finished, Job, Plan
+from adaspec.serve.scheduler import BatchExecutor, Delta, Failed, Finished, Job, Plan
 from adaspec.serve.state import LearntState
 
 
@@ -350,9 +350,11 @@ def test_a_starting_batch_waits_for_requests_being_read(model_dir, gather_s):
             time.sleep(0.3)
             assert first_rounds == ([] if gather_s else [1])
             scheduler.submit(b)
+        give_up = time.monotonic() + 60
         for j in (a, b):
             got = []
             while not any(isinstance(e, Finished) for e in got):
+                assert time.monotonic() < give_up and not any(isinstance(e, Failed) for e in got), got
                 loop.run_until_complete(asyncio.sleep(0.01))
                 while not j.events.empty():
                     got.append(j.events.get_nowait())
