@@ -362,14 +362,11 @@ class Scheduler:
                 if not self._jobs and not ex.live:
                     return
                 admitted = self._take(ex)
-                if self._incoming and ex.room > len(admitted) and ex.starting:
-                    end = time.monotonic() + self._gather_s
-                    while self._incoming and ex.room > len(admitted) and not self._stop:
-                        left = end - time.monotonic()
-                        if left <= 0:
-                            break
-                        self._cond.wait(left)
-                        admitted += self._take(ex, len(admitted))
+                end = time.monotonic() + self._gather_s
+                while (self._incoming and ex.room > len(admitted) and ex.starting and not self._stop
+                       and (left := end - time.monotonic()) > 0):
+                    self._cond.wait(left)
+                    admitted += self._take(ex, len(admitted))
                 self._metrics.queue_length.set(len(self._jobs))
             ended: list[tuple[Job, str]] = []
             try:
